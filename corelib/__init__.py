@@ -1,0 +1,22 @@
+"""corelib: LLM logits to sampled tokens, one contract on every accelerator."""
+
+__version__ = "0.1.0"
+
+from .batch import SamplingBatch, StepState
+from .hookspecs import hookimpl, hookspec
+from .params import SamplingParams
+from .registry import (
+    Availability,
+    BackendSpec,
+    BackendStatus,
+    BackendUnavailableError,
+    available_backends,
+    get_sampler,
+)
+from .sampler import Logprobs, Sampler, SamplerOutput
+
+__all__ = [
+    "Availability", "BackendSpec", "BackendStatus", "BackendUnavailableError", "Logprobs",
+    "Sampler", "SamplerOutput", "SamplingBatch", "SamplingParams", "StepState",
+    "available_backends", "get_sampler", "hookimpl", "hookspec", "__version__",
+]

@@ -1,0 +1,626 @@
+"""Batch state for continuous batching: one logits row per (request, child).
+
+The host keeps the bookkeeping (which request owns which row, its parameters, how many tokens
+each row has generated); the device keeps every per-row tensor a stage reads. Adding a request
+writes only its own rows; removing one moves the last rows into the freed places (as vLLM's
+input batch does), so no operation rebuilds every row, and ``append`` updates running counts
+instead of re-reading histories.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterable, Optional, Sequence
+
+import torch
+
+from .noise import split_seed
+from .params import SamplingParams
+
+LOGPROBS_MODES = ("raw", "processed")
+_MIN_CAPACITY = 8
+
+
+@dataclass
+class _Request:
+    request_id: str
+    params: SamplingParams
+    rows: list[int]
+
+
+@dataclass
+class StepState:
+    """What one ``sample`` call reads: per-row tensors (first dimension = rows) and host flags.
+
+    The flags say which optional stages any row uses; a backend that prefers a fixed graph
+    (TPU) may ignore them, since every tensor holds neutral values for rows that do not use
+    a stage. Optional tensors are None exactly when their flag is False.
+    """
+
+    num_rows: int
+    vocab_size: int
+    logprobs_mode: str
+    # float32 [B]
+    temperature: torch.Tensor
+    top_p: torch.Tensor
+    min_p: torch.Tensor
+    repetition_penalty: torch.Tensor
+    frequency_penalty: torch.Tensor
+    presence_penalty: torch.Tensor
+    # int32 [B]
+    top_k: torch.Tensor          # 0 = off
+    seed_lo: torch.Tensor
+    seed_hi: torch.Tensor
+    child: torch.Tensor
+    position: torch.Tensor       # tokens generated so far by the row
+    min_tokens: torch.Tensor
+    # bool [B]
+    seeded: torch.Tensor
+    greedy: torch.Tensor
+    # optional stage state
+    prompt_mask: Optional[torch.Tensor] = None     # bool [B, V]
+    output_counts: Optional[torch.Tensor] = None   # int32 [B, V]
+    allowed_mask: Optional[torch.Tensor] = None    # bool [B, V]
+    bias_ids: Optional[torch.Tensor] = None        # int64 [B, L], padding id 0 value 0
+    bias_values: Optional[torch.Tensor] = None     # float32 [B, L]
+    stop_ids: Optional[torch.Tensor] = None        # int64 [B, S], padding id 0
+    stop_valid: Optional[torch.Tensor] = None      # bool [B, S]
+    bad_prefix: Optional[torch.Tensor] = None      # int64 [B, W, P] right-aligned, -2 = any
+    bad_last: Optional[torch.Tensor] = None        # int64 [B, W], padding 0
+    bad_valid: Optional[torch.Tensor] = None       # bool [B, W]
+    recent: Optional[torch.Tensor] = None          # int64 [B, P] last P generated, -1 = none
+    # host flags
+    any_greedy: bool = False
+    all_greedy: bool = False
+    any_random: bool = True
+    any_seeded: bool = False
+    any_unseeded: bool = True
+    any_top_k: bool = False
+    any_top_p: bool = False
+    any_min_p: bool = False
+    any_temperature: bool = False
+    any_penalties: bool = False
+    any_allowed: bool = False
+    any_bias: bool = False
+    any_min_tokens: bool = False
+    any_bad_words: bool = False
+    num_logprobs: Optional[int] = None  # N = largest `logprobs` asked for, None if none asks
+
+
+# Per-row scalar tensors: name -> (dtype, neutral value used for padding rows).
+_SCALARS: dict[str, tuple[torch.dtype, float]] = {
+    "temperature": (torch.float32, 1.0),
+    "top_p": (torch.float32, 1.0),
+    "min_p": (torch.float32, 0.0),
+    "repetition_penalty": (torch.float32, 1.0),
+    "frequency_penalty": (torch.float32, 0.0),
+    "presence_penalty": (torch.float32, 0.0),
+    "top_k": (torch.int32, 0),
+    "seed_lo": (torch.int32, 0),
+    "seed_hi": (torch.int32, 0),
+    "child": (torch.int32, 0),
+    "position": (torch.int32, 0),
+    "min_tokens": (torch.int32, 0),
+    "seeded": (torch.bool, False),
+    "greedy": (torch.bool, False),
+}
+
+
+class SamplingBatch:
+    """The rows of one running batch and their device state (see the module docstring).
+
+    Create it with ``sampler.new_batch(vocab_size, eos_token_id=None, logprobs_mode="raw")``.
+    """
+
+    def __init__(self, vocab_size: int, device: torch.device | str = "cpu",
+                 eos_token_id: Optional[int] = None, logprobs_mode: str = "raw"):
+        if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 1:
+            raise ValueError(f"vocab_size must be a positive int, got {vocab_size!r}")
+        if logprobs_mode not in LOGPROBS_MODES:
+            raise ValueError(f"logprobs_mode must be one of {LOGPROBS_MODES}, got {logprobs_mode!r}")
+        if eos_token_id is not None and (
+            isinstance(eos_token_id, bool) or not isinstance(eos_token_id, int)
+            or not 0 <= eos_token_id < vocab_size
+        ):
+            raise ValueError(
+                f"eos_token_id must be an int in [0, vocab_size={vocab_size}), got {eos_token_id!r}"
+            )
+        self.vocab_size = vocab_size
+        self.device = torch.device(device)
+        self.eos_token_id = eos_token_id
+        self.logprobs_mode = logprobs_mode
+        self._requests: dict[str, _Request] = {}
+        self._row_keys: list[tuple[str, int]] = []
+        self._row_params: list[SamplingParams] = []
+        self._generated: list[int] = []
+        self._capacity = 0
+        self._tensors: dict[str, torch.Tensor] = {}
+        self._request_index: Optional[torch.Tensor] = None
+        self._flags: Optional[dict] = None
+        self._min_rows: Optional[list[int]] = None
+        self._ensure_capacity(_MIN_CAPACITY)
+
+    # ------------------------------------------------------------------ public views
+    @property
+    def rows(self) -> list[tuple[str, int]]:
+        """``[(request_id, child_index), ...]``, one per logits row, in row order."""
+        return list(self._row_keys)
+
+    @property
+    def num_rows(self) -> int:
+        return len(self._row_keys)
+
+    @property
+    def num_requests(self) -> int:
+        return len(self._requests)
+
+    @property
+    def request_ids(self) -> list[str]:
+        """Requests in the order of per-request logits rows (``[num_requests, V]``).
+
+        Ordered by each request's first row, so with n = 1 everywhere it equals row order.
+        """
+        return sorted(self._requests, key=lambda rid: min(self._requests[rid].rows))
+
+    def __len__(self) -> int:
+        return len(self._row_keys)
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self._requests
+
+    def params_of(self, request_id: str) -> SamplingParams:
+        return self._lookup(request_id).params
+
+    def rows_of(self, request_id: str) -> list[int]:
+        return list(self._lookup(request_id).rows)
+
+    def generated_counts(self) -> list[int]:
+        """Tokens generated so far, per row (host mirror of the device positions)."""
+        return list(self._generated)
+
+    # ------------------------------------------------------------------ add / remove
+    def add(self, request_id: str, params: SamplingParams,
+            prompt_token_ids: Sequence[int] = (),
+            output_token_ids: Optional[Sequence[int] | Sequence[Sequence[int]]] = None) -> list[int]:
+        """Add a request as ``params.n`` rows; returns their row indices (child order).
+
+        ``output_token_ids`` resumes a request that already generated tokens: one list for
+        n = 1, or one list per child. Raises ValueError naming the request on any bad id.
+        """
+        if not isinstance(request_id, str) or not request_id:
+            raise TypeError(f"request_id must be a non-empty str, got {request_id!r}")
+        if request_id in self._requests:
+            raise ValueError(f"request {request_id!r} is already in the batch")
+        if not isinstance(params, SamplingParams):
+            raise TypeError(
+                f"params of request {request_id!r} must be corelib.SamplingParams, "
+                f"got {type(params).__name__}"
+            )
+        prompt = self._check_ids(request_id, "prompt_token_ids", prompt_token_ids)
+        outputs = self._split_outputs(request_id, params.n, output_token_ids)
+        top = params.max_token_id()
+        if top is not None and top >= self.vocab_size:
+            raise ValueError(
+                f"request {request_id!r}: token id {top} in its parameters is out of range "
+                f"for vocab_size={self.vocab_size}"
+            )
+
+        first = len(self._row_keys)
+        rows = list(range(first, first + params.n))
+        self._ensure_capacity(first + params.n)
+        self._allocate_optional_state(params)
+        self._write_rows(rows, params, prompt, outputs)
+
+        self._requests[request_id] = _Request(request_id, params, rows)
+        for child, out in enumerate(outputs):
+            self._row_keys.append((request_id, child))
+            self._row_params.append(params)
+            self._generated.append(len(out))
+        self._changed()
+        return rows
+
+    def remove(self, request_id: str) -> None:
+        """Drop a request's rows; the last rows move into the freed places."""
+        request = self._lookup(request_id)
+        holes = sorted(request.rows)
+        del self._requests[request_id]
+        hole_set = set(holes)
+        last = len(self._row_keys)
+        keep_tail = [r for r in range(last - len(holes), last) if r not in hole_set]
+        targets = [h for h in holes if h < last - len(holes)]
+        # Each surviving tail row fills one hole below the new end.
+        if targets:
+            src = torch.tensor(keep_tail, dtype=torch.long)
+            dst = torch.tensor(targets, dtype=torch.long)
+            self._move_rows(src, dst)
+            for s, d in zip(keep_tail, targets):
+                self._row_keys[d] = self._row_keys[s]
+                self._row_params[d] = self._row_params[s]
+                self._generated[d] = self._generated[s]
+                rid, child = self._row_keys[d]
+                self._requests[rid].rows[child] = d
+        new_len = last - len(holes)
+        freed = list(range(new_len, last))
+        del self._row_keys[new_len:]
+        del self._row_params[new_len:]
+        del self._generated[new_len:]
+        self._reset_rows(freed)
+        self._changed()
+
+    def clear(self) -> None:
+        for request_id in list(self._requests):
+            self.remove(request_id)
+
+    # ------------------------------------------------------------------ append
+    def append(self, token_ids: torch.Tensor | Sequence[int]) -> None:
+        """Record one generated token per row (``[num_rows]`` ints, any device).
+
+        Updates positions, running output counts and the recent-token window; never reads
+        the history. Ids outside ``[0, vocab_size)`` (such as the -1 of a flagged row) raise
+        when they can be checked without waiting on the device (a list or a CPU tensor);
+        on an accelerator they are counted nowhere and only advance the position.
+        """
+        n = len(self._row_keys)
+        ids = torch.as_tensor(token_ids)
+        if ids.dim() != 1 or ids.shape[0] != n:
+            raise ValueError(
+                f"append needs one token id per row: expected shape [{n}], got {list(ids.shape)}"
+            )
+        if ids.dtype.is_floating_point or ids.dtype == torch.bool or ids.is_complex():
+            raise TypeError(f"append needs integer token ids, got dtype {ids.dtype}")
+        if n == 0:
+            return
+        if ids.device.type == "cpu":
+            bad = ((ids < 0) | (ids >= self.vocab_size)).nonzero()
+            if bad.numel():
+                row = int(bad[0, 0])
+                raise ValueError(
+                    f"append: token id {int(ids[row])} for row {row} (request "
+                    f"{self._row_keys[row][0]!r}) is out of range for vocab_size={self.vocab_size}"
+                )
+        ids = ids.to(self.device, torch.long, non_blocking=True)
+        in_range = (ids >= 0) & (ids < self.vocab_size)
+        safe = torch.where(in_range, ids, torch.zeros_like(ids))
+        t = self._tensors
+        t["position"][:n] += 1
+        if "output_counts" in t:
+            t["output_counts"][:n].scatter_add_(1, safe[:, None], in_range[:, None].to(torch.int32))
+        if "recent" in t and t["recent"].shape[1] > 0:
+            recent = t["recent"][:n]
+            recent.copy_(torch.cat([recent[:, 1:], torch.where(in_range, ids, -1)[:, None]], dim=1))
+        for i in range(n):
+            self._generated[i] += 1
+
+    # ------------------------------------------------------------------ step state
+    def step_state(self, num_rows: Optional[int] = None) -> StepState:
+        """The tensors and flags of the first ``num_rows`` rows (default: all rows).
+
+        A backend that pads batches (TPU buckets) may ask for more rows than exist: rows past
+        ``len(batch)`` hold neutral values (they exist up to the capacity, which grows to fit).
+        """
+        n = len(self._row_keys) if num_rows is None else num_rows
+        if n > self._capacity:
+            self._ensure_capacity(n)
+        t = {name: tensor[:n] for name, tensor in self._tensors.items() if name in _STATE_FIELDS}
+        if self._flags is None:
+            self._flags = self._compute_flags()
+        min_tokens_pending = any(
+            self._generated[row] < self._row_params[row].min_tokens for row in self._min_token_rows()
+        )
+        return StepState(
+            num_rows=n,
+            vocab_size=self.vocab_size,
+            logprobs_mode=self.logprobs_mode,
+            any_min_tokens=min_tokens_pending,
+            **self._flags,
+            **t,
+        )
+
+    def _compute_flags(self) -> dict:
+        """Host flags that change only when requests join or leave."""
+        params = self._row_params
+        random = [p for p in params if not p.is_greedy]
+        logprobs = [p.logprobs for p in params if p.logprobs is not None]
+        return dict(
+            any_greedy=len(random) < len(params),
+            all_greedy=bool(params) and not random,
+            any_random=bool(random),
+            any_seeded=any(p.seed is not None for p in random),
+            any_unseeded=any(p.seed is None for p in random),
+            any_top_k=any(p.effective_top_k > 0 for p in random),
+            any_top_p=any(p.top_p < 1.0 for p in random),
+            any_min_p=any(p.min_p > 0.0 for p in random),
+            any_temperature=any(p.temperature != 1.0 for p in random),
+            any_penalties=any(p.uses_penalties for p in params),
+            any_allowed=any(p.allowed_token_ids is not None for p in params),
+            any_bias=any(p.logit_bias for p in params),
+            any_bad_words=any(p.bad_words for p in params),
+            num_logprobs=max(logprobs) if logprobs else None,
+        )
+
+    def _min_token_rows(self) -> list[int]:
+        if self._min_rows is None:
+            self._min_rows = [r for r, p in enumerate(self._row_params) if p.min_tokens > 0]
+        return self._min_rows
+
+    def check_logits(self, logits: torch.Tensor) -> None:
+        """Raise a clear error when logits cannot be sampled for this batch."""
+        if not isinstance(logits, torch.Tensor):
+            raise TypeError(f"logits must be a torch.Tensor, got {type(logits).__name__}")
+        if not logits.dtype.is_floating_point:
+            raise TypeError(
+                f"logits must be a floating-point tensor (float32, float16, bfloat16, float64), "
+                f"got {logits.dtype}"
+            )
+        if logits.dim() != 2:
+            raise ValueError(f"logits must be 2-D [rows, vocab], got shape {list(logits.shape)}")
+        rows, vocab = logits.shape
+        if vocab != self.vocab_size:
+            raise ValueError(
+                f"logits have vocab size {vocab} but the batch was created with "
+                f"vocab_size={self.vocab_size}"
+            )
+        if rows not in (self.num_rows, self.num_requests):
+            raise ValueError(
+                f"logits have {rows} rows; the batch has {self.num_rows} rows "
+                f"({self.num_requests} requests): pass one row per batch row, or one per request"
+            )
+        if logits.device.type != self.device.type:
+            raise ValueError(
+                f"logits are on {logits.device} but this batch lives on {self.device}"
+            )
+
+    # ------------------------------------------------------------------ internals
+    def _changed(self) -> None:
+        self._request_index = None
+        self._flags = None
+        self._min_rows = None
+
+    def _lookup(self, request_id: str) -> _Request:
+        try:
+            return self._requests[request_id]
+        except KeyError:
+            raise KeyError(f"request {request_id!r} is not in the batch") from None
+
+    def _check_ids(self, request_id: str, what: str, ids) -> list[int]:
+        if isinstance(ids, torch.Tensor):
+            ids = ids.tolist()
+        ids = list(ids)
+        for t in ids:
+            if isinstance(t, bool) or not isinstance(t, int):
+                raise TypeError(f"request {request_id!r}: {what} must hold ints, got {t!r}")
+            if not 0 <= t < self.vocab_size:
+                raise ValueError(
+                    f"request {request_id!r}: {what} holds token id {t}, out of range for "
+                    f"vocab_size={self.vocab_size}"
+                )
+        return ids
+
+    def _split_outputs(self, request_id, n, output_token_ids) -> list[list[int]]:
+        if output_token_ids is None:
+            return [[] for _ in range(n)]
+        if isinstance(output_token_ids, torch.Tensor):
+            output_token_ids = output_token_ids.tolist()
+        items = list(output_token_ids)
+        nested = bool(items) and all(isinstance(x, (list, tuple)) for x in items)
+        if n == 1 and not nested:
+            return [self._check_ids(request_id, "output_token_ids", items)]
+        if not nested or len(items) != n:
+            raise ValueError(
+                f"request {request_id!r}: output_token_ids needs one list per child "
+                f"(n={n}), got {len(items)} items"
+            )
+        return [self._check_ids(request_id, f"output_token_ids[{c}]", x) for c, x in enumerate(items)]
+
+    def _ensure_capacity(self, rows: int) -> None:
+        if rows <= self._capacity:
+            return
+        capacity = max(_MIN_CAPACITY, self._capacity)
+        while capacity < rows:
+            capacity *= 2
+        for name, (dtype, neutral) in _SCALARS.items():
+            self._grow(name, capacity, lambda c: torch.full((c,), neutral, dtype=dtype, device=self.device))
+        for name, tensor in list(self._tensors.items()):
+            if name in _SCALARS:
+                continue
+            self._grow(name, capacity, lambda c, t=tensor: torch.full(
+                (c, *t.shape[1:]), _OPTIONAL_NEUTRAL[name], dtype=t.dtype, device=self.device))
+        self._capacity = capacity
+
+    def _grow(self, name, capacity, make):
+        fresh = make(capacity)
+        old = self._tensors.get(name)
+        if old is not None:
+            fresh[: old.shape[0]] = old
+        self._tensors[name] = fresh
+
+    def _new_optional(self, name: str, width: int, dtype: torch.dtype, *extra: int) -> torch.Tensor:
+        tensor = torch.full((self._capacity, width, *extra), _OPTIONAL_NEUTRAL[name],
+                            dtype=dtype, device=self.device)
+        self._tensors[name] = tensor
+        return tensor
+
+    def _widen(self, name: str, width: int, dim: int = 1) -> None:
+        """Grow dimension ``dim`` of an optional padded tensor to at least ``width``."""
+        old = self._tensors[name]
+        if old.shape[dim] >= width:
+            return
+        shape = list(old.shape)
+        shape[dim] = max(width, 2 * old.shape[dim])
+        fresh = torch.full(shape, _OPTIONAL_NEUTRAL[name], dtype=old.dtype, device=self.device)
+        if name in _RIGHT_ALIGNED:
+            fresh.narrow(dim, shape[dim] - old.shape[dim], old.shape[dim]).copy_(old)
+        else:
+            fresh.narrow(dim, 0, old.shape[dim]).copy_(old)
+        self._tensors[name] = fresh
+
+    def _allocate_optional_state(self, params: SamplingParams) -> None:
+        """Create (or widen) the optional tensors this request needs."""
+        V, t = self.vocab_size, self._tensors
+        if params.uses_penalties and "output_counts" not in t:
+            self._new_optional("prompt_mask", V, torch.bool)
+            # Rows added before this point start counting now: they do not use penalties
+            # (parameters never change), so their counts are never read.
+            self._new_optional("output_counts", V, torch.int32)
+        if params.allowed_token_ids is not None and "allowed_mask" not in t:
+            self._new_optional("allowed_mask", V, torch.bool)
+        if params.logit_bias:
+            width = len(params.logit_bias)
+            if "bias_ids" not in t:
+                self._new_optional("bias_ids", width, torch.long)
+                self._new_optional("bias_values", width, torch.float32)
+            self._widen("bias_ids", width)
+            self._widen("bias_values", width)
+        if params.min_tokens > 0:
+            width = len(set(params.stop_token_ids) | self._eos_set())
+            width = max(width, 1)
+            if "stop_ids" not in t:
+                self._new_optional("stop_ids", width, torch.long)
+                self._new_optional("stop_valid", width, torch.bool)
+            self._widen("stop_ids", width)
+            self._widen("stop_valid", width)
+        if params.bad_words:
+            words = len(params.bad_words)
+            prefix = max(len(w) for w in params.bad_words) - 1
+            if "bad_last" not in t:
+                self._new_optional("bad_last", words, torch.long)
+                self._new_optional("bad_valid", words, torch.bool)
+                self._new_optional("bad_prefix", words, torch.long, max(prefix, 1))
+                # Rows without bad words never read the window, so it may start empty.
+                self._new_optional("recent", max(prefix, 1), torch.long)
+            self._widen("bad_last", words)
+            self._widen("bad_valid", words)
+            self._widen("bad_prefix", words)
+            if prefix > self._tensors["recent"].shape[1]:
+                self._widen("bad_prefix", prefix, dim=2)
+                # Older rows' words are shorter than the old window: their prefixes are
+                # padded with wildcards on the left, so the new empty slots are never read.
+                self._widen("recent", prefix)
+
+    def _eos_set(self) -> set[int]:
+        return set() if self.eos_token_id is None else {self.eos_token_id}
+
+    def _write_rows(self, rows: list[int], params: SamplingParams, prompt: list[int],
+                    outputs: list[list[int]]) -> None:
+        n = len(rows)
+        sl = slice(rows[0], rows[0] + n)
+        t, dev = self._tensors, self.device
+        seed_lo, seed_hi = split_seed(params.seed) if params.seed is not None else (0, 0)
+        scalar_values = {
+            "temperature": params.temperature,
+            "top_p": params.top_p,
+            "min_p": params.min_p,
+            "repetition_penalty": params.repetition_penalty,
+            "frequency_penalty": params.frequency_penalty,
+            "presence_penalty": params.presence_penalty,
+            "top_k": params.effective_top_k,
+            "seed_lo": seed_lo,
+            "seed_hi": seed_hi,
+            "min_tokens": params.min_tokens,
+            "seeded": params.seed is not None,
+            "greedy": params.is_greedy,
+        }
+        for name, value in scalar_values.items():
+            t[name][sl] = value
+        t["child"][sl] = torch.arange(n, dtype=torch.int32, device=dev)
+        t["position"][sl] = torch.tensor([len(o) for o in outputs], dtype=torch.int32, device=dev)
+
+        V = self.vocab_size
+        if "output_counts" in t:
+            # The prompt's state is computed once per request and copied to each child.
+            prompt_mask = torch.zeros(V, dtype=torch.bool, device=dev)
+            if prompt:
+                prompt_mask[torch.tensor(prompt, dtype=torch.long, device=dev)] = True
+            t["prompt_mask"][sl] = prompt_mask
+            counts = torch.zeros((n, V), dtype=torch.int32, device=dev)
+            for c, out in enumerate(outputs):
+                if out:
+                    counts[c] = torch.bincount(torch.tensor(out, dtype=torch.long), minlength=V).to(dev, torch.int32)
+            t["output_counts"][sl] = counts
+        if "allowed_mask" in t:
+            if params.allowed_token_ids is None:
+                t["allowed_mask"][sl] = True
+            else:
+                allowed = torch.zeros(V, dtype=torch.bool, device=dev)
+                allowed[torch.tensor(params.allowed_token_ids, dtype=torch.long, device=dev)] = True
+                t["allowed_mask"][sl] = allowed
+        if "bias_ids" in t:
+            width = t["bias_ids"].shape[1]
+            ids = torch.zeros(width, dtype=torch.long)
+            vals = torch.zeros(width, dtype=torch.float32)
+            for i, (token, bias) in enumerate(sorted(params.logit_bias.items())):
+                ids[i], vals[i] = token, bias
+            t["bias_ids"][sl] = ids.to(dev)
+            t["bias_values"][sl] = vals.to(dev)
+        if "stop_ids" in t:
+            width = t["stop_ids"].shape[1]
+            ids = torch.zeros(width, dtype=torch.long)
+            valid = torch.zeros(width, dtype=torch.bool)
+            if params.min_tokens > 0:
+                stops = sorted(set(params.stop_token_ids) | self._eos_set())
+                ids[: len(stops)] = torch.tensor(stops, dtype=torch.long)
+                valid[: len(stops)] = True
+            t["stop_ids"][sl] = ids.to(dev)
+            t["stop_valid"][sl] = valid.to(dev)
+        if "bad_last" in t:
+            words, width = t["bad_prefix"].shape[1:]
+            last = torch.zeros(words, dtype=torch.long)
+            valid = torch.zeros(words, dtype=torch.bool)
+            prefix = torch.full((words, width), _OPTIONAL_NEUTRAL["bad_prefix"], dtype=torch.long)
+            for i, word in enumerate(params.bad_words):
+                last[i], valid[i] = word[-1], True
+                if len(word) > 1:
+                    prefix[i, width - (len(word) - 1):] = torch.tensor(word[:-1], dtype=torch.long)
+            t["bad_last"][sl] = last.to(dev)
+            t["bad_valid"][sl] = valid.to(dev)
+            t["bad_prefix"][sl] = prefix.to(dev)
+            recent = torch.full((n, t["recent"].shape[1]), -1, dtype=torch.long)
+            for c, out in enumerate(outputs):
+                tail = out[-recent.shape[1]:]
+                if tail:
+                    recent[c, recent.shape[1] - len(tail):] = torch.tensor(tail, dtype=torch.long)
+            t["recent"][sl] = recent.to(dev)
+
+    def _move_rows(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        for tensor in self._tensors.values():
+            s, d = src.to(tensor.device), dst.to(tensor.device)
+            tensor.index_copy_(0, d, tensor.index_select(0, s))
+
+    def _reset_rows(self, rows: list[int]) -> None:
+        if not rows:
+            return
+        sl = slice(rows[0], rows[-1] + 1)
+        for name, tensor in self._tensors.items():
+            neutral = _SCALARS[name][1] if name in _SCALARS else _OPTIONAL_NEUTRAL[name]
+            tensor[sl] = neutral
+
+    def request_index(self, num_rows: Optional[int] = None) -> torch.Tensor:
+        """int64 ``[num_rows]``: each row's place in ``request_ids`` (padding rows: 0).
+
+        Used to expand per-request logits to rows; cached until a request joins or leaves.
+        """
+        n = len(self._row_keys) if num_rows is None else num_rows
+        if self._request_index is None or self._request_index.shape[0] != n:
+            order = {rid: i for i, rid in enumerate(self.request_ids)}
+            index = [order[rid] for rid, _ in self._row_keys]
+            index += [0] * (n - len(index))
+            self._request_index = torch.tensor(index, dtype=torch.long, device=self.device)
+        return self._request_index
+
+
+# Neutral (padding) values of the optional tensors: inert for every stage.
+_OPTIONAL_NEUTRAL = {
+    "prompt_mask": False,
+    "output_counts": 0,
+    "allowed_mask": True,
+    "bias_ids": 0,
+    "bias_values": 0.0,
+    "stop_ids": 0,
+    "stop_valid": False,
+    "bad_prefix": -2,   # wildcard: a shorter word's prefix is padded on the left with it
+    "bad_last": 0,
+    "bad_valid": False,
+    "recent": -1,
+}
+_RIGHT_ALIGNED = {"bad_prefix", "recent"}
+_STATE_FIELDS = set(_SCALARS) | set(_OPTIONAL_NEUTRAL)

@@ -1,0 +1,28 @@
+"""The pluggy hooks a corelib plugin implements (cold path only: discovery and description).
+
+A plugin is a distribution with an entry point in the group ``corelib.plugins`` whose target
+(a module or object) holds ``@corelib.hookimpl`` functions named below. Per-step work never
+goes through pluggy: the chosen backend's sampler methods are called directly.
+"""
+
+from __future__ import annotations
+
+import pluggy
+
+PROJECT = "corelib"
+ENTRY_POINT_GROUP = "corelib.plugins"
+
+hookspec = pluggy.HookspecMarker(PROJECT)
+hookimpl = pluggy.HookimplMarker(PROJECT)
+
+
+@hookspec
+def corelib_backends():
+    """Describe the backends this plugin provides.
+
+    Called once per plugin when the registry first loads plugins. Must be cheap and must not
+    import the plugin's heavy runtime (torch-xla, flashinfer, ...): probing and creating the
+    sampler happen later, through the returned descriptions.
+
+    :return: a list of :class:`corelib.BackendSpec` (or a single one).
+    """

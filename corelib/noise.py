@@ -1,0 +1,73 @@
+"""The contract's seeded noise: a counter-based hash of (seed, child, position, token id).
+
+Every backend must reproduce these functions bit for bit (``docs/seeded-draw.md`` gives the
+exact recipe). They use only 32-bit integer multiply, xor, add and shift, which wrap the same
+way on CPUs, GPUs and TPUs; torch's ``>>`` on int32 is arithmetic, so every right shift is
+followed by a mask that clears the sign-extended bits.
+"""
+
+from __future__ import annotations
+
+import torch
+
+# Multipliers of the "lowbias32" integer finaliser, as signed int32 values.
+_MIX_MUL_1 = 0x7FEB352D
+_MIX_MUL_2 = 0x846CA68B - (1 << 32)
+# 2**32 / golden ratio, odd: token t enters the hash as row_key + t * _TOKEN_STEP.
+_TOKEN_STEP = 0x9E3779B9 - (1 << 32)
+_UNIFORM_BITS = 24
+_UNIFORM_SCALE = 1.0 / (1 << _UNIFORM_BITS)
+
+
+def mix32(x: torch.Tensor) -> torch.Tensor:
+    """Bijective avalanche mix of int32 values. Shape kept; int32 in, int32 out; not in place."""
+    x = x ^ ((x >> 16) & 0xFFFF)
+    x = x * _MIX_MUL_1
+    x = x ^ ((x >> 15) & 0x1FFFF)
+    x = x * _MIX_MUL_2
+    x = x ^ ((x >> 16) & 0xFFFF)
+    return x
+
+
+def split_seed(seed: int) -> tuple[int, int]:
+    """A seed in [0, 2**63) as its (low, high) 32-bit halves, each as a signed int32 value."""
+    lo, hi = seed & 0xFFFFFFFF, (seed >> 32) & 0xFFFFFFFF
+    return _as_int32(lo), _as_int32(hi)
+
+
+def _as_int32(u: int) -> int:
+    return u - (1 << 32) if u >= (1 << 31) else u
+
+
+def row_keys(seed_lo: torch.Tensor, seed_hi: torch.Tensor, child: torch.Tensor,
+             position: torch.Tensor) -> torch.Tensor:
+    """One int32 key per row from its seed halves, child index and position.
+
+    All inputs int32 ``[B]``; returns int32 ``[B]``. Not in place.
+    """
+    key = mix32(seed_lo)
+    key = mix32(key ^ seed_hi)
+    key = mix32(key ^ child)
+    return mix32(key ^ position)
+
+
+def uniform_noise(keys: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+    """Uniform floats in (0, 1) for (row key, token id) pairs.
+
+    keys: int32 broadcastable against token_ids (e.g. ``[B, 1]``); token_ids: int32 (e.g.
+    ``[B, K]`` candidate ids or ``[1, V]`` for a whole vocabulary). Returns float32 of the
+    broadcast shape: ``(top 24 bits of the hash + 0.5) / 2**24``, exact in float32.
+    """
+    h = mix32(keys + token_ids * _TOKEN_STEP)
+    top = (h >> (32 - _UNIFORM_BITS)) & ((1 << _UNIFORM_BITS) - 1)
+    return (top.to(torch.float32) + 0.5) * _UNIFORM_SCALE
+
+
+def gumbel_from_uniform(u: torch.Tensor) -> torch.Tensor:
+    """Standard Gumbel noise ``-log(-log(u))``; float32 in, float32 out, same shape."""
+    return -torch.log(-torch.log(u))
+
+
+def seeded_gumbel(keys: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+    """Gumbel noise of the seeded draw for (row key, token id) pairs; shapes as uniform_noise."""
+    return gumbel_from_uniform(uniform_noise(keys, token_ids))

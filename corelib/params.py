@@ -1,0 +1,205 @@
+"""Validated per-request sampling parameters (the contract's SamplingParams table)."""
+
+from __future__ import annotations
+
+from typing import Annotated, Optional
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictFloat,
+    StrictInt,
+    field_validator,
+    model_validator,
+)
+
+TokenId = Annotated[StrictInt, Field(ge=0)]
+# Floats accept ints too (temperature=1 is natural) but never bools or strings.
+Float = Annotated[float, Field(strict=False, allow_inf_nan=False)]
+
+MAX_LOGPROBS = 20
+MAX_SEED = 2**63
+
+
+def _ensure_not_bool(value, field):
+    if isinstance(value, bool):
+        raise TypeError(f"{field} must be a number, got bool {value!r}")
+    if isinstance(value, str):
+        raise TypeError(f"{field} must be a number, got str {value!r}")
+    return value
+
+
+class SamplingParams(BaseModel):
+    """What one request asks of the sampler; every field's disabled value is its default.
+
+    Invalid values raise ``pydantic.ValidationError`` (a ``ValueError``) naming the field and
+    the value. Token ids are checked against the vocabulary when the request is added to a
+    batch, since the vocabulary size is not known here.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+    n: StrictInt = 1
+    temperature: Float = 1.0
+    top_k: StrictInt = 0
+    top_p: Float = 1.0
+    min_p: Float = 0.0
+    presence_penalty: Float = 0.0
+    frequency_penalty: Float = 0.0
+    repetition_penalty: Float = 1.0
+    logit_bias: dict[TokenId, Float] = Field(default_factory=dict)
+    min_tokens: StrictInt = 0
+    stop_token_ids: list[TokenId] = Field(default_factory=list)
+    allowed_token_ids: Optional[list[TokenId]] = None
+    bad_words: list[list[TokenId]] = Field(default_factory=list)
+    seed: Optional[StrictInt] = None
+    logprobs: Optional[StrictInt] = None
+
+    @field_validator(
+        "temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
+        "repetition_penalty", mode="before",
+    )
+    @classmethod
+    def _floats_reject_bools(cls, value, info):
+        _ensure_not_bool(value, info.field_name)
+        if isinstance(value, int):
+            return float(value)
+        return value
+
+    @field_validator("logit_bias", mode="before")
+    @classmethod
+    def _bias_values_reject_bools(cls, value):
+        if isinstance(value, dict):
+            out = {}
+            for token, bias in value.items():
+                _ensure_not_bool(bias, f"logit_bias[{token!r}]")
+                out[token] = float(bias) if isinstance(bias, int) else bias
+            return out
+        return value
+
+    @field_validator("n")
+    @classmethod
+    def _check_n(cls, v):
+        if v < 1:
+            raise ValueError(f"n must be >= 1, got {v}")
+        return v
+
+    @field_validator("temperature")
+    @classmethod
+    def _check_temperature(cls, v):
+        if v < 0:
+            raise ValueError(f"temperature must be >= 0, got {v}")
+        return v
+
+    @field_validator("top_k")
+    @classmethod
+    def _check_top_k(cls, v):
+        if v < -1:
+            raise ValueError(f"top_k must be >= -1 (0 or -1 disable it), got {v}")
+        return v
+
+    @field_validator("top_p")
+    @classmethod
+    def _check_top_p(cls, v):
+        if not 0.0 < v <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {v}")
+        return v
+
+    @field_validator("min_p")
+    @classmethod
+    def _check_min_p(cls, v):
+        if not 0.0 <= v <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {v}")
+        return v
+
+    @field_validator("presence_penalty", "frequency_penalty")
+    @classmethod
+    def _check_additive_penalty(cls, v, info):
+        if not -2.0 <= v <= 2.0:
+            raise ValueError(f"{info.field_name} must be in [-2, 2], got {v}")
+        return v
+
+    @field_validator("repetition_penalty")
+    @classmethod
+    def _check_repetition_penalty(cls, v):
+        if not v > 0.0:
+            raise ValueError(f"repetition_penalty must be > 0, got {v}")
+        return v
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _check_logit_bias(cls, v):
+        for token, bias in v.items():
+            if not -100.0 <= bias <= 100.0:
+                raise ValueError(f"logit_bias[{token}] must be in [-100, 100], got {bias}")
+        return v
+
+    @field_validator("min_tokens")
+    @classmethod
+    def _check_min_tokens(cls, v):
+        if v < 0:
+            raise ValueError(f"min_tokens must be >= 0, got {v}")
+        return v
+
+    @field_validator("allowed_token_ids")
+    @classmethod
+    def _check_allowed(cls, v):
+        if v is not None and len(v) == 0:
+            raise ValueError("allowed_token_ids must not be empty (use None to allow every token)")
+        return v
+
+    @field_validator("bad_words")
+    @classmethod
+    def _check_bad_words(cls, v):
+        for i, word in enumerate(v):
+            if len(word) == 0:
+                raise ValueError(f"bad_words[{i}] must be a non-empty token sequence, got []")
+        return v
+
+    @field_validator("seed")
+    @classmethod
+    def _check_seed(cls, v):
+        if v is not None and not 0 <= v < MAX_SEED:
+            raise ValueError(f"seed must be in [0, 2**63), got {v}")
+        return v
+
+    @field_validator("logprobs")
+    @classmethod
+    def _check_logprobs(cls, v):
+        if v is not None and not 0 <= v <= MAX_LOGPROBS:
+            raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {v}")
+        return v
+
+    @model_validator(mode="after")
+    def _check_greedy_n(self):
+        if self.n > 1 and self.temperature == 0.0:
+            raise ValueError(
+                f"n > 1 needs temperature > 0 (greedy completions would be identical), "
+                f"got n={self.n}, temperature=0.0"
+            )
+        return self
+
+    # Derived, for the batch state.
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def effective_top_k(self) -> int:
+        """top_k with both disabled spellings (0, -1) normalised to 0."""
+        return max(self.top_k, 0)
+
+    @property
+    def uses_penalties(self) -> bool:
+        return (
+            self.repetition_penalty != 1.0
+            or self.frequency_penalty != 0.0
+            or self.presence_penalty != 0.0
+        )
+
+    def max_token_id(self) -> Optional[int]:
+        """The largest token id named anywhere in the parameters, or None."""
+        ids = list(self.logit_bias) + list(self.stop_token_ids) + list(self.allowed_token_ids or [])
+        ids += [t for word in self.bad_words for t in word]
+        return max(ids) if ids else None

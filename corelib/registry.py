@@ -1,0 +1,344 @@
+"""Plugin discovery, backend descriptions and platform detection behind ``get_sampler``."""
+
+from __future__ import annotations
+
+import os
+import threading
+from dataclasses import dataclass, field
+from importlib.metadata import entry_points
+from typing import Any, Callable, Optional
+
+import pluggy
+import torch
+
+from . import hookspecs
+from .sampler import Sampler
+
+ENV_DEVICE = "CORELIB_DEVICE"
+ENV_PLUGINS = "CORELIB_PLUGINS"
+
+
+@dataclass(frozen=True)
+class Availability:
+    """What a backend's probe says: usable now or not (and why), and whether auto-detection
+    may pick it (False, for example, for an emulated device such as XLA on the CPU)."""
+
+    available: bool
+    reason: str = ""
+    auto: bool = True
+
+
+@dataclass(frozen=True)
+class BackendSpec:
+    """A plugin's description of one backend.
+
+    ``probe()`` returns an :class:`Availability` (cheap: no heavy imports unless they are the
+    only way to know). ``factory(device)`` imports the heavy runtime and returns a
+    :class:`Sampler`; ``device`` is None for the backend's default device.
+    """
+
+    name: str
+    device_type: str
+    priority: int
+    probe: Callable[[], Availability]
+    factory: Callable[[Optional[torch.device]], Sampler]
+    description: str = ""
+
+
+@dataclass
+class BackendStatus:
+    """One line of ``available_backends()``."""
+
+    name: str
+    plugin: str
+    distribution: Optional[str]
+    version: Optional[str]
+    device_type: Optional[str]
+    priority: Optional[int]
+    available: bool
+    reason: str = ""
+    auto: bool = False
+    description: str = ""
+    error: Optional[BaseException] = field(default=None, repr=False)
+    spec: Optional[BackendSpec] = field(default=None, repr=False)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name, "plugin": self.plugin, "distribution": self.distribution,
+            "version": self.version, "device_type": self.device_type, "priority": self.priority,
+            "available": self.available, "reason": self.reason, "auto": self.auto,
+            "description": self.description,
+        }
+
+
+class BackendUnavailableError(RuntimeError):
+    """A backend was asked for by name but cannot run here; ``reason`` says why."""
+
+
+@dataclass
+class _PluginRecord:
+    name: str
+    distribution: Optional[str] = None
+    version: Optional[str] = None
+    error: Optional[BaseException] = None
+
+
+class Registry:
+    """Loads plugins once (lazily), asks each for its backends, and chooses among them."""
+
+    def __init__(self, load_entry_points: bool = True, allow: Optional[set[str]] = None):
+        self.pm = pluggy.PluginManager(hookspecs.PROJECT)
+        self.pm.add_hookspecs(hookspecs)
+        self._load_entry_points = load_entry_points
+        self._allow = allow
+        self._plugins: dict[str, _PluginRecord] = {}
+        self._statuses: Optional[list[BackendStatus]] = None
+        self._lock = threading.Lock()
+        from . import builtin
+        self.register(builtin, name="reference", distribution="corelib")
+
+    # ------------------------------------------------------------------ loading
+    def register(self, plugin: object, name: str, distribution: Optional[str] = None,
+                 version: Optional[str] = None) -> None:
+        """Register a plugin object (module or instance with hook implementations)."""
+        if version is None and distribution == "corelib":
+            from . import __version__ as version
+        self.pm.register(plugin, name=name)
+        self._plugins[name] = _PluginRecord(name, distribution, version)
+        self._statuses = None
+
+    def unregister(self, name: str) -> None:
+        plugin = self.pm.get_plugin(name)
+        if plugin is not None:
+            self.pm.unregister(plugin, name=name)
+        self._plugins.pop(name, None)
+        self._statuses = None
+
+    def _load_plugins(self) -> None:
+        if not self._load_entry_points:
+            return
+        self._load_entry_points = False
+        allow = self._allow if self._allow is not None else _allow_list_from_env()
+        for ep in entry_points(group=hookspecs.ENTRY_POINT_GROUP):
+            if allow is not None and ep.name not in allow:
+                continue
+            if ep.name in self._plugins:
+                continue
+            dist = getattr(ep, "dist", None)
+            dist_name = dist.name if dist is not None else None
+            dist_version = dist.version if dist is not None else None
+            try:
+                plugin = ep.load()
+            except Exception as exc:  # a broken plugin must not take the core down
+                self._plugins[ep.name] = _PluginRecord(ep.name, dist_name, dist_version, exc)
+                continue
+            try:
+                self.register(plugin, name=ep.name, distribution=dist_name, version=dist_version)
+            except Exception as exc:
+                self._plugins[ep.name] = _PluginRecord(ep.name, dist_name, dist_version, exc)
+
+    # ------------------------------------------------------------------ describing
+    def statuses(self, refresh: bool = False) -> list[BackendStatus]:
+        """Every discovered backend (and every broken plugin), probed once and cached."""
+        with self._lock:
+            if self._statuses is None or refresh:
+                self._load_plugins()
+                self._statuses = self._describe()
+            return list(self._statuses)
+
+    def _describe(self) -> list[BackendStatus]:
+        statuses: list[BackendStatus] = []
+        for record in self._plugins.values():
+            if record.error is not None:
+                statuses.append(self._broken(record, record.name,
+                                             f"plugin failed to import: {_describe_error(record.error)}",
+                                             record.error))
+        for impl in self.pm.hook.corelib_backends.get_hookimpls():
+            record = self._plugins.get(impl.plugin_name, _PluginRecord(impl.plugin_name))
+            try:
+                specs = impl.function()
+                specs = _check_specs(specs, impl.plugin_name)
+            except Exception as exc:
+                statuses.append(self._broken(record, record.name,
+                                             f"plugin hook corelib_backends failed: {_describe_error(exc)}",
+                                             exc))
+                continue
+            for spec in specs:
+                statuses.append(self._probe(record, spec))
+        return _mark_conflicts(statuses)
+
+    @staticmethod
+    def _broken(record: _PluginRecord, name: str, reason: str, exc: BaseException) -> BackendStatus:
+        return BackendStatus(name=name, plugin=record.name, distribution=record.distribution,
+                             version=record.version, device_type=None, priority=None,
+                             available=False, reason=reason, error=exc)
+
+    @staticmethod
+    def _probe(record: _PluginRecord, spec: BackendSpec) -> BackendStatus:
+        status = BackendStatus(name=spec.name, plugin=record.name, distribution=record.distribution,
+                               version=record.version, device_type=spec.device_type,
+                               priority=spec.priority, available=False,
+                               description=spec.description, spec=spec)
+        try:
+            availability = spec.probe()
+            if not isinstance(availability, Availability):
+                raise TypeError(f"probe must return corelib.Availability, got {type(availability).__name__}")
+        except Exception as exc:
+            status.reason = f"probe failed: {_describe_error(exc)}"
+            status.error = exc
+            return status
+        status.available = availability.available
+        status.reason = availability.reason
+        status.auto = availability.available and availability.auto
+        return status
+
+    # ------------------------------------------------------------------ choosing
+    def choose(self, device: str | torch.device | None = None) -> tuple[BackendStatus, Optional[torch.device]]:
+        """The backend (and torch device) that ``get_sampler(device)`` would use."""
+        statuses = self.statuses()
+        if device is None:
+            device = os.environ.get(ENV_DEVICE) or None
+        if device is None:
+            return _auto_select(statuses), None
+        if isinstance(device, torch.device):
+            return _by_device_type(statuses, device), device
+        if not isinstance(device, str):
+            raise TypeError(f"device must be None, a backend name or a torch.device, got {device!r}")
+        name, _, index = device.partition(":")
+        for status in statuses:
+            if status.name == name:
+                return _require(status), (torch.device(device) if index else None)
+        try:
+            torch_device = torch.device(device)
+        except RuntimeError:
+            torch_device = None
+        if torch_device is not None and any(s.device_type == torch_device.type for s in statuses):
+            return _by_device_type(statuses, torch_device), torch_device
+        raise ValueError(
+            f"unknown backend {device!r}; known backends: {_names(statuses)} "
+            f"(available: {_names([s for s in statuses if s.available])})"
+        )
+
+    def get_sampler(self, device: str | torch.device | None = None) -> Sampler:
+        status, torch_device = self.choose(device)
+        try:
+            sampler = status.spec.factory(torch_device)
+        except Exception as exc:
+            raise BackendUnavailableError(
+                f"backend {status.name!r} (plugin {status.plugin!r}) failed to start: "
+                f"{_describe_error(exc)}"
+            ) from exc
+        if not isinstance(sampler, Sampler):
+            raise BackendUnavailableError(
+                f"backend {status.name!r} factory returned {type(sampler).__name__}, not a corelib.Sampler"
+            )
+        return sampler
+
+
+def _check_specs(specs, plugin_name: str) -> list[BackendSpec]:
+    if isinstance(specs, BackendSpec):
+        specs = [specs]
+    if specs is None:
+        return []
+    if not isinstance(specs, (list, tuple)):
+        raise TypeError(f"plugin {plugin_name!r} returned {type(specs).__name__}, expected a list of BackendSpec")
+    for spec in specs:
+        if not isinstance(spec, BackendSpec):
+            raise TypeError(f"plugin {plugin_name!r} returned {spec!r}, expected corelib.BackendSpec")
+        if not isinstance(spec.name, str) or not spec.name or ":" in spec.name:
+            raise ValueError(f"plugin {plugin_name!r}: backend name must be a non-empty str without ':', got {spec.name!r}")
+        if isinstance(spec.priority, bool) or not isinstance(spec.priority, int):
+            raise TypeError(f"plugin {plugin_name!r}: backend {spec.name!r} priority must be an int, got {spec.priority!r}")
+        if not callable(spec.probe) or not callable(spec.factory):
+            raise TypeError(f"plugin {plugin_name!r}: backend {spec.name!r} probe and factory must be callable")
+    return list(specs)
+
+
+def _mark_conflicts(statuses: list[BackendStatus]) -> list[BackendStatus]:
+    by_name: dict[str, list[BackendStatus]] = {}
+    for status in statuses:
+        if status.spec is not None:
+            by_name.setdefault(status.name, []).append(status)
+    for name, claims in by_name.items():
+        if len(claims) > 1:
+            plugins = ", ".join(repr(c.plugin) for c in claims)
+            for claim in claims:
+                claim.available = claim.auto = False
+                claim.reason = f"backend name {name!r} is claimed by several plugins: {plugins}"
+                claim.error = None
+    return statuses
+
+
+def _auto_select(statuses: list[BackendStatus]) -> BackendStatus:
+    candidates = [s for s in statuses if s.auto]
+    if not candidates:
+        raise BackendUnavailableError(
+            f"no backend is available; discovered: "
+            + "; ".join(f"{s.name}: {s.reason or 'unavailable'}" for s in statuses)
+        )
+    return max(candidates, key=lambda s: (s.priority, s.name))
+
+
+def _by_device_type(statuses: list[BackendStatus], device: torch.device) -> BackendStatus:
+    claims = [s for s in statuses if s.device_type == device.type]
+    ready = [s for s in claims if s.available]
+    if ready:
+        return max(ready, key=lambda s: (s.priority, s.name))
+    if claims:
+        return _require(max(claims, key=lambda s: (s.priority or 0, s.name)))
+    raise ValueError(f"no backend runs on device type {device.type!r}; known backends: {_names(statuses)}")
+
+
+def _require(status: BackendStatus) -> BackendStatus:
+    if status.available and status.spec is not None:
+        return status
+    message = f"backend {status.name!r} (plugin {status.plugin!r}) is not available: {status.reason}"
+    if status.error is not None:
+        raise BackendUnavailableError(message) from status.error
+    raise BackendUnavailableError(message)
+
+
+def _names(statuses: list[BackendStatus]) -> str:
+    return ", ".join(sorted({s.name for s in statuses})) or "none"
+
+
+def _describe_error(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"
+
+
+def _allow_list_from_env() -> Optional[set[str]]:
+    raw = os.environ.get(ENV_PLUGINS)
+    if raw is None or not raw.strip():
+        return None
+    return {name.strip() for name in raw.split(",") if name.strip()}
+
+
+_default: Optional[Registry] = None
+_default_lock = threading.Lock()
+
+
+def default_registry() -> Registry:
+    global _default
+    with _default_lock:
+        if _default is None:
+            _default = Registry()
+        return _default
+
+
+def reset_default_registry(registry: Optional[Registry] = None) -> None:
+    """Replace (or drop, so it reloads) the process-wide registry; for tests and tools."""
+    global _default
+    with _default_lock:
+        _default = registry
+
+
+def get_sampler(device: str | torch.device | None = None) -> Sampler:
+    """A sampler for ``device``: None = platform detection (``CORELIB_DEVICE`` overrides),
+    a backend name ("cpu", "cuda", "tpu", "reference", a third-party name, "cuda:1"), or a
+    ``torch.device`` (the best available backend of that device type)."""
+    return default_registry().get_sampler(device)
+
+
+def available_backends() -> list[BackendStatus]:
+    """Every discovered backend, available or not (with the reason), and every broken plugin."""
+    return default_registry().statuses()
