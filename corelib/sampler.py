@@ -61,6 +61,7 @@ class Sampler:
 
     name = "reference"
     default_device = "cpu"
+    batch_class = SamplingBatch
 
     def __init__(self, device: torch.device | str | None = None,
                  generator: Optional[torch.Generator] = None):
@@ -73,7 +74,7 @@ class Sampler:
     # ------------------------------------------------------------------ public API
     def new_batch(self, vocab_size: int, eos_token_id: Optional[int] = None,
                   logprobs_mode: str = "raw") -> SamplingBatch:
-        return SamplingBatch(vocab_size, self.device, eos_token_id, logprobs_mode)
+        return self.batch_class(vocab_size, self.device, eos_token_id, logprobs_mode)
 
     def sample(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         """Sample one token per row. logits: ``[B, V]`` or ``[num_requests, V]``, any float dtype.
