@@ -15,7 +15,7 @@ _MIX_MUL_1 = 0x7FEB352D
 _MIX_MUL_2 = 0x846CA68B - (1 << 32)
 # 2**32 / golden ratio, odd: token t enters the hash as row_key + t * _TOKEN_STEP.
 _TOKEN_STEP = 0x9E3779B9 - (1 << 32)
-_UNIFORM_BITS = 24
+_UNIFORM_BITS = 23  # (top + 0.5) then needs 24 bits: exact in float32
 _UNIFORM_SCALE = 1.0 / (1 << _UNIFORM_BITS)
 
 
@@ -56,7 +56,7 @@ def uniform_noise(keys: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
 
     keys: int32 broadcastable against token_ids (e.g. ``[B, 1]``); token_ids: int32 (e.g.
     ``[B, K]`` candidate ids or ``[1, V]`` for a whole vocabulary). Returns float32 of the
-    broadcast shape: ``(top 24 bits of the hash + 0.5) / 2**24``, exact in float32.
+    broadcast shape: ``(top 23 bits of the hash + 0.5) / 2**23``, exact in float32.
     """
     h = mix32(keys + token_ids * _TOKEN_STEP)
     top = (h >> (32 - _UNIFORM_BITS)) & ((1 << _UNIFORM_BITS) - 1)

@@ -1,0 +1,102 @@
+"""SamplingParams: the contract's table, field by field."""
+
+import math
+
+import pydantic
+import pytest
+
+from corelib import SamplingParams
+
+
+def test_defaults_disable_every_stage():
+    p = SamplingParams()
+    assert (p.n, p.temperature, p.top_k, p.top_p, p.min_p) == (1, 1.0, 0, 1.0, 0.0)
+    assert (p.presence_penalty, p.frequency_penalty, p.repetition_penalty) == (0.0, 0.0, 1.0)
+    assert p.logit_bias == {} and p.min_tokens == 0 and p.stop_token_ids == []
+    assert p.allowed_token_ids is None and p.bad_words == [] and p.seed is None and p.logprobs is None
+    assert not p.uses_penalties and p.effective_top_k == 0
+
+
+@pytest.mark.parametrize("field,value", [
+    ("n", 1), ("n", 64), ("temperature", 0.0), ("temperature", 2), ("top_k", -1), ("top_k", 0),
+    ("top_k", 50), ("top_p", 1e-9), ("top_p", 1.0), ("min_p", 0.0), ("min_p", 1.0),
+    ("presence_penalty", -2.0), ("frequency_penalty", 2.0), ("repetition_penalty", 1e-3),
+    ("logit_bias", {0: -100.0, 5: 100}), ("min_tokens", 0), ("stop_token_ids", [0, 7]),
+    ("allowed_token_ids", [3]), ("bad_words", [[1], [2, 3]]), ("seed", 0), ("seed", 2**63 - 1),
+    ("logprobs", 0), ("logprobs", 20),
+])
+def test_valid_values_are_accepted(field, value):
+    p = SamplingParams(**{field: value})
+    assert getattr(p, field) == value
+
+
+@pytest.mark.parametrize("field,value,fragment", [
+    ("n", 0, "n must be >= 1"),
+    ("temperature", -0.1, "temperature must be >= 0"),
+    ("temperature", math.nan, "finite"),
+    ("temperature", math.inf, "finite"),
+    ("top_k", -2, "top_k must be >= -1"),
+    ("top_p", 0.0, "top_p must be in (0, 1], got 0.0"),
+    ("top_p", 1.5, "top_p must be in (0, 1], got 1.5"),
+    ("min_p", 1.01, "min_p must be in [0, 1]"),
+    ("min_p", -0.01, "min_p must be in [0, 1]"),
+    ("presence_penalty", 2.5, "presence_penalty must be in [-2, 2], got 2.5"),
+    ("frequency_penalty", -3.0, "frequency_penalty must be in [-2, 2]"),
+    ("repetition_penalty", 0.0, "repetition_penalty must be > 0"),
+    ("logit_bias", {3: 100.5}, "logit_bias[3] must be in [-100, 100], got 100.5"),
+    ("logit_bias", {3: math.nan}, "finite"),
+    ("logit_bias", {-1: 1.0}, "greater than or equal to 0"),
+    ("min_tokens", -1, "min_tokens must be >= 0"),
+    ("stop_token_ids", [-3], "greater than or equal to 0"),
+    ("allowed_token_ids", [], "allowed_token_ids must not be empty"),
+    ("bad_words", [[1], []], "bad_words[1] must be a non-empty token sequence"),
+    ("seed", -1, "seed must be in [0, 2**63)"),
+    ("seed", 2**63, "seed must be in [0, 2**63)"),
+    ("logprobs", 21, "logprobs must be in [0, 20], got 21"),
+    ("logprobs", -1, "logprobs must be in [0, 20]"),
+])
+def test_invalid_values_name_the_field_and_value(field, value, fragment):
+    with pytest.raises(ValueError) as err:
+        SamplingParams(**{field: value})
+    assert field.split("[")[0] in str(err.value)
+    assert fragment in str(err.value)
+
+
+@pytest.mark.parametrize("field,value", [
+    ("n", True), ("n", 2.0), ("top_k", 1.5), ("min_tokens", "3"), ("seed", 1.0),
+    ("logprobs", False), ("stop_token_ids", [1.0]), ("allowed_token_ids", [True]),
+])
+def test_ints_reject_bools_floats_and_strings(field, value):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**{field: value})
+
+
+@pytest.mark.parametrize("field,value", [
+    ("temperature", True), ("top_p", "0.5"), ("min_p", False), ("logit_bias", {1: True}),
+])
+def test_floats_reject_bools_and_strings(field, value):
+    with pytest.raises((TypeError, ValueError), match=field.split("[")[0]):
+        SamplingParams(**{field: value})
+
+
+def test_unknown_fields_are_an_error():
+    with pytest.raises(pydantic.ValidationError, match="top_a"):
+        SamplingParams(top_a=3)
+
+
+def test_greedy_with_several_completions_is_rejected():
+    with pytest.raises(ValueError, match="n > 1 needs temperature > 0"):
+        SamplingParams(n=2, temperature=0.0)
+
+
+def test_params_are_immutable():
+    p = SamplingParams()
+    with pytest.raises(pydantic.ValidationError):
+        p.temperature = 0.5
+
+
+def test_max_token_id_spans_every_id_field():
+    p = SamplingParams(logit_bias={4: 1.0}, stop_token_ids=[9], allowed_token_ids=[2],
+                       bad_words=[[1, 30]])
+    assert p.max_token_id() == 30
+    assert SamplingParams().max_token_id() is None
