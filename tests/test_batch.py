@@ -1,0 +1,208 @@
+"""Batch state: continuous batching, parallel sampling, running counts, resumption."""
+
+import pytest
+import torch
+
+from corelib import Sampler, SamplingParams
+
+V = 32
+
+
+@pytest.fixture
+def batch():
+    return Sampler("cpu").new_batch(vocab_size=V, eos_token_id=31)
+
+
+def test_add_returns_one_row_per_child_and_rows_name_them(batch):
+    assert batch.add("a", SamplingParams(n=3, seed=1)) == [0, 1, 2]
+    assert batch.add("b", SamplingParams()) == [3]
+    assert batch.rows == [("a", 0), ("a", 1), ("a", 2), ("b", 0)]
+    assert batch.num_requests == 2 and len(batch) == 4
+
+
+def test_remove_moves_last_rows_into_the_hole_and_keeps_their_state(batch):
+    batch.add("a", SamplingParams(seed=1, temperature=0.5))
+    batch.add("b", SamplingParams(n=2, seed=2, top_k=4))
+    batch.add("c", SamplingParams(seed=3, top_p=0.3, min_p=0.2))
+    batch.append([1, 2, 3, 4])
+    batch.remove("a")
+    assert sorted(batch.rows) == [("b", 0), ("b", 1), ("c", 0)]
+    s = batch.step_state()
+    for row, (rid, child) in enumerate(batch.rows):
+        p = batch.params_of(rid)
+        assert s.temperature[row] == pytest.approx(p.temperature)
+        assert s.top_k[row] == p.effective_top_k and s.child[row] == child
+        assert s.position[row] == 1
+    assert batch.step_state(8).temperature[3:].tolist() == [1.0] * 5  # freed rows are neutral
+
+
+def test_duplicate_and_unknown_request_ids_are_errors(batch):
+    batch.add("a", SamplingParams())
+    with pytest.raises(ValueError, match="request 'a' is already in the batch"):
+        batch.add("a", SamplingParams())
+    with pytest.raises(KeyError, match="request 'zzz' is not in the batch"):
+        batch.remove("zzz")
+
+
+@pytest.mark.parametrize("kwargs,fragment", [
+    (dict(prompt_token_ids=[1, 32]), "prompt_token_ids holds token id 32"),
+    (dict(prompt_token_ids=[-1]), "prompt_token_ids holds token id -1"),
+    (dict(output_token_ids=[40]), "output_token_ids holds token id 40"),
+])
+def test_out_of_range_history_ids_name_the_request(batch, kwargs, fragment):
+    with pytest.raises(ValueError, match="request 'bad'") as err:
+        batch.add("bad", SamplingParams(), **kwargs)
+    assert fragment in str(err.value)
+    assert batch.num_requests == 0
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(logit_bias={32: 1.0}), SamplingParams(stop_token_ids=[99]),
+    SamplingParams(allowed_token_ids=[1, 32]), SamplingParams(bad_words=[[1, 500]]),
+])
+def test_out_of_range_parameter_ids_are_rejected_at_add(batch, params):
+    with pytest.raises(ValueError, match="out of range for vocab_size=32"):
+        batch.add("bad", params)
+    assert batch.rows == []
+
+
+def test_append_needs_one_token_per_row(batch):
+    batch.add("a", SamplingParams(n=2))
+    with pytest.raises(ValueError, match=r"expected shape \[2\], got \[3\]"):
+        batch.append([1, 2, 3])
+    with pytest.raises(ValueError, match="token id 32 for row 1"):
+        batch.append([1, 32])
+    with pytest.raises(TypeError, match="integer token ids"):
+        batch.append(torch.tensor([1.0, 2.0]))
+    assert batch.generated_counts() == [0, 0]
+
+
+def test_running_counts_equal_the_histories(batch):
+    batch.add("a", SamplingParams(frequency_penalty=1.0, n=2), prompt_token_ids=[5, 5, 6])
+    gen = torch.Generator().manual_seed(0)
+    history = [[], []]
+    for _ in range(50):
+        ids = torch.randint(0, V, (2,), generator=gen)
+        batch.append(ids)
+        for row in range(2):
+            history[row].append(int(ids[row]))
+    s = batch.step_state()
+    for row in range(2):
+        assert torch.equal(s.output_counts[row], torch.bincount(torch.tensor(history[row]), minlength=V).int())
+        assert s.prompt_mask[row].nonzero().flatten().tolist() == [5, 6]
+    assert s.position.tolist() == [50, 50] and batch.generated_counts() == [50, 50]
+
+
+def test_resumed_request_has_the_state_of_an_uninterrupted_one():
+    sampler = Sampler("cpu")
+    params = SamplingParams(n=2, seed=3, repetition_penalty=1.2, bad_words=[[1, 2, 3]], min_tokens=4)
+    live = sampler.new_batch(V, eos_token_id=0)
+    live.add("r", params, prompt_token_ids=[4, 5])
+    outputs = [[1, 2, 9], [7, 1, 2]]
+    for step in range(3):
+        live.append([outputs[0][step], outputs[1][step]])
+    resumed = sampler.new_batch(V, eos_token_id=0)
+    resumed.add("r", params, prompt_token_ids=[4, 5], output_token_ids=outputs)
+    a, b = live.step_state(), resumed.step_state()
+    for name in ("position", "output_counts", "prompt_mask", "recent", "seed_lo", "child"):
+        assert torch.equal(getattr(a, name), getattr(b, name)), name
+    assert a.any_min_tokens and b.any_min_tokens
+
+
+def test_output_token_ids_for_n_children_need_one_list_each(batch):
+    with pytest.raises(ValueError, match="one list per child"):
+        batch.add("r", SamplingParams(n=2), output_token_ids=[1, 2])
+
+
+def test_capacity_grows_without_losing_rows(batch):
+    for i in range(40):
+        batch.add(f"r{i}", SamplingParams(seed=i, logit_bias={i % V: float(i % 7)}))
+    s = batch.step_state()
+    assert s.num_rows == 40
+    assert s.seed_lo.tolist() == list(range(40))
+    assert [int(s.bias_values[i, 0]) for i in range(40)] == [i % 7 for i in range(40)]
+
+
+def test_wider_bias_and_longer_bad_words_keep_earlier_rows(batch):
+    batch.add("a", SamplingParams(logit_bias={1: 1.0}, bad_words=[[2, 3]]))
+    batch.append([2])
+    batch.add("b", SamplingParams(logit_bias={i: 0.5 for i in range(10)}, bad_words=[[4, 5, 6, 7]]))
+    sampler = Sampler("cpu")
+    out = sampler.processed_logits(torch.zeros(2, V), batch)
+    assert out[0, 1] == 1.0 and out[0, 3] == float("-inf")     # a's word still fires after widening
+    assert out[1, :10].tolist() == [0.5] * 10 and torch.isfinite(out[1]).all()
+
+
+def test_request_ids_follow_first_rows(batch):
+    batch.add("a", SamplingParams())
+    batch.add("b", SamplingParams(n=2))
+    batch.add("c", SamplingParams())
+    batch.remove("a")     # c moves into row 0
+    assert batch.rows[0] == ("c", 0)
+    assert batch.request_ids == ["c", "b"]
+    assert batch.request_index().tolist() == [0, 1, 1]
+
+
+def test_flags_follow_the_live_requests(batch):
+    batch.add("g", SamplingParams(temperature=0.0))
+    s = batch.step_state()
+    assert s.all_greedy and not s.any_random and not s.any_penalties
+    batch.add("p", SamplingParams(presence_penalty=0.5, top_k=3, logprobs=4))
+    s = batch.step_state()
+    assert s.any_greedy and s.any_random and s.any_penalties and s.any_top_k and s.num_logprobs == 4
+    batch.remove("p")
+    s = batch.step_state()
+    assert not s.any_penalties and s.num_logprobs is None
+
+
+def test_min_tokens_flag_turns_off_once_reached(batch):
+    batch.add("m", SamplingParams(min_tokens=2))
+    assert batch.step_state().any_min_tokens
+    batch.append([1])
+    batch.append([1])
+    assert not batch.step_state().any_min_tokens
+
+
+def test_batch_constructor_validates(batch):
+    sampler = Sampler("cpu")
+    with pytest.raises(ValueError, match="vocab_size"):
+        sampler.new_batch(0)
+    with pytest.raises(ValueError, match="logprobs_mode"):
+        sampler.new_batch(10, logprobs_mode="cooked")
+    with pytest.raises(ValueError, match="eos_token_id"):
+        sampler.new_batch(10, eos_token_id=10)
+
+
+@pytest.mark.parametrize("logits,error,fragment", [
+    (torch.zeros(2, 31), ValueError, "vocab size 31"),
+    (torch.zeros(3, 32), ValueError, "logits have 3 rows"),
+    (torch.zeros(2, 32, dtype=torch.long), TypeError, "floating-point"),
+    (torch.zeros(32), ValueError, "2-D"),
+    ([[0.0] * 32] * 2, TypeError, "torch.Tensor"),
+])
+def test_bad_logits_are_rejected_with_a_clear_error(batch, logits, error, fragment):
+    batch.add("a", SamplingParams(n=2))
+    with pytest.raises(error, match=fragment):
+        Sampler("cpu").sample(logits, batch)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float64])
+def test_other_float_dtypes_are_sampled_in_float32(batch, dtype):
+    batch.add("a", SamplingParams(temperature=0.0))
+    logits = torch.zeros(1, V)
+    logits[0, 9] = 3.0
+    assert Sampler("cpu").sample(logits.to(dtype), batch).token_ids.tolist() == [9]
+
+
+def test_non_contiguous_logits_are_fine(batch):
+    batch.add("a", SamplingParams(temperature=0.0))
+    batch.add("b", SamplingParams(temperature=0.0))
+    wide = torch.zeros(V, 2)
+    wide[5, 0] = wide[7, 1] = 1.0
+    assert Sampler("cpu").sample(wide.t(), batch).token_ids.tolist() == [5, 7]
+
+
+def test_empty_batch_samples_nothing(batch):
+    out = Sampler("cpu").sample(torch.zeros(0, V), batch)
+    assert out.token_ids.shape == (0,)
+    batch.append(out.token_ids)
