@@ -207,7 +207,8 @@ class Registry:
         name, _, index = device.partition(":")
         for status in statuses:
             if status.name == name:
-                return _require(status), (torch.device(device) if index else None)
+                status = _require(status)
+                return status, (_indexed_device(status, index) if index else None)
         try:
             torch_device = torch.device(device)
         except RuntimeError:
@@ -296,6 +297,12 @@ def _require(status: BackendStatus) -> BackendStatus:
     if status.error is not None:
         raise BackendUnavailableError(message) from status.error
     raise BackendUnavailableError(message)
+
+
+def _indexed_device(status: BackendStatus, index: str) -> torch.device:
+    if not index.isdigit():
+        raise ValueError(f"device index after {status.name!r}: must be a non-negative int, got {index!r}")
+    return torch.device(status.device_type, int(index))
 
 
 def _names(statuses: list[BackendStatus]) -> str:
