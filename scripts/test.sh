@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Sets up every environment and runs every test suite: the core, each plugin, and the TPU
+# plugin on XLA:CPU in its own venv. .ci/run calls this script.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+source scripts/lib.sh
+
+echo "== setup: main venv ($VENV)"
+ensure_main_venv
+pip_quiet "$VENV" -e tests/plugins/corelib-example -e tests/plugins/corelib-broken
+
+status=0
+run_suite() {  # name, python, pytest args...
+  local name="$1" py="$2"; shift 2
+  echo "== tests: $name"
+  if ! "$py" -m pytest -p no:cacheprovider "$@"; then
+    echo "!! $name: FAILED"
+    status=1
+  fi
+}
+
+run_suite core "$VENV/bin/python" tests
+for plugin in $MAIN_PLUGINS; do
+  run_suite "plugin $plugin" "$VENV/bin/python" "plugins/$plugin/tests"
+done
+
+exit $status
