@@ -137,8 +137,9 @@ def bench_one(sampler: Sampler, reference: Optional[Sampler], config: str, batch
 class ProgressBar:
     """A one-line progress bar on stderr (no dependency)."""
 
-    def __init__(self, total: int, width: int = 30, stream=sys.stderr):
-        self.total, self.width, self.stream, self.done = max(total, 1), width, stream, 0
+    def __init__(self, total: int, width: int = 30, stream=None):
+        self.total, self.width, self.done = max(total, 1), width, 0
+        self.stream = stream if stream is not None else sys.stderr
 
     def step(self, label: str) -> None:
         self.done += 1
