@@ -13,6 +13,9 @@ import torch
 # Multipliers of the "lowbias32" integer finaliser, as signed int32 values.
 _MIX_MUL_1 = 0x7FEB352D
 _MIX_MUL_2 = 0x846CA68B - (1 << 32)
+# Fractional digits of pi: keeps the all-zero input (seed 0, child 0, position 0) away from
+# mix32's fixed point 0.
+_KEY_OFFSET = 0x243F6A88
 # 2**32 / golden ratio, odd: token t enters the hash as row_key + t * _TOKEN_STEP.
 _TOKEN_STEP = 0x9E3779B9 - (1 << 32)
 _UNIFORM_BITS = 23  # (top + 0.5) then needs 24 bits: exact in float32
@@ -45,7 +48,7 @@ def row_keys(seed_lo: torch.Tensor, seed_hi: torch.Tensor, child: torch.Tensor,
 
     All inputs int32 ``[B]``; returns int32 ``[B]``. Not in place.
     """
-    key = mix32(seed_lo)
+    key = mix32(seed_lo ^ _KEY_OFFSET)
     key = mix32(key ^ seed_hi)
     key = mix32(key ^ child)
     return mix32(key ^ position)

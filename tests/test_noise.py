@@ -22,7 +22,7 @@ def py_mix32(x: int) -> int:
 
 def py_uniform(seed: int, child: int, position: int, token: int) -> float:
     lo, hi = seed & MASK, seed >> 32
-    key = py_mix32(py_mix32(py_mix32(py_mix32(lo) ^ hi) ^ child) ^ position)
+    key = py_mix32(py_mix32(py_mix32(py_mix32(lo ^ 0x243F6A88) ^ hi) ^ child) ^ position)
     h = py_mix32((key + token * 0x9E3779B9) & MASK)
     return ((h >> 9) + 0.5) / 2**23
 
@@ -85,3 +85,25 @@ def test_split_seed_round_trips():
         lo, hi = split_seed(seed)
         assert -2**31 <= lo < 2**31 and -2**31 <= hi < 2**31
         assert ((hi & MASK) << 32) | (lo & MASK) == seed
+
+
+def test_the_all_zero_key_is_not_a_fixed_point():
+    zero = torch.zeros(1, dtype=torch.int32)
+    assert int(row_keys(zero, zero, zero, zero)[0]) != 0
+
+
+def test_published_test_vectors():
+    """The table in docs/seeded-draw.md, parsed from the page itself."""
+    import pathlib
+    page = pathlib.Path(__file__).resolve().parents[1] / "docs" / "seeded-draw.md"
+    rows = [line for line in page.read_text().splitlines() if line.startswith("| ") and "u(0)" not in line]
+    assert len(rows) == 6
+    tokens = torch.tensor([[0, 1, 2, 1000, 128255]], dtype=torch.int32)
+    for line in rows:
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        seed = eval(cells[0].replace("^", "**"), {})
+        child, position = int(cells[1]), int(cells[2])
+        lo, hi = split_seed(seed)
+        key = row_keys(*(torch.tensor([v], dtype=torch.int32) for v in (lo, hi, child, position)))
+        got = uniform_noise(key[:, None], tokens)[0].tolist()
+        assert [f"{v:.9f}" for v in got] == cells[3:], line
