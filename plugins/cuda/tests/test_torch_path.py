@@ -1,0 +1,215 @@
+"""The torch path on CPU tensors: the same code the GPU runs, checked against the reference.
+
+The conformance suite covers the contract on a small vocabulary; these tests aim at what this
+backend does differently: candidate-based top-k / top-p (exact sets, ties beyond the
+candidates, a sort only when a row needs the whole vocabulary), seeded tokens in mixed batches,
+and no host reads in a whole step.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from corelib import Sampler, SamplingParams
+from corelib.testing import chi_square_p_value
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from corelib_cuda import CudaBatch, CudaSampler
+from corelib_cuda.sync_check import HostSyncError, no_host_sync
+
+V = 2048
+
+
+@pytest.fixture(scope="module")
+def sampler():
+    return CudaSampler("cpu", use_flashinfer=False)
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return Sampler("cpu")
+
+
+def build(sampler, requests, vocab=V, **kwargs):
+    batch = sampler.new_batch(vocab, **kwargs)
+    for rid, params, prompt, outputs in requests:
+        batch.add(rid, params, prompt_token_ids=prompt, output_token_ids=outputs)
+    return batch
+
+
+def random_params(gen: torch.Generator, seeded: bool) -> SamplingParams:
+    """A mix of filter settings, including top-p without top-k (which forces the sort)."""
+    def pick(options):
+        return options[int(torch.randint(len(options), (1,), generator=gen))]
+    return SamplingParams(
+        temperature=pick([0.5, 0.8, 1.0, 1.3]),
+        top_k=pick([0, 1, 5, 40, 200, -1]),
+        top_p=pick([1.0, 0.95, 0.7, 0.3]),
+        min_p=pick([0.0, 0.0, 0.02]),
+        seed=int(torch.randint(2**62, (1,), generator=gen)) if seeded else None,
+    )
+
+
+def bf16_logits(rows: int, seed: int, vocab: int = V) -> torch.Tensor:
+    """Logits rounded to bfloat16, as many models produce: exact ties near the top are common."""
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.randn((rows, vocab), generator=gen) * 4).to(torch.bfloat16)
+
+
+class Recorder(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.add(func.overloadpacket.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+# ---------------------------------------------------------------------------- kept sets
+@pytest.mark.parametrize("trial", range(6))
+def test_kept_sets_equal_the_reference_on_tie_heavy_logits(sampler, reference, trial):
+    gen = torch.Generator().manual_seed(100 + trial)
+    requests = [(f"r{i}", random_params(gen, seeded=False), [1, 2], None) for i in range(12)]
+    logits = bf16_logits(12, seed=trial)
+    got = sampler.processed_logits(logits, build(sampler, requests))
+    want = reference.processed_logits(logits, build(reference, requests))
+    assert torch.equal(torch.isfinite(got), torch.isfinite(want))
+    assert torch.equal(got[torch.isfinite(want)], want[torch.isfinite(want)])
+
+
+def test_top_k_keeps_ties_beyond_the_candidates(sampler, reference):
+    logits = torch.randn(3, V)
+    logits[0, 100:140] = 9.0          # 40 tokens tied at the top, top_k=5: all 40 kept
+    logits[1, :] = 0.0                # every token tied
+    logits[2, 7] = 20.0
+    logits[2, 300:320] = 8.0          # ties at the k-th place behind one leader
+    params = SamplingParams(top_k=5, top_p=0.99)
+    requests = [(f"t{i}", params, [], None) for i in range(3)]
+    got = sampler.processed_logits(logits, build(sampler, requests))
+    want = reference.processed_logits(logits, build(reference, requests))
+    kept = torch.isfinite(got).sum(dim=-1).tolist()
+    assert torch.equal(torch.isfinite(got), torch.isfinite(want)), kept
+    assert kept[0] == 40 and kept[1] == V
+
+
+def test_top_k_path_sorts_nothing_and_top_p_alone_sorts(sampler):
+    logits = torch.randn(4, V)
+    with_k = build(sampler, [(f"k{i}", SamplingParams(top_k=50, top_p=0.9), [], None) for i in range(4)])
+    with Recorder() as rec:
+        sampler.sample(logits, with_k)
+    assert "sort" not in rec.ops and "topk" in rec.ops
+    only_p = build(sampler, [("p", SamplingParams(top_p=0.9), [], None),
+                             ("k", SamplingParams(top_k=50), [], None)])
+    with Recorder() as rec:
+        sampler.sample(logits[:2], only_p)
+    assert "sort" in rec.ops      # a top-p row without top-k needs the whole vocabulary
+
+
+def test_filter_bounds_follow_membership(sampler):
+    batch = build(sampler, [("a", SamplingParams(top_k=30), [], None),
+                            ("g", SamplingParams(temperature=0.0, top_k=900), [], None)])
+    assert batch.filter_bounds().candidates == 30          # greedy rows do not count
+    batch.add("b", SamplingParams(top_k=5000), [])
+    assert batch.filter_bounds().candidates == V            # clamped to the vocabulary
+    batch.remove("b")
+    batch.add("c", SamplingParams(top_p=0.5), [])
+    bounds = batch.filter_bounds()
+    assert bounds.candidates == V and not bounds.every_row_top_k and bounds.max_top_k == 30
+    batch.remove("c")
+    assert batch.filter_bounds().candidates == 30 and batch.filter_bounds().every_row_top_k
+
+
+# ---------------------------------------------------------------------------- draws
+def test_seeded_tokens_equal_the_reference_in_mixed_batches(sampler, reference):
+    gen = torch.Generator().manual_seed(7)
+    requests = []
+    for i in range(24):
+        params = random_params(gen, seeded=i % 3 != 0)
+        if i % 5 == 0:
+            params = params.model_copy(update=dict(temperature=0.0))
+        if i % 4 == 1:
+            params = params.model_copy(update=dict(repetition_penalty=1.2, presence_penalty=0.5,
+                                                   logit_bias={3: 4.0}, bad_words=[[5, 6]]))
+        requests.append((f"m{i}", params, [1, 2, 3], None))
+    mine, ref = build(sampler, requests), build(reference, requests)
+    seeded_rows = [i for i, (_, p, _, _) in enumerate(requests) if p.seed is not None or p.temperature == 0]
+    for step in range(5):
+        logits = bf16_logits(len(requests), seed=50 + step)
+        got = sampler.sample(logits, mine).token_ids
+        want = reference.sample(logits, ref).token_ids
+        assert got[seeded_rows].tolist() == want[seeded_rows].tolist(), f"step {step}"
+        # Both batches continue with the same history (the reference's tokens).
+        mine.append(want)
+        ref.append(want)
+
+
+def test_unseeded_draws_reach_ties_beyond_the_candidates(sampler, reference):
+    """top_k=2 over 6 tied leaders: all six must be drawn, uniformly."""
+    vocab = 64
+    logits = torch.full((1, vocab), -5.0)
+    logits[0, [3, 10, 20, 30, 40, 50]] = 2.0
+    params = SamplingParams(top_k=2, temperature=0.9)
+    probe = build(reference, [("p", params, [], None)], vocab=vocab)
+    probs = torch.softmax(reference.processed_logits(logits, probe)[0], dim=-1)
+    rows = 4000
+    batch = build(sampler, [(f"u{i}", params, [], None) for i in range(rows)], vocab=vocab)
+    torch.manual_seed(3)
+    ids = sampler.sample(logits.expand(rows, -1), batch).token_ids
+    counts = torch.bincount(ids, minlength=vocab)
+    kept = probs > 0
+    assert int(kept.sum()) == 6 and not counts[~kept].any()
+    assert chi_square_p_value(counts[kept], probs[kept]) > 1e-6
+
+
+def test_a_row_keeping_one_token_always_draws_it(sampler):
+    batch = build(sampler, [(f"o{i}", SamplingParams(top_k=1), [], None) for i in range(512)])
+    logits = torch.randn(1, V).expand(512, -1)
+    ids = sampler.sample(logits, batch).token_ids
+    assert torch.equal(ids, logits.argmax(dim=-1))
+
+
+# ---------------------------------------------------------------------------- no host reads
+FULL = dict(temperature=0.7, top_k=50, top_p=0.9, min_p=0.01, repetition_penalty=1.1,
+            frequency_penalty=0.2, presence_penalty=0.1, logit_bias={7: 1.5, 99: -2.0},
+            min_tokens=3, stop_token_ids=[2], allowed_token_ids=list(range(0, V, 2)),
+            bad_words=[[4], [8, 10]], logprobs=5)
+
+
+@pytest.mark.parametrize("mode", ["raw", "processed"])
+def test_a_full_step_reads_nothing_on_the_host(sampler, mode):
+    requests = [("full", SamplingParams(**FULL), [1, 2, 3], None),
+                ("seeded", SamplingParams(**FULL, seed=5), [1], [4, 8]),
+                ("greedy", SamplingParams(temperature=0.0, logprobs=2), [], None),
+                ("top_p", SamplingParams(top_p=0.8, n=2), [], None)]
+    batch = build(sampler, requests, eos_token_id=9, logprobs_mode=mode)
+    logits = torch.randn(len(batch), V)
+    sampler.sample(logits, batch)                         # warm caches (request index, flags)
+    with no_host_sync():
+        out = sampler.sample(logits, batch)
+        per_request = sampler.sample(logits[: batch.num_requests], batch)
+    assert out.token_ids.shape == per_request.token_ids.shape == (5,)
+
+
+def test_the_detector_catches_host_reads(sampler):
+    x = torch.randn(4, 8)
+    for read in (lambda: x.sum().item(), lambda: x.tolist(), lambda: bool(x[0, 0] > 0),
+                 lambda: x[x > 0], lambda: torch.multinomial(x.softmax(-1), 1),
+                 lambda: (x > 0).nonzero()):
+        with pytest.raises(HostSyncError):
+            with no_host_sync():
+                read()
+    assert isinstance(x.tolist(), list)                   # restored afterwards
+
+
+def test_reference_batches_still_work(sampler, reference):
+    """A plain SamplingBatch (no host bounds) falls back to the sort and stays correct."""
+    from corelib import SamplingBatch
+    requests = [("a", SamplingParams(top_k=20, top_p=0.8, seed=1), [], None)]
+    plain = SamplingBatch(V, "cpu")
+    plain.add("a", requests[0][1])
+    assert not isinstance(plain, CudaBatch)
+    logits = torch.randn(1, V)
+    got = sampler.sample(logits, plain).token_ids
+    want = reference.sample(logits, build(reference, requests)).token_ids
+    assert torch.equal(got, want)
