@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import os
+import warnings
 from dataclasses import dataclass
 from typing import Optional
 
@@ -90,8 +91,10 @@ def import_flashinfer() -> tuple[Optional[str], Optional[str]]:
     only once per process.
     """
     try:
-        import flashinfer
-        import flashinfer.sampling  # noqa: F401  (the module the backend calls)
+        with warnings.catch_warnings():   # its CUTLASS DSL's deprecation notices are not ours
+            warnings.simplefilter("ignore", DeprecationWarning)
+            import flashinfer
+            import flashinfer.sampling  # noqa: F401  (the module the backend calls)
     except Exception as exc:  # ImportError, OSError from a CUDA library, RuntimeError, ...
         kind = "is not installed" if isinstance(exc, ModuleNotFoundError) and exc.name == "flashinfer" else "failed to import"
         return None, f"flashinfer {kind} ({type(exc).__name__}: {exc})"

@@ -1,0 +1,95 @@
+"""Discovery: the entry point resolves, and ``cuda`` is available exactly when the probe says so;
+the path report names FlashInfer problems without making the backend unavailable."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from importlib.metadata import entry_points
+
+import pytest
+import torch
+from corelib import BackendUnavailableError
+from corelib.registry import Registry
+
+from corelib_cuda import plugin
+from corelib_cuda.probe import (ENV_FLASHINFER, FLASHINFER_MIN_CAPABILITY, cuda_availability,
+                                flashinfer_choice, import_flashinfer, probe)
+
+
+def test_entry_point_resolves_to_the_plugin_module():
+    eps = [ep for ep in entry_points(group="corelib.plugins") if ep.name == "cuda"]
+    assert len(eps) == 1, f"expected one 'cuda' entry point, found {eps}"
+    assert eps[0].value == "corelib_cuda.plugin"
+    assert eps[0].load() is plugin
+    assert eps[0].dist.name == "corelib-cuda"
+
+
+def test_backend_is_listed_and_available_exactly_when_the_probe_says_so():
+    registry = Registry(allow={"cuda"})
+    status = next(s for s in registry.statuses() if s.name == "cuda")
+    gpu = cuda_availability()
+    assert status.distribution == "corelib-cuda"
+    assert status.device_type == "cuda" and status.priority == plugin.CUDA_PRIORITY == 20
+    assert status.available is gpu.available
+    assert status.reason, "the status must say why (unavailable) or which path runs (available)"
+    if gpu.available:
+        assert "path active" in status.reason
+    else:
+        assert status.reason == gpu.reason
+        with pytest.raises(BackendUnavailableError, match="not available"):
+            registry.get_sampler("cuda")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the report of a machine without a GPU")
+def test_no_gpu_is_reported_with_the_torch_build():
+    availability = probe()
+    assert not availability.available
+    assert "torch.cuda.is_available() is False" in availability.reason
+    assert torch.__version__ in availability.reason
+
+
+def test_path_reasons():
+    assert flashinfer_choice(None).path == "torch"
+    old = flashinfer_choice((7, 0))
+    assert old.path == "torch" and "7.5" in old.reason and "7.0" in old.reason
+    version, error = import_flashinfer()
+    new = flashinfer_choice(FLASHINFER_MIN_CAPABILITY)
+    if error is None:
+        assert new.flashinfer and version in new.reason
+    else:
+        assert new.reason.startswith("torch path active because flashinfer")
+
+
+def test_env_var_forces_the_torch_path(monkeypatch):
+    monkeypatch.setenv(ENV_FLASHINFER, "0")
+    choice = flashinfer_choice((9, 0))
+    assert choice.path == "torch" and ENV_FLASHINFER in choice.reason
+
+
+def test_a_broken_flashinfer_is_a_path_reason_not_an_error(tmp_path):
+    """A real package named flashinfer that fails to import, ahead of the installed one."""
+    broken = tmp_path / "flashinfer"
+    broken.mkdir()
+    (broken / "__init__.py").write_text("raise ImportError('libcudart.so.99: cannot open shared object file')\n")
+    code = textwrap.dedent("""
+        from corelib_cuda.probe import flashinfer_choice
+        print(flashinfer_choice((9, 0)).reason)
+    """)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
+    env.pop(ENV_FLASHINFER, None)
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == ("torch path active because flashinfer cannot be used: flashinfer "
+                                     "failed to import (ImportError: libcudart.so.99: cannot open "
+                                     "shared object file)")
+
+
+def test_hook_imports_no_flashinfer():
+    code = "import sys, corelib; corelib.available_backends(); print('flashinfer' in sys.modules)"
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")   # no GPU: the probe has no reason to look
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "False"
