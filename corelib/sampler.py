@@ -36,7 +36,9 @@ class SamplerOutput:
     """What ``Sampler.sample`` returns.
 
     ``valid[row]`` is False for a row whose logits held NaN or +inf, or whose every token was
-    masked by steps 3-5; such a row's token id is -1 and it must not be appended as a token.
+    masked by steps 3-5, or whose drawn token's logit was not finite because float32 overflowed
+    in steps 6-13 (finite logits near 3e38, a subnormal temperature); such a row's token id is
+    -1 and it must not be appended as a token.
     """
 
     token_ids: torch.Tensor            # int64 [B]
@@ -93,6 +95,7 @@ class Sampler:
                 token_ids = torch.where(s.greedy, greedy_ids, token_ids)
         else:
             token_ids = greedy_ids
+        valid = valid & self.drawn_is_finite(x, final, token_ids, s)
         logprobs = None
         if s.num_logprobs is not None:                                     # step 15
             source = raw if s.logprobs_mode == "raw" else self.processed_source(x, final, s)
@@ -159,6 +162,22 @@ class Sampler:
         """The logits of the final distribution: ``final`` for random rows, ``x`` for greedy."""
         chosen = torch.where(s.greedy[:, None], x, final) if s.any_greedy else final
         return self.log_softmax(chosen) if normalise else chosen
+
+    def drawn_is_finite(self, x: torch.Tensor, final: torch.Tensor, token_ids: torch.Tensor,
+                        s: StepState) -> torch.Tensor:
+        """bool [B]: the drawn id is in [0, V) and its logit is finite in the distribution it
+        came from (``x`` [B, V] for greedy rows, ``final`` [B, V] for the others). False where
+        float32 overflowed after step 5 (huge finite logits divided by a small temperature or
+        a repetition penalty < 1, a subnormal temperature): the stages then see +inf/NaN and
+        may drop every token, so the row is flagged instead of returning an arbitrary id.
+        O(B): gathers one value per row. Not in place."""
+        V = x.shape[-1]
+        in_range = (token_ids >= 0) & (token_ids < V)
+        safe = token_ids.clamp(0, V - 1)[:, None]
+        picked = final.gather(1, safe)
+        if s.any_greedy and final is not x:
+            picked = torch.where(s.greedy[:, None], x.gather(1, safe), picked)
+        return in_range & torch.isfinite(picked[:, 0])
 
     def empty_output(self, s: StepState) -> SamplerOutput:
         ids = torch.empty(0, dtype=torch.long, device=self.device)
