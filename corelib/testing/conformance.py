@@ -1,15 +1,18 @@
 """The shared conformance suite: every backend against the reference backend.
 
-Use it from a backend's own tests::
+Use it from a backend's own tests (one class, one line in it)::
 
     from corelib.testing import ConformanceSuite
 
     class TestConformance(ConformanceSuite):
         backend = "mybackend"            # a name corelib.get_sampler() accepts
 
-Override ``make_sampler`` to build the sampler another way, and the class attributes below to
-size the statistical tests for a slow device. Every failure names the contract rule, the row and
-the row's parameters.
+or, without writing a file, ``pytest --pyargs corelib.testing.suite --corelib-backend NAME``.
+
+Override ``make_sampler`` to build the sampler another way, set ``device`` to run the backend on
+another device than its default (``"cuda:1"``), and size the statistical tests for a slow device
+with the class attributes below. Every failure starts with the contract rule it breaks (the
+step numbers of the contract's stage order) and names the row, its request and its parameters.
 """
 
 from __future__ import annotations
@@ -24,6 +27,37 @@ from ..params import SamplingParams
 from ..sampler import Sampler
 
 Request = tuple  # (request_id, SamplingParams, prompt_token_ids, output_token_ids or None)
+
+# The contract's rules, as failure messages name them (docs/contract.md explains each).
+RULES: dict[str, str] = {
+    "copy": "step 2 (work on a float32 copy: the caller's logits are never modified)",
+    "allowed": "step 3 (allowed_token_ids)",
+    "bad_words": "step 4 (bad_words)",
+    "min_tokens": "step 5 (min_tokens masks stop ids and eos)",
+    "bias": "step 6 (logit_bias)",
+    "repetition": "step 7 (repetition_penalty)",
+    "freq_presence": "step 8 (frequency and presence penalties)",
+    "penalties": "steps 7-8 (repetition, frequency and presence penalties)",
+    "masks": "steps 3-4 (allowed_token_ids, bad_words: masked tokens are never drawn)",
+    "greedy": "step 9 (temperature 0 = argmax, lowest id on ties)",
+    "greedy_prep": "steps 2-9 (greedy rows: penalties and masks, then argmax)",
+    "temperature": "step 10 (temperature)",
+    "min_p": "step 11 (min_p)",
+    "top_k": "step 12 (top_k, ties at the boundary kept)",
+    "top_p": "step 13 (top_p, smallest set with mass >= top_p, ties kept)",
+    "filters": "steps 10-13 (temperature, min_p, top_k, top_p)",
+    "draw": "step 14 (draw from the renormalised kept probabilities)",
+    "logprobs": "step 15 (logprobs: sampled token, top-N, rank)",
+    "seed_reference": "seeded draws (equal to the reference's: docs/seeded-draw.md)",
+    "seed_batch": "seeded draws (independent of batch size, row place and other rows)",
+    "children": "parallel sampling (children of a request draw from distinct streams)",
+    "child_zero": "parallel sampling (child 0 of n completions equals the request with n = 1)",
+    "resume": "resumption (output_token_ids continue as if never interrupted)",
+    "remove": "continuous batching (removing a request leaves other rows' state intact)",
+    "per_request": "per-request logits ([num_requests, V] serves every child of a request)",
+    "bad_rows": "bad rows (NaN/+inf or fully masked rows are flagged with id -1, others untouched)",
+    "dtype": "step 2 (logits of any float dtype are upcast to float32 first)",
+}
 
 # The kept-set cases: one stage (or a combination) each, on random logits.
 STAGE_CASES: dict[str, dict] = {
@@ -45,8 +79,30 @@ STAGE_CASES: dict[str, dict] = {
     "greedy": dict(temperature=0.0, top_k=3),
 }
 
+# Which rule each kept-set case checks.
+STAGE_RULES: dict[str, str] = {
+    "temperature": "temperature", "min_p": "min_p", "top_k": "top_k", "top_k_ties": "top_k",
+    "top_p": "top_p", "top_p_small": "top_p", "top_k_top_p_temperature": "filters",
+    "min_p_top_k_top_p": "filters", "allowed_ids": "allowed", "bad_words": "bad_words",
+    "min_tokens": "min_tokens", "logit_bias": "bias", "repetition_penalty": "repetition",
+    "frequency_presence": "freq_presence", "all_penalties": "penalties", "greedy": "greedy_prep",
+}
+
 PROMPT = [1, 2, 3, 2, 9, 100, 101]
 OUTPUT = [9, 1, 2, 9, 9, 9]
+
+
+def violation(rule: str, message: str) -> None:
+    """Fail the running test with ``contract <rule>: <message>``."""
+    pytest.fail(f"contract {RULES[rule]}: {message}")
+
+
+def params_text(params: SamplingParams | dict) -> str:
+    """A short form of parameters: only the fields that differ from the defaults."""
+    if isinstance(params, dict):
+        params = SamplingParams(**params)
+    fields = params.model_dump(exclude_defaults=True)
+    return "SamplingParams(" + ", ".join(f"{k}={v!r}" for k, v in fields.items()) + ")"
 
 
 def chi_square_p_value(observed: torch.Tensor, probs: torch.Tensor, min_expected: float = 5.0) -> float:
@@ -71,7 +127,10 @@ def chi_square_p_value(observed: torch.Tensor, probs: torch.Tensor, min_expected
 class ConformanceSuite:
     """Contract checks for one backend; subclass as ``TestConformance`` and set ``backend``."""
 
+    #: the backend's name as ``corelib.get_sampler`` takes it
     backend: Optional[str] = None
+    #: a torch device for the backend (``"cuda:1"``); None = the backend's default device
+    device: Optional[str] = None
     vocab_size: int = 256
     #: rows per draw call and calls, for the chi-square tests (rows x calls draws)
     draw_rows: int = 1000
@@ -81,10 +140,19 @@ class ConformanceSuite:
 
     # ------------------------------------------------------------------ fixtures
     def make_sampler(self) -> Sampler:
-        from .. import get_sampler
+        """The sampler under test; override to build it another way."""
         if self.backend is None:
             raise NotImplementedError("set `backend` or override make_sampler()")
-        return get_sampler(self.backend)
+        if self.device is None:
+            from .. import get_sampler
+            return get_sampler(self.backend)
+        return self._sampler_on_device(self.backend, torch.device(self.device))
+
+    @staticmethod
+    def _sampler_on_device(name: str, device: torch.device) -> Sampler:
+        from ..registry import default_registry
+        status, _ = default_registry().choose(name)
+        return status.spec.factory(device)
 
     # Class-scoped fixtures are classmethods (pytest's rule); make_sampler stays an ordinary
     # method so subclasses override it naturally.
@@ -117,8 +185,16 @@ class ConformanceSuite:
 
     @staticmethod
     def describe(batch, row: int) -> str:
+        """``row 2 (request 'r2', child 0, position 3, params SamplingParams(top_k=20))``."""
         rid, child = batch.rows[row]
-        return f"row {row} (request {rid!r}, child {child}, params {batch.params_of(rid)!r})"
+        position = batch.generated_counts()[row]
+        return (f"row {row} (request {rid!r}, child {child}, position {position}, "
+                f"params {params_text(batch.params_of(rid))})")
+
+    @staticmethod
+    def describe_request(requests: Sequence[Request], rid: str, child: int = 0) -> str:
+        params = next(p for r, p, _, _ in requests if r == rid)
+        return f"request {rid!r} child {child} (params {params_text(params)})"
 
     # ------------------------------------------------------------------ greedy
     def test_greedy_is_argmax_lowest_id_on_ties(self, sampler):
@@ -131,10 +207,9 @@ class ConformanceSuite:
         got = out.token_ids.cpu()
         want = torch.argmax(logits, dim=-1)
         for row in range(6):
-            assert got[row] == want[row], (
-                f"greedy = argmax (lowest id on ties) broken at {self.describe(batch, row)}: "
-                f"got {int(got[row])}, expected {int(want[row])}"
-            )
+            if got[row] != want[row]:
+                violation("greedy", f"at {self.describe(batch, row)}: got token {int(got[row])}, "
+                                    f"expected {int(want[row])}")
 
     # ------------------------------------------------------------------ kept sets
     @pytest.mark.parametrize("case", sorted(STAGE_CASES))
@@ -149,17 +224,23 @@ class ConformanceSuite:
         ref = self.build(reference, requests, eos_token_id=6)
         got = sampler.processed_logits(self.on(sampler, logits), mine).cpu()
         want = reference.processed_logits(logits, ref)
+        rule = STAGE_RULES[case]
         for row in range(len(requests)):
             kept_got, kept_want = torch.isfinite(got[row]), torch.isfinite(want[row])
+            where = f"{self.describe(mine, row)}, prompt {PROMPT}, case {case!r}"
             if not torch.equal(kept_got, kept_want):
                 extra = torch.nonzero(kept_got & ~kept_want).flatten().tolist()[:10]
                 missing = torch.nonzero(kept_want & ~kept_got).flatten().tolist()[:10]
-                pytest.fail(f"stage {case!r}: kept set differs from the reference at "
-                            f"{self.describe(mine, row)}: kept but should drop {extra}, "
-                            f"dropped but should keep {missing}")
-            torch.testing.assert_close(
-                got[row][kept_want], want[row][kept_want], rtol=1e-5, atol=1e-5,
-                msg=lambda m: f"stage {case!r}: kept logits differ at {self.describe(mine, row)}: {m}")
+                violation(rule, f"kept set differs from the reference at {where}: kept but "
+                                f"should drop {extra}, dropped but should keep {missing}")
+            diff = (got[row][kept_want] - want[row][kept_want]).abs()
+            tolerance = 1e-5 + 1e-5 * want[row][kept_want].abs()
+            if diff.numel() and bool((diff > tolerance).any()):
+                worst = int(torch.argmax(diff - tolerance))
+                token = int(torch.nonzero(kept_want).flatten()[worst])
+                violation(rule, f"kept logits differ from the reference at {where}: token {token} "
+                                f"has {float(got[row, token]):.6g}, reference "
+                                f"{float(want[row, token]):.6g} (tolerance 1e-5 abs + 1e-5 rel)")
 
     # ------------------------------------------------------------------ draws
     @pytest.mark.parametrize("seeded", [False, True], ids=["unseeded", "seeded"])
@@ -171,6 +252,9 @@ class ConformanceSuite:
         kept = probs > 0
         counts = torch.zeros(self.vocab_size, dtype=torch.long)
         torch.manual_seed(1234)
+        what = (f"{self.draw_rows} identical rows x {self.draw_calls} calls, "
+                f"{'seeds 0..' + str(self.draw_rows * self.draw_calls - 1) if seeded else 'unseeded'}, "
+                f"params {params_text(params)}")
         for call in range(self.draw_calls):
             requests = [
                 (f"d{call}-{i}", SamplingParams(**params, seed=(call * self.draw_rows + i) if seeded else None), [], None)
@@ -178,14 +262,24 @@ class ConformanceSuite:
             ]
             batch = self.build(sampler, requests)
             ids = sampler.sample(self.on(sampler, logits.expand(self.draw_rows, -1)), batch).token_ids.cpu()
-            assert ((ids >= 0) & (ids < self.vocab_size)).all(), "token ids out of range"
+            bad = torch.nonzero((ids < 0) | (ids >= self.vocab_size)).flatten().tolist()
+            if bad:
+                violation("draw", f"token id {int(ids[bad[0]])} out of range [0, {self.vocab_size}) "
+                                  f"at {self.describe(batch, bad[0])} (call {call})")
+            dropped = torch.nonzero(~kept[ids]).flatten().tolist()
+            if dropped:
+                row = dropped[0]
+                violation("draw", f"token {int(ids[row])}, which steps 10-13 drop, was drawn at "
+                                  f"{self.describe(batch, row)} (call {call}; "
+                                  f"{len(dropped)} such rows in this call)")
             counts += torch.bincount(ids, minlength=self.vocab_size)
-        never = torch.nonzero((counts > 0) & ~kept).flatten().tolist()
-        assert not never, f"masked tokens were drawn: {never} (params {params})"
         p = chi_square_p_value(counts[kept], probs[kept])
-        assert p > self.min_p_value, (
-            f"draws do not follow the reference distribution (chi-square p={p:.2e}, "
-            f"{counts.sum()} draws, seeded={seeded}, params {params})")
+        if not p > self.min_p_value:
+            worst = torch.argmax((counts - probs * counts.sum()).abs())
+            violation("draw", f"draws do not follow the reference distribution (chi-square "
+                              f"p={p:.2e} < {self.min_p_value:.0e}; {int(counts.sum())} draws of "
+                              f"{what}; token {int(worst)} drawn {int(counts[worst])} times, "
+                              f"expected {float(probs[worst] * counts.sum()):.1f})")
 
     def test_masked_tokens_never_drawn(self, sampler):
         allowed = [5, 6, 7, 8]
@@ -195,10 +289,14 @@ class ConformanceSuite:
         logits = self.logits(1, seed=3).expand(200, -1)
         logits = logits.clone()
         logits[:, 6] = 50.0     # the banned word is by far the most likely token
-        for _ in range(3):
-            ids = sampler.sample(self.on(sampler, logits), batch).token_ids.cpu()
-            bad = [int(t) for t in ids if int(t) not in (5, 7, 8)]
-            assert not bad, f"tokens outside allowed_ids minus bad_words were drawn: {bad[:10]}"
+        for step in range(3):
+            ids = sampler.sample(self.on(sampler, logits), batch).token_ids.cpu().tolist()
+            bad = [row for row, t in enumerate(ids) if t not in (5, 7, 8)]
+            if bad:
+                violation("masks", f"token {ids[bad[0]]} drawn at {self.describe(batch, bad[0])} "
+                                   f"(step {step}); only 5, 7, 8 may be drawn; "
+                                   f"{len(bad)} of 200 rows broke the rule")
+            batch.append(torch.tensor(ids))
 
     # ------------------------------------------------------------------ seeds
     def _seeded_requests(self):
@@ -213,11 +311,12 @@ class ConformanceSuite:
             ("s-n3", SamplingParams(seed=15, n=3, temperature=1.1), PROMPT, None),
         ]
 
-    def _run_steps(self, sampler, batch, steps: int, seed: int = 5, only: Optional[str] = None):
+    def _run_steps(self, sampler, batch, steps: int, seed: int = 5, only: Optional[str] = None,
+                   first_step: int = 0):
         """Sample ``steps`` steps; logits depend on (request, child, step) only. Returns
         {(request_id, child): [tokens]}."""
         tokens: dict = {}
-        for step in range(steps):
+        for step in range(first_step, first_step + steps):
             rows = []
             for rid, child in batch.rows:
                 gen = torch.Generator().manual_seed(zlib.crc32(f"{rid}/{child}/{step}/{seed}".encode()))
@@ -230,14 +329,22 @@ class ConformanceSuite:
             batch.append(out.token_ids)
         return tokens
 
+    @staticmethod
+    def _first_difference(got: list, want: list) -> str:
+        step = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
+        return f"first at position {step}"
+
     def test_seeded_tokens_equal_the_reference(self, sampler, reference):
         requests = self._seeded_requests()
         got = self._run_steps(sampler, self.build(sampler, requests, eos_token_id=6), steps=6)
         want = self._run_steps(reference, self.build(reference, requests, eos_token_id=6), steps=6)
         for key in want:
-            assert got[key] == want[key], (
-                f"seeded tokens differ from the reference for request {key[0]!r} child {key[1]}: "
-                f"got {got[key]}, reference {want[key]}")
+            if got.get(key) != want[key]:
+                violation("seed_reference",
+                          f"seeded tokens differ from the reference for "
+                          f"{self.describe_request(requests, *key)}, prompt {PROMPT}: got "
+                          f"{got.get(key)}, reference {want[key]} "
+                          f"({self._first_difference(got.get(key, []), want[key])})")
 
     def test_seeded_tokens_independent_of_batch_composition(self, sampler):
         requests = self._seeded_requests()
@@ -246,11 +353,15 @@ class ConformanceSuite:
             alone.update(self._run_steps(sampler, self.build(sampler, [req]), steps=4))
         others = [(f"noise{i}", SamplingParams(temperature=1.5, top_k=7), [i], None) for i in range(5)]
         mixed_requests = others[:2] + list(reversed(requests)) + others[2:]
-        mixed = self._run_steps(sampler, self.build(sampler, mixed_requests), steps=4)
+        batch = self.build(sampler, mixed_requests)
+        rows = batch.rows
+        mixed = self._run_steps(sampler, batch, steps=4)
         for key, tokens in alone.items():
-            assert mixed[key] == tokens, (
-                f"seeded request {key[0]!r} child {key[1]} drew {mixed[key]} in a mixed, "
-                f"reordered batch but {tokens} alone")
+            if mixed[key] != tokens:
+                violation("seed_batch",
+                          f"{self.describe_request(requests, *key)} drew {mixed[key]} at row "
+                          f"{rows.index(key)} of a mixed batch of {len(rows)} rows but {tokens} "
+                          f"alone ({self._first_difference(mixed[key], tokens)})")
 
     def test_children_draw_distinct_streams(self, sampler):
         params = SamplingParams(n=4, seed=99, temperature=1.0)
@@ -262,15 +373,20 @@ class ConformanceSuite:
             for (rid, child), token in zip(batch.rows, out.token_ids.cpu().tolist()):
                 streams[child].append(token)
             batch.append(out.token_ids)
-        distinct = {tuple(s) for s in streams.values()}
-        assert len(distinct) == 4, f"children of one request share a stream: {streams}"
+        if len({tuple(s) for s in streams.values()}) != 4:
+            same = [(a, b) for a in streams for b in streams if a < b and streams[a] == streams[b]]
+            violation("children", f"children of one request share a stream: children {same} drew "
+                                  f"the same tokens on uniform logits; streams {streams}; request "
+                                  f"'kids' params {params_text(params)}")
 
     def test_child_zero_equals_single_completion(self, sampler):
         params = dict(seed=2024, temperature=0.9, top_p=0.95, repetition_penalty=1.1)
         many = self._run_steps(sampler, self.build(sampler, [("r", SamplingParams(n=3, **params), PROMPT, None)]), steps=5)
         one = self._run_steps(sampler, self.build(sampler, [("r", SamplingParams(n=1, **params), PROMPT, None)]), steps=5)
-        assert many[("r", 0)] == one[("r", 0)], (
-            f"child 0 of n=3 drew {many[('r', 0)]}, the same request with n=1 drew {one[('r', 0)]}")
+        if many[("r", 0)] != one[("r", 0)]:
+            violation("child_zero", f"child 0 of n=3 drew {many[('r', 0)]}, the same request with "
+                                    f"n=1 drew {one[('r', 0)]} (params {params_text(params)}, "
+                                    f"prompt {PROMPT}; {self._first_difference(many[('r', 0)], one[('r', 0)])})")
 
     def test_resume_matches_uninterrupted_run(self, sampler):
         params = SamplingParams(seed=5, temperature=1.0, presence_penalty=1.0, frequency_penalty=0.5,
@@ -289,7 +405,27 @@ class ConformanceSuite:
                     history[child].append(token)
                 batch.append(out.token_ids)
             return history
-        assert run(True) == run(False), "a resumed request drew other seeded tokens than an uninterrupted one"
+        resumed, straight = run(True), run(False)
+        for child in range(2):
+            if resumed[child] != straight[child]:
+                violation("resume", f"request 'r' child {child} (params {params_text(params)}, "
+                                    f"eos 6) removed and re-added after 3 tokens drew "
+                                    f"{resumed[child]}, uninterrupted {straight[child]}")
+
+    def test_remove_keeps_other_rows_state(self, sampler):
+        requests = self._seeded_requests()
+        straight = self._run_steps(sampler, self.build(sampler, requests, eos_token_id=6), steps=5)
+        batch = self.build(sampler, requests, eos_token_id=6)
+        before = self._run_steps(sampler, batch, steps=2)
+        batch.remove("s-topk")          # a middle request: the last rows move into its place
+        after = self._run_steps(sampler, batch, steps=3, first_step=2)
+        for key, tokens in after.items():
+            got = before[key] + tokens
+            if got != straight[key]:
+                violation("remove", f"{self.describe_request(requests, *key)} drew {got} when "
+                                    f"request 's-topk' left after 2 steps, {straight[key]} "
+                                    f"otherwise (now at row {batch.rows.index(key)}; "
+                                    f"{self._first_difference(got, straight[key])})")
 
     # ------------------------------------------------------------------ batch forms
     def test_per_request_logits_serve_all_children(self, sampler):
@@ -300,7 +436,11 @@ class ConformanceSuite:
         expanded = per_request[torch.tensor([0, 0, 0, 1, 2, 2])]
         got = sampler.sample(self.on(sampler, per_request), rows).token_ids.cpu()
         want = sampler.sample(self.on(sampler, expanded), self.build(sampler, requests)).token_ids.cpu()
-        assert torch.equal(got, want), f"per-request logits gave {got.tolist()}, per-row {want.tolist()}"
+        for row in range(len(want)):
+            if got[row] != want[row]:
+                violation("per_request", f"at {self.describe(rows, row)}: logits [3, V] (one row "
+                                         f"per request) gave token {int(got[row])}, the same "
+                                         f"logits expanded to [6, V] gave {int(want[row])}")
 
     def test_mixed_greedy_and_random_rows(self, sampler, reference):
         requests = [("g", SamplingParams(temperature=0.0), PROMPT, None),
@@ -308,19 +448,45 @@ class ConformanceSuite:
                     ("u", SamplingParams(temperature=1.2, top_p=0.5), PROMPT, None),
                     ("g2", SamplingParams(temperature=0.0, repetition_penalty=1.5), PROMPT, OUTPUT)]
         logits = self.logits(4, seed=9)
-        got = sampler.sample(self.on(sampler, logits), self.build(sampler, requests)).token_ids.cpu()
-        want = reference.sample(logits, self.build(reference, requests)).token_ids
+        batch = self.build(sampler, requests)
+        got = sampler.sample(self.on(sampler, logits), batch).token_ids.cpu()
+        ref = self.build(reference, requests)
+        want = reference.sample(logits, ref).token_ids
+        kept = torch.isfinite(reference.processed_logits(logits, self.build(reference, requests)))
         for row in (0, 1, 3):
-            assert got[row] == want[row], f"row {row} ({requests[row][0]}): got {int(got[row])}, reference {int(want[row])}"
-        assert 0 <= int(got[2]) < self.vocab_size
+            if got[row] != want[row]:
+                rule = "seed_reference" if row == 1 else "greedy_prep"
+                violation(rule, f"in a batch mixing greedy and random rows, {self.describe(batch, row)} "
+                                f"got token {int(got[row])}, reference {int(want[row])}")
+        token = int(got[2])
+        if not (0 <= token < self.vocab_size and bool(kept[2, token])):
+            violation("draw", f"in a batch mixing greedy and random rows, {self.describe(batch, 2)} "
+                              f"drew token {token}, which top_p drops")
 
     def test_caller_logits_are_not_modified(self, sampler):
-        requests = [("a", SamplingParams(**STAGE_CASES["all_penalties"], top_k=3, logit_bias={1: 3.0},
-                                         allowed_token_ids=[1, 2, 3, 4]), PROMPT, OUTPUT)]
+        params = SamplingParams(**STAGE_CASES["all_penalties"], top_k=3, logit_bias={1: 3.0},
+                                allowed_token_ids=[1, 2, 3, 4])
+        requests = [("a", params, PROMPT, OUTPUT)]
         logits = self.on(sampler, self.logits(1, seed=2))
         before = logits.clone()
         sampler.sample(logits, self.build(sampler, requests))
-        assert torch.equal(logits.cpu(), before.cpu()), "sample() modified the caller's logits"
+        if not torch.equal(logits.cpu(), before.cpu()):
+            changed = torch.nonzero(logits.cpu() != before.cpu())[:, 1].tolist()[:10]
+            violation("copy", f"sample() modified the caller's logits at token ids {changed} "
+                              f"(row 0, request 'a', params {params_text(params)})")
+
+    @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["float16", "bfloat16"])
+    def test_low_precision_logits(self, sampler, reference, dtype):
+        requests = [("g", SamplingParams(temperature=0.0, repetition_penalty=1.2), PROMPT, OUTPUT),
+                    ("s", SamplingParams(seed=21, top_k=40, top_p=0.9), PROMPT, None)]
+        logits = self.logits(2, seed=14).to(dtype)
+        batch = self.build(sampler, requests)
+        got = sampler.sample(self.on(sampler, logits), batch).token_ids.cpu()
+        want = reference.sample(logits, self.build(reference, requests)).token_ids
+        for row in range(2):
+            if got[row] != want[row]:
+                violation("dtype", f"{dtype} logits: {self.describe(batch, row)} got token "
+                                   f"{int(got[row])}, reference {int(want[row])}")
 
     # ------------------------------------------------------------------ logprobs
     @pytest.mark.parametrize("mode", ["raw", "processed"])
@@ -330,18 +496,31 @@ class ConformanceSuite:
                                          repetition_penalty=1.3), PROMPT, OUTPUT),
                     ("z", SamplingParams(seed=9, logprobs=0, top_p=0.8), PROMPT, None)]
         logits = self.logits(3, seed=12)
-        got = sampler.sample(self.on(sampler, logits), self.build(sampler, requests, logprobs_mode=mode))
+        batch = self.build(sampler, requests, logprobs_mode=mode)
+        got = sampler.sample(self.on(sampler, logits), batch)
         want = reference.sample(logits, self.build(reference, requests, logprobs_mode=mode))
-        assert got.logprobs is not None, "logprobs were asked for but not returned"
-        assert got.logprobs.token_ids.shape == (3, 6), f"logprobs width must be N+1=6, got {tuple(got.logprobs.token_ids.shape)}"
+        if got.logprobs is None:
+            violation("logprobs", f"logprobs were asked for (up to 5, mode {mode!r}) but "
+                                  f"sample() returned none")
+        shape = tuple(got.logprobs.token_ids.shape)
+        if shape != (3, 6):
+            violation("logprobs", f"logprobs token_ids must be [rows, N+1] = (3, 6) for N=5, got {shape}")
         widths = {"g": 6, "s": 3, "z": 1}
         for row, (rid, _, _, _) in enumerate(requests):
             w = widths[rid]
+            where = f"{self.describe(batch, row)}, mode {mode!r}"
             g_ids, w_ids = got.logprobs.token_ids[row, :w].cpu(), want.logprobs.token_ids[row, :w]
-            assert torch.equal(g_ids, w_ids), f"{mode} logprob token ids differ for {rid!r}: {g_ids.tolist()} vs {w_ids.tolist()}"
-            torch.testing.assert_close(got.logprobs.logprobs[row, :w].cpu(), want.logprobs.logprobs[row, :w],
-                                       rtol=1e-4, atol=1e-4)
-            assert int(got.logprobs.ranks[row]) == int(want.logprobs.ranks[row]), f"{mode} rank differs for {rid!r}"
+            if not torch.equal(g_ids, w_ids):
+                violation("logprobs", f"token ids (sampled, then top-{w - 1}) differ at {where}: "
+                                      f"{g_ids.tolist()}, reference {w_ids.tolist()}")
+            g_lp, w_lp = got.logprobs.logprobs[row, :w].cpu(), want.logprobs.logprobs[row, :w]
+            if not torch.allclose(g_lp, w_lp, rtol=1e-4, atol=1e-4):
+                violation("logprobs", f"logprob values differ at {where}: {g_lp.tolist()}, "
+                                      f"reference {w_lp.tolist()} (tolerance 1e-4)")
+            g_rank, w_rank = int(got.logprobs.ranks[row]), int(want.logprobs.ranks[row])
+            if g_rank != w_rank:
+                violation("logprobs", f"rank of the sampled token differs at {where}: {g_rank}, "
+                                      f"reference {w_rank}")
 
     # ------------------------------------------------------------------ bad rows
     def test_bad_rows_are_flagged_and_do_not_touch_others(self, sampler, reference):
@@ -351,11 +530,22 @@ class ConformanceSuite:
                     ("ok2", SamplingParams(temperature=0.0), PROMPT, None)]
         logits = self.logits(4, seed=13)
         logits[1, 7] = float("nan")
-        got = sampler.sample(self.on(sampler, logits), self.build(sampler, requests))
+        batch = self.build(sampler, requests)
+        got = sampler.sample(self.on(sampler, logits), batch)
         want = reference.sample(logits, self.build(reference, requests))
         valid = got.valid.cpu().tolist()
-        assert valid == [True, False, False, True], f"valid flags {valid}, expected [True, False, False, True]"
         ids = got.token_ids.cpu().tolist()
-        assert ids[1] == -1 and ids[2] == -1, f"flagged rows must return -1, got {ids}"
-        assert ids[0] == int(want.token_ids[0]) and ids[3] == int(want.token_ids[3]), (
-            f"a bad row changed other rows' tokens: {ids} vs reference {want.token_ids.tolist()}")
+        why = {1: "a NaN logit", 2: "every token masked by allowed_token_ids and bad_words"}
+        for row, expected in enumerate([True, False, False, True]):
+            if valid[row] != expected:
+                violation("bad_rows", f"valid flag {valid[row]} at {self.describe(batch, row)}"
+                                      + (f" with {why[row]}" if row in why else "")
+                                      + f"; expected {expected} (all flags {valid})")
+        for row in (1, 2):
+            if ids[row] != -1:
+                violation("bad_rows", f"flagged {self.describe(batch, row)} with {why[row]} "
+                                      f"returned token {ids[row]}, expected -1")
+        for row in (0, 3):
+            if ids[row] != int(want.token_ids[row]):
+                violation("bad_rows", f"a bad row changed {self.describe(batch, row)}: token "
+                                      f"{ids[row]}, reference {int(want.token_ids[row])}")

@@ -1,4 +1,7 @@
-"""The conformance suite as a runnable test module, for ``--corelib-backend NAME``."""
+"""The conformance suite as a runnable test module, for ``--corelib-backend NAME``.
+
+``pytest --pyargs corelib.testing.suite --corelib-backend NAME [--corelib-device DEVICE]``
+"""
 
 from __future__ import annotations
 
@@ -11,8 +14,9 @@ class TestConformance(ConformanceSuite):
     @pytest.fixture(scope="class")
     @classmethod
     def sampler(cls, request):
-        from corelib import get_sampler
-        name = request.config.getoption("--corelib-backend")
-        if name is None:
+        suite = cls()
+        suite.backend = request.config.getoption("--corelib-backend")
+        suite.device = request.config.getoption("--corelib-device")
+        if suite.backend is None:
             pytest.skip("pass --corelib-backend NAME to run the conformance suite")
-        return get_sampler(name)
+        return suite.make_sampler()

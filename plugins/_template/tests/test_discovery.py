@@ -1,0 +1,41 @@
+"""Discovery: the entry point resolves, the backend is available exactly when its probe says
+so, and auto-detection never picks it over the reference backend."""
+
+from __future__ import annotations
+
+from importlib.metadata import entry_points
+
+import torch
+from corelib.registry import Registry
+
+from corelib_template import plugin
+from corelib_template.sampler import TemplateSampler
+
+
+def test_entry_point_resolves_to_the_plugin_module():
+    eps = [ep for ep in entry_points(group="corelib.plugins") if ep.name == plugin.BACKEND_NAME]
+    assert len(eps) == 1, f"expected one {plugin.BACKEND_NAME!r} entry point, found {eps}"
+    assert eps[0].load() is plugin
+    assert eps[0].dist.name == f"corelib-{plugin.BACKEND_NAME}"
+
+
+def test_backend_is_available_exactly_when_the_probe_says_so():
+    registry = Registry(allow={plugin.BACKEND_NAME})
+    status = next(s for s in registry.statuses() if s.name == plugin.BACKEND_NAME)
+    expected = plugin.probe()
+    assert status.available is expected.available, status.reason
+    assert status.reason == expected.reason
+    assert status.device_type == plugin.DEVICE_TYPE and status.priority == plugin.PRIORITY
+
+
+def test_asked_for_by_name_it_builds_its_sampler():
+    sampler = Registry(allow={plugin.BACKEND_NAME}).get_sampler(plugin.BACKEND_NAME)
+    assert isinstance(sampler, TemplateSampler)
+    assert sampler.name == plugin.BACKEND_NAME
+    assert sampler.device == torch.device(plugin.DEVICE_TYPE)
+
+
+def test_auto_detection_prefers_the_reference():
+    registry = Registry(allow={plugin.BACKEND_NAME})
+    assert registry.choose()[0].name != plugin.BACKEND_NAME
+    assert registry.choose(torch.device(plugin.DEVICE_TYPE))[0].name != plugin.BACKEND_NAME
