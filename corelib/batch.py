@@ -207,9 +207,17 @@ class SamplingBatch:
 
         first = len(self._row_keys)
         rows = list(range(first, first + params.n))
-        self._ensure_capacity(first + params.n)
-        self._allocate_optional_state(params)
-        self._write_rows(rows, params, prompt, outputs)
+        # All or nothing: an allocation that fails half-way (a huge n or vocabulary) must not
+        # leave tensors of different capacities or widths behind, nor half-written free rows.
+        saved_tensors, saved_capacity = dict(self._tensors), self._capacity
+        try:
+            self._ensure_capacity(first + params.n)
+            self._allocate_optional_state(params)
+            self._write_rows(rows, params, prompt, outputs)
+        except BaseException:
+            self._tensors, self._capacity = saved_tensors, saved_capacity
+            self._reset_rows(rows)
+            raise
 
         self._requests[request_id] = _Request(request_id, params, rows)
         for child, out in enumerate(outputs):
