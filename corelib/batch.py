@@ -19,6 +19,9 @@ from .params import SamplingParams
 
 LOGPROBS_MODES = ("raw", "processed")
 _MIN_CAPACITY = 8
+# Rows, children and positions are int32 on the device (and in the seeded-draw recipe).
+MAX_ROWS = 2**31 - 1
+_INT32_MAX = 2**31 - 1
 
 
 @dataclass
@@ -195,6 +198,12 @@ class SamplingBatch:
             raise TypeError(
                 f"params of request {request_id!r} must be corelib.SamplingParams, "
                 f"got {type(params).__name__}"
+            )
+        if len(self._row_keys) + params.n > MAX_ROWS:
+            # Checked before anything is built per child: such an n would only exhaust memory.
+            raise ValueError(
+                f"request {request_id!r}: n={params.n} does not fit: a batch holds at most "
+                f"{MAX_ROWS} rows (row and child indices are int32), it has {len(self._row_keys)}"
             )
         prompt = self._check_ids(request_id, "prompt_token_ids", prompt_token_ids)
         outputs = self._split_outputs(request_id, params.n, output_token_ids)
@@ -521,10 +530,12 @@ class SamplingBatch:
             "repetition_penalty": params.repetition_penalty,
             "frequency_penalty": params.frequency_penalty,
             "presence_penalty": params.presence_penalty,
-            "top_k": params.effective_top_k,
+            # Clamped to int32: a top_k above V keeps every token and a min_tokens above
+            # 2**31 - 1 is never reached, so the clamp changes nothing but the overflow.
+            "top_k": min(params.effective_top_k, _INT32_MAX),
             "seed_lo": seed_lo,
             "seed_hi": seed_hi,
-            "min_tokens": params.min_tokens,
+            "min_tokens": min(params.min_tokens, _INT32_MAX),
             "seeded": params.seed is not None,
             "greedy": params.is_greedy,
         }
