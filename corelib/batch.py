@@ -24,6 +24,11 @@ MAX_ROWS = 2**31 - 1
 _INT32_MAX = 2**31 - 1
 
 
+class UnknownRequestError(KeyError, ValueError):
+    """A request id that is not in the batch: a KeyError for lookups, and a ValueError as the
+    contract asks of every bad input."""
+
+
 @dataclass
 class _Request:
     request_id: str
@@ -397,7 +402,7 @@ class SamplingBatch:
         try:
             return self._requests[request_id]
         except KeyError:
-            raise KeyError(f"request {request_id!r} is not in the batch") from None
+            raise UnknownRequestError(f"request {request_id!r} is not in the batch") from None
 
     def _check_ids(self, request_id: str, what: str, ids) -> list[int]:
         if isinstance(ids, torch.Tensor):
