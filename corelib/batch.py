@@ -283,7 +283,12 @@ class SamplingBatch:
         on an accelerator they are counted nowhere and only advance the position.
         """
         n = len(self._row_keys)
-        ids = torch.as_tensor(token_ids)
+        try:
+            ids = torch.as_tensor(token_ids)
+        except (RuntimeError, TypeError, ValueError) as exc:  # None, strings, ints past int64
+            kind = ValueError if isinstance(exc, ValueError) else TypeError
+            raise kind(f"append needs one integer token id per row, got "
+                       f"{type(token_ids).__name__}: {exc}") from None
         if ids.dim() != 1 or ids.shape[0] != n:
             raise ValueError(
                 f"append needs one token id per row: expected shape [{n}], got {list(ids.shape)}"
