@@ -124,6 +124,7 @@ class CudaSampler(Sampler):
             token_ids, final = self.sample_random(x, s)                     # steps 10-14
             if greedy_ids is not None:
                 token_ids = torch.where(s.greedy, greedy_ids, token_ids)
+        valid = valid & self.drawn_is_finite(x, final, token_ids, s)         # float32 overflow
         logprobs = None
         if s.num_logprobs is not None:                                      # step 15
             source = raw if s.logprobs_mode == "raw" else self.processed_source(x, final, s)

@@ -1,0 +1,199 @@
+"""Benchmark of the cuda backend against a sort-based torch sampler and bare FlashInfer calls.
+
+    python benchmarks/cuda_sampling.py                       # B in 1,32,128,256; V = 128256
+    python benchmarks/cuda_sampling.py --json out.json --iters 50
+    python benchmarks/cuda_sampling.py --device cpu --vocab 4096 --batch-sizes 1,4 --iters 2   # smoke
+
+Every number comes from the same run and process, so the ratios compare like with like. Times
+are per call (mean over ``--iters`` back-to-back calls, median of ``--repeats``), measured with
+CUDA events on a GPU. Rows:
+
+- ``sort``: a sort-based torch sampler (temperature, one full sort, top-k by rank, top-p by
+  cumulative sum, exponential-race draw), the usual way without custom kernels;
+- ``reference``: corelib's reference backend (the contract in plain torch; sorts twice);
+- ``fi-bare``: FlashInfer's ``top_k_top_p_sampling_from_logits`` alone on float32 logits with
+  scalar top_k / top_p (its radix top-k fast path), temperature not included;
+- ``fi-bare-rows``: the same with per-row tensors and no ``top_k_max`` (the tie-keeping mask
+  path the backend uses by default);
+- ``cuda``: ``corelib.get_sampler("cuda")``-equivalent ``CudaSampler.sample`` (eager);
+- ``cuda-fast``: ``CudaSampler(top_k_first=True)`` (FlashInfer's fast path, exact-k ties);
+- ``cuda-graph``: ``GraphedSampler`` replays of the default sampler;
+- ``cuda-torch``: the torch path (``use_flashinfer=False``), eager.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from typing import Callable, Optional
+
+import torch
+from corelib import Sampler, SamplingParams
+
+from corelib_cuda import CudaSampler, GraphedSampler
+
+TOP_K, TOP_P, TEMPERATURE = 50, 0.9, 0.7
+PROMPT_LEN, GENERATED = 1000, 256
+CONFIGS = {
+    "top_k_top_p": dict(temperature=TEMPERATURE, top_k=TOP_K, top_p=TOP_P),
+    "full": dict(temperature=TEMPERATURE, top_k=TOP_K, top_p=TOP_P, min_p=0.01,
+                 repetition_penalty=1.1, frequency_penalty=0.2, presence_penalty=0.1,
+                 min_tokens=300, stop_token_ids=[2], logprobs=5,
+                 logit_bias={7: 1.5, 99: -2.0, 1234: 0.5, 2000: 3.0, 3000: -1.0}),
+    "top_k_top_p_seeded": dict(temperature=TEMPERATURE, top_k=TOP_K, top_p=TOP_P, seed=0),
+}
+
+
+def sort_based_sample(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
+    """The common sort-based sampler: one sort, top-k by rank, top-p by cumulative mass."""
+    x = logits.float() / temperature
+    values, order = torch.sort(x, dim=-1, descending=True)
+    ranks = torch.arange(x.shape[-1], device=x.device)
+    values = values.masked_fill(ranks >= top_k, float("-inf"))
+    probs = torch.softmax(values, dim=-1)
+    values = values.masked_fill(probs.cumsum(dim=-1) - probs > top_p, float("-inf"))
+    race = torch.softmax(values, dim=-1) / torch.empty_like(probs).exponential_()
+    return order.gather(1, race.argmax(dim=-1, keepdim=True)).squeeze(1)
+
+
+def time_call(fn: Callable[[], object], device: torch.device, iters: int, repeats: int) -> float:
+    """Milliseconds per call: mean over ``iters`` calls, median over ``repeats``."""
+    for _ in range(3):
+        fn()
+    results = []
+    for _ in range(repeats):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            torch.cuda.synchronize(device)
+            start.record()
+            for _ in range(iters):
+                fn()
+            end.record()
+            torch.cuda.synchronize(device)
+            results.append(start.elapsed_time(end) / iters)
+        else:
+            t0 = time.perf_counter()
+            for _ in range(iters):
+                fn()
+            results.append((time.perf_counter() - t0) * 1e3 / iters)
+    return statistics.median(results)
+
+
+def build_batch(sampler, B: int, V: int, params: dict, gen: torch.Generator):
+    batch = sampler.new_batch(V, eos_token_id=1)
+    for i in range(B):
+        p = dict(params)
+        if "seed" in p:
+            p["seed"] = i
+        prompt = torch.randint(V, (PROMPT_LEN,), generator=gen).tolist()
+        outputs = torch.randint(V, (GENERATED,), generator=gen).tolist()
+        batch.add(f"r{i}", SamplingParams(**p), prompt_token_ids=prompt, output_token_ids=outputs)
+    return batch
+
+
+def flashinfer_module(device: torch.device):
+    if device.type != "cuda":
+        return None
+    try:
+        from flashinfer import sampling
+    except Exception as exc:  # reported in the table, not fatal
+        print(f"# flashinfer unavailable: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return None
+    return sampling
+
+
+def run(device: torch.device, batch_sizes: list[int], V: int, iters: int, repeats: int) -> list[dict]:
+    samplers: dict[str, object] = {
+        "reference": Sampler(device),
+        "cuda": CudaSampler(device),
+        "cuda-torch": CudaSampler(device, use_flashinfer=False),
+    }
+    if samplers["cuda"].path == "flashinfer":
+        samplers["cuda-fast"] = CudaSampler(device, top_k_first=True)
+    if device.type == "cuda":
+        samplers["cuda-graph"] = GraphedSampler(samplers["cuda"])
+    print(f"# cuda backend path: {samplers['cuda'].path} ({samplers['cuda'].path_reason})", file=sys.stderr)
+    fs = flashinfer_module(device) if samplers["cuda"].path == "flashinfer" else None
+    rows = []
+    for B in batch_sizes:
+        gen = torch.Generator().manual_seed(B)
+        logits = (torch.randn((B, V), generator=gen) * 3).to(device=device, dtype=torch.bfloat16)
+        scaled = logits.float() / TEMPERATURE
+        row = {"B": B, "V": V}
+        row["sort"] = time_call(lambda: sort_based_sample(logits, TEMPERATURE, TOP_K, TOP_P), device, iters, repeats)
+        if fs is not None:
+            k_rows = torch.full((B,), TOP_K, dtype=torch.int32, device=device)
+            p_rows = torch.full((B,), TOP_P, dtype=torch.float32, device=device)
+            row["fi-bare"] = time_call(lambda: fs.top_k_top_p_sampling_from_logits(scaled, TOP_K, TOP_P), device, iters, repeats)
+            row["fi-bare-rows"] = time_call(lambda: fs.top_k_top_p_sampling_from_logits(scaled, k_rows, p_rows), device, iters, repeats)
+        for config, params in CONFIGS.items():
+            for name, sampler in samplers.items():
+                if config != "top_k_top_p" and name in ("reference",) and B > 32:
+                    continue   # the reference's cost is known from top_k_top_p; keep the run short
+                batch = build_batch(sampler, B, V, params, gen)
+                row[f"{name}/{config}"] = time_call(lambda: sampler.sample(logits, batch), device, iters, repeats)
+        rows.append(row)
+        print(f"# B={B} done", file=sys.stderr)
+    return rows
+
+
+def ratio(row: dict, num: str, den: str) -> Optional[float]:
+    if num in row and den in row and row[den] > 0:
+        return row[num] / row[den]
+    return None
+
+
+def summary(rows: list[dict]) -> str:
+    """A markdown table of times (ms) and the target ratios."""
+    head = ["B", "sort", "reference", "fi-bare", "fi-bare-rows", "cuda", "cuda-fast", "cuda-graph",
+            "cuda-torch", "full", "seeded", "sort/cuda", "cuda/fi-bare", "fast/fi-bare",
+            "graph/fi-bare", "full/cuda"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+
+    def ms(v):
+        return "-" if v is None else f"{v:.3f}"
+
+    def x(v):
+        return "-" if v is None else f"{v:.2f}x"
+
+    for r in rows:
+        cfg = "top_k_top_p"
+        vals = [str(r["B"]), ms(r.get("sort")), ms(r.get(f"reference/{cfg}")), ms(r.get("fi-bare")),
+                ms(r.get("fi-bare-rows")), ms(r.get(f"cuda/{cfg}")), ms(r.get(f"cuda-fast/{cfg}")),
+                ms(r.get(f"cuda-graph/{cfg}")), ms(r.get(f"cuda-torch/{cfg}")), ms(r.get("cuda/full")),
+                ms(r.get("cuda/top_k_top_p_seeded")),
+                x(ratio(r, "sort", f"cuda/{cfg}")), x(ratio(r, f"cuda/{cfg}", "fi-bare")),
+                x(ratio(r, f"cuda-fast/{cfg}", "fi-bare")), x(ratio(r, f"cuda-graph/{cfg}", "fi-bare")),
+                x(ratio(r, "cuda/full", f"cuda/{cfg}"))]
+        lines.append("| " + " | ".join(vals) + " |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--batch-sizes", default="1,32,128,256")
+    parser.add_argument("--vocab", type=int, default=128256)
+    parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--json", default=None, help="also write the raw times here")
+    args = parser.parse_args(argv)
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        print("no CUDA GPU: run with --device cpu for a smoke test", file=sys.stderr)
+        return 2
+    batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
+    rows = run(device, batch_sizes, args.vocab, args.iters, args.repeats)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+                       "torch": torch.__version__, "rows": rows}, f, indent=1)
+    print(summary(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# Run HERE (a machine with PyPI), from the repo root, before a GPU session's device call:
+#   bash plugins/cuda/gpu_wheels.sh
+# The GPU image (python3 3.12, torch, pluggy, pytest, setuptools) lacks pydantic; this puts its
+# wheels in .whl/ (kept out of git through .git/info/exclude) so that gpu_check.sh can install
+# them there offline. Pass `carry: [".whl"]` to the device call. FlashInfer cannot travel: its
+# wheel alone is ~100 MB, over the 64 MiB a call may carry.
+set -euo pipefail
+grep -qx '/.whl/' .git/info/exclude 2>/dev/null || echo '/.whl/' >> .git/info/exclude
+rm -rf .whl && mkdir -p .whl
+python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+  --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+  -d .whl pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5
+ls -la .whl
