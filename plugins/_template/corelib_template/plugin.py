@@ -25,7 +25,7 @@ def probe() -> corelib.Availability:
     """
     if importlib.util.find_spec(RUNTIME_MODULE) is None:
         return corelib.Availability(False, f"{RUNTIME_MODULE} is not installed")
-    return corelib.Availability(True, "runs on the CPU (copied template: replace probe())")
+    return corelib.Availability(True, "runs on the CPU (replace probe() with a hardware check)")
 
 
 def make_sampler(device):
