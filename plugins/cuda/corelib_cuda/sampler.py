@@ -158,6 +158,19 @@ class CudaSampler(Sampler):
             token_ids = seeded if token_ids is None else torch.where(s.seeded, seeded, token_ids)
         return token_ids, final
 
+    # ------------------------------------------------------------------ row checks
+    def finite_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """bool [B]: rows free of NaN and +inf, from one float64 sum per row instead of three
+        elementwise passes: NaN and +inf survive a sum (+inf with -inf gives NaN), -inf with
+        finite values gives -inf, and float64 cannot overflow on float32 inputs."""
+        total = x.sum(dim=-1, dtype=torch.float64)
+        return ~(torch.isnan(total) | (total == float("inf")))
+
+    def any_token_left(self, x: torch.Tensor) -> torch.Tensor:
+        """bool [B]: rows with a token above -inf (one reduction; NaN rows are flagged by
+        ``finite_rows`` already)."""
+        return x.amax(dim=-1) > NEG_INF
+
     # ------------------------------------------------------------------ steps 12-13
     def apply_top_k_top_p(self, x: torch.Tensor, s: StepState) -> torch.Tensor:
         """Steps 12-13 without a full sort when the batch bounds the candidates.

@@ -213,3 +213,17 @@ def test_reference_batches_still_work(sampler, reference):
     got = sampler.sample(logits, plain).token_ids
     want = reference.sample(logits, build(reference, requests)).token_ids
     assert torch.equal(got, want)
+
+
+def test_row_checks_match_the_reference(sampler, reference):
+    x = torch.randn(7, 64)
+    x[1, 3] = float("nan")
+    x[2, 5] = float("inf")
+    x[3, 5], x[3, 6] = float("inf"), float("-inf")
+    x[4, :] = 3e38                                   # finite, but a float32 sum would overflow
+    x[5, :] = float("-inf")
+    x[6, :10] = float("-inf")
+    assert torch.equal(sampler.finite_rows(x), reference.finite_rows(x))
+    finite = reference.finite_rows(x)               # NaN rows are flagged either way
+    assert torch.equal(sampler.any_token_left(x)[finite], reference.any_token_left(x)[finite])
+    assert sampler.finite_rows(x).tolist() == [True, False, False, False, True, True, True]
