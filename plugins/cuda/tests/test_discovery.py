@@ -93,3 +93,18 @@ def test_hook_imports_no_flashinfer():
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "False"
+
+
+def test_auto_detection_picks_cuda_exactly_when_available():
+    chosen = Registry(allow={"cuda"}).choose()[0].name
+    assert chosen == ("cuda" if cuda_availability().available else "reference")
+
+
+@pytest.mark.skipif(not cuda_availability().available, reason="needs the cuda backend available")
+def test_asked_for_by_name_it_builds_a_cuda_sampler():
+    from corelib_cuda import CudaSampler
+    sampler = Registry(allow={"cuda"}).get_sampler("cuda")
+    assert isinstance(sampler, CudaSampler) and sampler.name == "cuda"
+    assert sampler.device.type == "cuda" and sampler.path in ("flashinfer", "torch")
+    assert sampler.path_reason.startswith("FlashInfer path active" if sampler.path == "flashinfer"
+                                          else "torch path active because")
