@@ -475,7 +475,9 @@ class SamplingBatch:
         shape = list(old.shape)
         shape[dim] = max(width, 2 * old.shape[dim])
         fresh = torch.full(shape, _OPTIONAL_NEUTRAL[name], dtype=old.dtype, device=self.device)
-        if name in _RIGHT_ALIGNED:
+        # Only the token-position dimension (the last) is right-aligned; widening bad_prefix
+        # along its word dimension must keep each word in the slot bad_last/bad_valid use.
+        if name in _RIGHT_ALIGNED and dim == old.dim() - 1:
             fresh.narrow(dim, shape[dim] - old.shape[dim], old.shape[dim]).copy_(old)
         else:
             fresh.narrow(dim, 0, old.shape[dim]).copy_(old)
