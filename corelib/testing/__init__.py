@@ -1,5 +1,8 @@
-"""Testing tools for backend authors: the shared conformance suite."""
+"""Testing tools for backend authors: the shared conformance suite (``ConformanceSuite``) and
+the helpers its failure messages use, for a plugin's own checks."""
 
-from .conformance import STAGE_CASES, ConformanceSuite, chi_square_p_value
+from .conformance import (RULES, STAGE_CASES, ConformanceSuite, chi_square_p_value,
+                          params_text, violation)
 
-__all__ = ["ConformanceSuite", "STAGE_CASES", "chi_square_p_value"]
+__all__ = ["ConformanceSuite", "RULES", "STAGE_CASES", "chi_square_p_value", "params_text",
+           "violation"]
