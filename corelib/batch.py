@@ -92,6 +92,8 @@ class StepState:
     any_bias: bool = False
     any_min_tokens: bool = False
     any_bad_words: bool = False
+    max_top_k: int = 0                 # largest top_k among random rows (0: none uses it)
+    any_top_p_without_top_k: bool = False  # a random row with top_p < 1 and top_k off
     num_logprobs: Optional[int] = None  # N = largest `logprobs` asked for, None if none asks
 
 
@@ -362,6 +364,8 @@ class SamplingBatch:
             any_allowed=any(p.allowed_token_ids is not None for p in params),
             any_bias=any(p.logit_bias for p in params),
             any_bad_words=any(p.bad_words for p in params),
+            max_top_k=max((p.effective_top_k for p in random), default=0),
+            any_top_p_without_top_k=any(p.top_p < 1.0 and p.effective_top_k == 0 for p in random),
             num_logprobs=max(logprobs) if logprobs else None,
         )
 

@@ -86,15 +86,19 @@ class Sampler:
         s = self.step_state(logits, batch)
         if s.num_rows == 0:
             return self.empty_output(s)
+        return self.sample_state(logits, batch, s)
+
+    def sample_state(self, logits: torch.Tensor, batch: SamplingBatch, s: StepState) -> SamplerOutput:
+        """Steps 1-15 for a given step state: the contract's stage order, in one place.
+
+        Split from ``sample`` so a backend can capture it (CUDA graphs) or trace it (XLA)."""
         x, raw, valid = self.prepare(logits, batch, s)                     # steps 1-8
         greedy_ids = self.argmax(x) if s.any_greedy else None              # step 9
-        final = self.filter(x, s) if s.any_random else x                   # steps 10-13
+        final, token_ids = x, greedy_ids
         if s.any_random:
-            token_ids = self.draw(final, s)                                # step 14
+            token_ids, final = self.sample_random(x, s)                    # steps 10-14
             if greedy_ids is not None:
                 token_ids = torch.where(s.greedy, greedy_ids, token_ids)
-        else:
-            token_ids = greedy_ids
         valid = valid & self.drawn_is_finite(x, final, token_ids, s)
         logprobs = None
         if s.num_logprobs is not None:                                     # step 15
@@ -102,6 +106,16 @@ class Sampler:
             logprobs = self.gather_logprobs(source, token_ids, s.num_logprobs)
         token_ids = torch.where(valid, token_ids, torch.full_like(token_ids, INVALID_TOKEN))
         return SamplerOutput(token_ids, valid, logprobs)
+
+    def sample_random(self, x: torch.Tensor, s: StepState) -> tuple[torch.Tensor, torch.Tensor]:
+        """Steps 10-14 for every row (greedy rows' results are replaced by the caller).
+
+        x: float32 [B, V] after step 8. Returns (int64 [B] drawn ids, float32 [B, V] final
+        logits, dropped tokens -inf). A backend whose kernel fuses filtering and drawing
+        overrides this; the final logits are read for processed logprobs and overflow checks.
+        """
+        final = self.filter(x, s)                                          # steps 10-13
+        return self.draw(final, s), final                                  # step 14
 
     def step(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         """``sample`` then ``batch.append`` of the sampled tokens."""
