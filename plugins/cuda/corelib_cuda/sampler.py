@@ -23,9 +23,9 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
-from corelib import Sampler, SamplerOutput, SamplingBatch, StepState
+from corelib import Sampler, SamplingBatch, StepState
 from corelib.noise import row_keys, seeded_gumbel
-from corelib.sampler import INVALID_TOKEN, NEG_INF
+from corelib.sampler import NEG_INF
 
 from .batch import CudaBatch, FilterBounds
 
@@ -102,35 +102,6 @@ class CudaSampler(Sampler):
     # ------------------------------------------------------------------ template
     def step_state(self, logits: torch.Tensor, batch: SamplingBatch) -> StepState:
         return with_bounds(super().step_state(logits, batch), batch)
-
-    def sample(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
-        """Sample one token per row; logits ``[B, V]`` or ``[num_requests, V]``, any float dtype.
-
-        Never modifies ``logits`` and never waits on the device."""
-        s = self.step_state(logits, batch)
-        if s.num_rows == 0:
-            return self.empty_output(s)
-        return self.sample_state(logits, batch, s)
-
-    def sample_state(self, logits: torch.Tensor, batch: SamplingBatch, s: StepState) -> SamplerOutput:
-        """Steps 1-15 for a given step state (the graph runner captures this call).
-
-        The contract's stage order, as in ``Sampler.sample``; steps 10-14 are
-        :meth:`sample_random`, which lets FlashInfer do 12-14 for unseeded rows."""
-        x, raw, valid = self.prepare(logits, batch, s)                      # steps 1-8
-        greedy_ids = self.argmax(x) if s.any_greedy else None               # step 9
-        final, token_ids = x, greedy_ids
-        if s.any_random:
-            token_ids, final = self.sample_random(x, s)                     # steps 10-14
-            if greedy_ids is not None:
-                token_ids = torch.where(s.greedy, greedy_ids, token_ids)
-        valid = valid & self.drawn_is_finite(x, final, token_ids, s)         # float32 overflow
-        logprobs = None
-        if s.num_logprobs is not None:                                      # step 15
-            source = raw if s.logprobs_mode == "raw" else self.processed_source(x, final, s)
-            logprobs = self.gather_logprobs(source, token_ids, s.num_logprobs)
-        token_ids = torch.where(valid, token_ids, torch.full_like(token_ids, INVALID_TOKEN))
-        return SamplerOutput(token_ids, valid, logprobs)
 
     def sample_random(self, x: torch.Tensor, s: StepState) -> tuple[torch.Tensor, torch.Tensor]:
         """Steps 10-14 for every row. x float32 [B, V] (after step 8). Returns (int64 [B]
