@@ -1,0 +1,70 @@
+"""CpuBatch's penalty slots always describe the same state as the core's dense tensors, through
+add (with resumed outputs), append, remove (rows moving into holes) and regrowth."""
+
+from __future__ import annotations
+
+import torch
+from corelib import SamplingParams
+
+from corelib_cpu.batch import CpuBatch
+
+V = 500
+PEN = dict(repetition_penalty=1.2, frequency_penalty=0.3)
+
+
+def slot_state(batch: CpuBatch) -> list[dict]:
+    ids, counts, length = batch.penalty_slots(batch.num_rows)
+    return [dict(zip(ids[r, : length[r]].tolist(), counts[r, : length[r]].tolist()))
+            for r in range(batch.num_rows)]
+
+
+def dense_state(batch: CpuBatch) -> list[dict]:
+    s = batch.step_state()
+    out = []
+    for r in range(batch.num_rows):
+        rid, _ = batch.rows[r]
+        if not batch.params_of(rid).uses_penalties:
+            out.append({})
+            continue
+        seen = s.prompt_mask[r] | (s.output_counts[r] > 0)
+        tokens = seen.nonzero().flatten().tolist()
+        out.append({t: int(s.output_counts[r, t]) for t in tokens})
+    return out
+
+
+def test_slots_follow_the_dense_state_through_churn():
+    g = torch.Generator().manual_seed(0)
+    batch = CpuBatch(V)
+    batch.add("plain", SamplingParams(), [1, 2, 3])
+    batch.add("a", SamplingParams(**PEN), [5, 6, 5, 7])
+    batch.add("kids", SamplingParams(n=3, presence_penalty=0.5),
+              list(range(100, 180)), [[1, 1], [], [2, 9, 2]])
+    batch.add("b", SamplingParams(**PEN), [], [4, 4, 4])
+    assert slot_state(batch) == dense_state(batch)
+    for step in range(40):
+        batch.append(torch.randint(0, 60, (batch.num_rows,), generator=g))
+        assert slot_state(batch) == dense_state(batch), f"step {step}"
+        if step == 10:
+            batch.remove("a")                       # rows after it move into its hole
+            assert slot_state(batch) == dense_state(batch)
+        if step == 20:
+            # many new distinct tokens per row: the slots widen past their first size
+            for _ in range(80):
+                batch.append(torch.randint(0, V, (batch.num_rows,), generator=g))
+            batch.add("resumed", SamplingParams(frequency_penalty=1.0), [7] * 5,
+                      list(range(200, 300)))
+        if step == 30:
+            batch.remove("kids")
+    assert slot_state(batch) == dense_state(batch)
+    assert batch.has_penalty_slots
+
+
+def test_rows_without_penalties_have_no_slots():
+    batch = CpuBatch(V)
+    batch.add("plain", SamplingParams(n=2), [1, 2, 3], [[4], [5]])
+    assert not batch.has_penalty_slots
+    batch.append([1, 2])
+    assert slot_state(batch) == [{}, {}]
+    batch.add("pen", SamplingParams(presence_penalty=1.0), [9])
+    batch.remove("pen")
+    assert not batch.has_penalty_slots

@@ -1,0 +1,97 @@
+"""Step 14: seeded candidate draws equal the reference's whole-row race; unseeded draws follow
+the kept distribution (chi-square, fixed seeds) and never return a dropped token."""
+
+from __future__ import annotations
+
+import torch
+from corelib.noise import row_keys, seeded_gumbel
+from corelib.testing import chi_square_p_value
+
+from corelib_cpu.draw import CDF_BLOCK, draw_by_inverse_cdf, draw_seeded_candidates, draw_unseeded_candidates
+
+NEG_INF = float("-inf")
+MIN_P_VALUE = 1e-6
+
+
+def reference_seeded(x: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    vocab = torch.arange(x.shape[1], dtype=torch.int32)[None, :]
+    return torch.argmax(x + seeded_gumbel(keys[:, None], vocab), dim=-1)
+
+
+def keys_for(rows: int, seed: int = 0) -> torch.Tensor:
+    r = torch.arange(rows, dtype=torch.int32)
+    return row_keys(r + seed, r * 3, r % 2, r * 7)
+
+
+def test_seeded_candidates_equal_the_whole_row_race():
+    g = torch.Generator().manual_seed(0)
+    V, W, rows = 3000, 40, 64
+    x = torch.randn(rows, V, generator=g) * 2
+    values, ids = torch.topk(x, W, dim=-1)
+    values[:, 25:] = NEG_INF                       # dropped candidates stay in the columns
+    masked = torch.full_like(x, NEG_INF).scatter_(1, ids, values)
+    keys = keys_for(rows)
+    assert torch.equal(draw_seeded_candidates(values, ids, keys), reference_seeded(masked, keys))
+
+
+def test_seeded_candidate_ties_go_to_the_lowest_id():
+    key = keys_for(1, seed=5)
+    ids = torch.tensor([[900, 12]])                # the higher id first in the columns
+    noise = seeded_gumbel(key[:, None], ids.to(torch.int32))[0]
+    target = float(2.0 + noise[0])
+    # find a value for token 12 whose score equals token 900's bit for bit
+    v = torch.tensor(target) - noise[1]
+    for _ in range(8):
+        if float(v + noise[1]) == target:
+            break
+        v = torch.nextafter(v, torch.tensor(float("inf") if float(v + noise[1]) < target else NEG_INF))
+    assert float(v + noise[1]) == target, "could not build an exact tie"
+    values = torch.tensor([[2.0, float(v)]])
+    assert int(draw_seeded_candidates(values, ids, key)[0]) == 12
+    masked = torch.full((1, 1000), NEG_INF)
+    masked[0, 900], masked[0, 12] = 2.0, float(v)
+    assert int(reference_seeded(masked, key)[0]) == 12
+
+
+def test_inverse_cdf_follows_softmax_and_never_draws_dropped_tokens():
+    g = torch.Generator().manual_seed(1)
+    V = 3 * CDF_BLOCK + 37                         # a short last block
+    x = torch.randn(V, generator=g)
+    x[torch.rand(V, generator=g) < 0.4] = NEG_INF
+    x[CDF_BLOCK: 2 * CDF_BLOCK] = NEG_INF          # a whole block without mass
+    probs = torch.softmax(x, dim=-1)
+    rows = 4000
+    counts = torch.zeros(V, dtype=torch.long)
+    gen = torch.Generator().manual_seed(2)
+    for _ in range(25):
+        ids = draw_by_inverse_cdf(x.expand(rows, V).contiguous(), gen)
+        counts += torch.bincount(ids, minlength=V)
+    kept = probs > 0
+    assert int(counts[~kept].sum()) == 0
+    assert chi_square_p_value(counts[kept], probs[kept]) > MIN_P_VALUE
+
+
+def test_inverse_cdf_single_kept_token_anywhere():
+    V = 2 * CDF_BLOCK + 5
+    for token in (0, CDF_BLOCK - 1, CDF_BLOCK, V - 1):
+        x = torch.full((50, V), NEG_INF)
+        x[:, token] = 0.0
+        assert draw_by_inverse_cdf(x, None).tolist() == [token] * 50
+
+
+def test_unseeded_candidates_follow_the_kept_distribution():
+    g = torch.Generator().manual_seed(3)
+    W = 30
+    values = torch.sort(torch.randn(W, generator=g) * 1.5, descending=True).values
+    values[20:] = NEG_INF
+    ids = torch.randperm(1000, generator=g)[:W]
+    rows = 5000
+    gen = torch.Generator().manual_seed(4)
+    counts = torch.zeros(1000, dtype=torch.long)
+    for _ in range(10):
+        drawn = draw_unseeded_candidates(values.expand(rows, W), ids.expand(rows, W), gen)
+        counts += torch.bincount(drawn, minlength=1000)
+    probs = torch.zeros(1000).scatter_(0, ids, torch.softmax(values, dim=-1))
+    kept = probs > 0
+    assert int(counts[~kept].sum()) == 0
+    assert chi_square_p_value(counts[kept], probs[kept]) > MIN_P_VALUE

@@ -1,0 +1,141 @@
+"""The whole sampler against the reference on large vocabularies: the benchmark's configs on
+flat and peaked logits, mixed batches cut into blocks, and a step's Python work that does not
+grow with the vocabulary or the history."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+from corelib import Sampler, SamplingParams
+from corelib.bench import CONFIGS, make_logits
+
+from corelib_cpu.sampler import CpuSampler
+
+V = 32000
+
+
+def requests_for(config: dict, rows: int, seeded: bool, vocab: int = V, history: int = 40):
+    g = torch.Generator().manual_seed(rows)
+    out = []
+    for i in range(rows):
+        params = dict(config)
+        if "logit_bias" in params:
+            params["logit_bias"] = {t % vocab: b for t, b in params["logit_bias"].items()}
+        if seeded and params.get("temperature", 1.0) > 0:
+            params["seed"] = 1000 + i
+        prompt = torch.randint(0, vocab, (history,), generator=g).tolist()
+        # fewer generated tokens than the full config's min_tokens, so step 5 stays on
+        output = torch.randint(0, vocab, (min(history // 4, 250),), generator=g).tolist()
+        out.append((f"r{i}", SamplingParams(**params), prompt, output))
+    return out
+
+
+def build(sampler, requests, vocab: int = V, mode: str = "raw"):
+    batch = sampler.new_batch(vocab, eos_token_id=2, logprobs_mode=mode)
+    for rid, params, prompt, output in requests:
+        batch.add(rid, params, prompt_token_ids=prompt, output_token_ids=output)
+    return batch
+
+
+def assert_same_final_logits(got, want, what):
+    kept = torch.isfinite(want)
+    assert torch.equal(torch.isfinite(got), kept), f"kept sets differ: {what}"
+    assert torch.equal(got[kept], want[kept]), f"kept logits differ: {what}"
+
+
+@pytest.mark.parametrize("profile", ["flat", "peaked"])
+@pytest.mark.parametrize("config", sorted(CONFIGS))
+def test_bench_configs_match_the_reference(config, profile):
+    cpu, reference = CpuSampler(block_elements=2 * V), Sampler("cpu")
+    requests = requests_for(CONFIGS[config], rows=5, seeded=True)
+    mine, ref = build(cpu, requests), build(reference, requests)
+    for step in range(3):
+        logits = make_logits(5, V, profile, seed=step)
+        what = f"{config} {profile} step {step}"
+        assert_same_final_logits(cpu.processed_logits(logits, mine),
+                                 reference.processed_logits(logits, ref), what)
+        got, want = cpu.sample(logits, mine), reference.sample(logits, ref)
+        assert torch.equal(got.token_ids, want.token_ids), f"seeded tokens differ: {what}"
+        if want.logprobs is not None:
+            assert torch.equal(got.logprobs.token_ids, want.logprobs.token_ids), what
+            assert torch.equal(got.logprobs.ranks, want.logprobs.ranks), what
+            assert torch.allclose(got.logprobs.logprobs, want.logprobs.logprobs, atol=1e-5), what
+        mine.append(got.token_ids)
+        ref.append(want.token_ids)
+
+
+def mixed_requests():
+    return [
+        ("greedy", SamplingParams(temperature=0.0, repetition_penalty=1.3), [5, 6], [7]),
+        ("topk-seeded", SamplingParams(top_k=40, temperature=0.8, seed=1), [], None),
+        ("topp-seeded", SamplingParams(top_p=0.8, seed=2, n=2), [1], None),
+        ("minp", SamplingParams(min_p=0.1, seed=3), [], None),
+        ("everything", SamplingParams(top_k=30, top_p=0.7, min_p=0.01, temperature=1.4, seed=4,
+                                      frequency_penalty=0.5, logit_bias={3: 4.0}), [3, 3], [3]),
+        ("plain-seeded", SamplingParams(seed=5), [], None),
+        ("ties", SamplingParams(top_k=3, seed=6), [], None),
+    ]
+
+
+@pytest.mark.parametrize("rows_per_block", [1, 3, 100])
+@pytest.mark.parametrize("mode", ["raw", "processed"])
+def test_mixed_batch_in_blocks_matches_the_reference(rows_per_block, mode):
+    vocab = 9000
+    cpu, reference = CpuSampler(block_elements=rows_per_block * vocab), Sampler("cpu")
+    requests = mixed_requests()
+    mine, ref = build(cpu, requests, vocab), build(reference, requests, vocab)
+    logits = torch.randn(mine.num_rows, vocab, generator=torch.Generator().manual_seed(9)) * 3
+    logits[-1, 100:130] = 20.0                      # 30 tokens tied at the top, top_k=3
+    assert_same_final_logits(cpu.processed_logits(logits, mine),
+                             reference.processed_logits(logits, ref), f"blocks of {rows_per_block}")
+    for step in range(3):
+        got, want = cpu.sample(logits, mine), reference.sample(logits, ref)
+        seeded = [i for i, (rid, _) in enumerate(mine.rows) if rid != "greedy"]
+        assert got.token_ids[seeded].tolist() == want.token_ids[seeded].tolist()
+        assert int(got.token_ids[0]) == int(want.token_ids[0])           # greedy
+        assert torch.equal(got.logprobs.token_ids, want.logprobs.token_ids) if want.logprobs else True
+        mine.append(got.token_ids)
+        ref.append(want.token_ids)
+
+
+def test_per_request_logits_match_expanded_rows():
+    vocab = 4000
+    cpu = CpuSampler(block_elements=2 * vocab)
+    requests = [("a", SamplingParams(n=3, seed=1, top_p=0.9), [], None),
+                ("b", SamplingParams(n=2, seed=2, top_k=7), [], None)]
+    per_request = torch.randn(2, vocab, generator=torch.Generator().manual_seed(1))
+    expanded = per_request[torch.tensor([0, 0, 0, 1, 1])]
+    got = cpu.sample(per_request, build(cpu, requests, vocab)).token_ids
+    want = Sampler("cpu").sample(expanded, build(Sampler("cpu"), requests, vocab)).token_ids
+    assert torch.equal(got, want)
+
+
+def python_calls(fn) -> int:
+    """Python and builtin function calls made by fn()."""
+    calls = 0
+
+    def count(frame, event, arg):
+        nonlocal calls
+        if event in ("call", "c_call"):
+            calls += 1
+    sys.setprofile(count)
+    try:
+        fn()
+    finally:
+        sys.setprofile(None)
+    return calls
+
+
+@pytest.mark.parametrize("config", ["random", "top_p", "full"])
+def test_python_work_per_step_does_not_grow_with_vocabulary_or_history(config):
+    cpu = CpuSampler()
+    counts = []
+    for vocab, history in [(2000, 8), (60000, 8), (2000, 2000)]:
+        batch = build(cpu, requests_for(CONFIGS[config], rows=4, seeded=True, vocab=vocab,
+                                        history=history), vocab)
+        logits = make_logits(4, vocab, "flat", seed=1)
+        cpu.sample(logits, batch)                                        # warm caches
+        counts.append(python_calls(lambda: cpu.sample(logits, batch)))
+    assert counts[0] == counts[1] == counts[2], counts

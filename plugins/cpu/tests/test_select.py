@@ -1,0 +1,125 @@
+"""Steps 12-13 against the reference's sorts: hand-checked cases first, then random ones."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from corelib import Sampler
+
+from corelib_cpu.select import (
+    nucleus_threshold,
+    select_by_histogram,
+    threshold_by_sort,
+    top_k_candidates,
+    top_p_candidates,
+)
+
+NEG_INF = float("-inf")
+
+
+def kept_by_threshold(probs, top_p):
+    return probs >= nucleus_threshold(probs, top_p)[:, None]
+
+
+def kept_by_sort(probs, top_p):
+    return probs >= threshold_by_sort(probs, top_p)[:, None]
+
+
+# ---------------------------------------------------------------------- hand-checked
+@pytest.mark.parametrize("top_p, kept", [
+    (0.5, [True, False, False, False]),    # mass before token 1 is 0.5: not < 0.5
+    (0.6, [True, True, False, False]),
+    (0.75, [True, True, False, False]),    # mass before token 2 is exactly 0.75: dropped
+    (0.76, [True, True, True, True]),      # token 2 enters; token 3 ties with it: kept
+    (0.01, [True, False, False, False]),   # never fewer than one token
+])
+def test_nucleus_hand_checked(top_p, kept):
+    probs = torch.tensor([[0.5, 0.25, 0.125, 0.125]])
+    got = kept_by_threshold(probs, torch.tensor([top_p]))
+    assert got[0].tolist() == kept
+    assert kept_by_sort(probs, torch.tensor([top_p]))[0].tolist() == kept
+
+
+def test_nucleus_ties_at_the_top_are_all_kept():
+    probs = torch.full((1, 1000), 1.0 / 1000)
+    got = kept_by_threshold(probs, torch.tensor([0.1]))
+    assert bool(got.all())
+
+
+def test_top_k_candidates_keep_ties_and_flag_overflowing_ties():
+    x = torch.tensor([[5.0, 1.0, 3.0, 3.0, 3.0, 0.0, -1.0, 2.0],
+                      [1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0]])
+    values, ids, complete = top_k_candidates(x, torch.tensor([2, 3]), width=4)
+    # row 0: k=2 -> the 2nd largest is 3.0, tied three times: 4 kept, the 4 columns are full
+    assert sorted(ids[0][torch.isfinite(values[0])].tolist()) == [0, 2, 3, 4]
+    assert not bool(complete[0])      # column 4 holds 3.0 too: more ties may lie beyond
+    assert sorted(ids[1][torch.isfinite(values[1])].tolist()) == [5, 6, 7]
+    assert bool(complete[1])
+
+
+# ---------------------------------------------------------------------- random, vs the sort
+def distributions(V: int, seed: int):
+    """Rows of probabilities of several shapes (each a softmax, as the sampler feeds it)."""
+    g = torch.Generator().manual_seed(seed)
+    ranks = torch.arange(1, V + 1, dtype=torch.float32)
+    rows = [
+        torch.randn(V, generator=g),                                  # flat
+        torch.randn(V, generator=g) * 4,                              # spread
+        -1.1 * torch.log(ranks)[torch.randperm(V, generator=g)],      # Zipf, peaked
+        torch.zeros(V),                                               # all tied
+        torch.randint(0, 4, (V,), generator=g).float(),               # four tie levels
+        torch.where(torch.rand(V, generator=g) < 0.5, NEG_INF, torch.randn(V, generator=g)),
+        torch.cat([torch.tensor([30.0]), torch.randn(V - 1, generator=g)]),   # one dominant token
+    ]
+    return torch.softmax(torch.stack(rows), dim=-1)
+
+
+@pytest.mark.parametrize("V", [7, 300, 20000, 128256])
+def test_nucleus_matches_the_sort_on_random_rows(V):
+    probs = distributions(V, seed=V)
+    for top_p in (0.05, 0.3, 0.5, 0.9, 0.95, 0.999):
+        p = torch.full((probs.shape[0],), top_p)
+        got, want = kept_by_threshold(probs, p), kept_by_sort(probs, p)
+        for row in range(probs.shape[0]):
+            assert torch.equal(got[row], want[row]), f"V={V} top_p={top_p} row {row}"
+
+
+def test_histogram_settles_ordinary_rows_without_the_sort():
+    probs = distributions(128256, seed=1)[:3]            # flat, spread, Zipf
+    _, exact = select_by_histogram(probs, torch.full((3,), 0.9))
+    assert exact.tolist() == [True, True, True]
+
+
+def test_rows_the_histogram_cannot_settle_take_the_sort():
+    # The nucleus {0.5, 0.25} ends exactly at top_p and values below 2**-29 follow, which
+    # the reference's float64 cumsum may add with rounding: the row must go to the sort.
+    for tiny in (2.0 ** -40, 2.0 ** -70):
+        probs = torch.cat([torch.tensor([0.5, 0.25]), torch.full((64,), tiny)])[None, :]
+        p = torch.tensor([0.75])
+        _, exact = select_by_histogram(probs, p)
+        assert not bool(exact[0])
+        got = kept_by_threshold(probs, p)
+        assert torch.equal(got, kept_by_sort(probs, p))
+        assert got[0, :2].tolist() == [True, True] and not bool(got[0, 2:].any())
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_top_k_then_top_p_on_candidates_match_the_reference(seed):
+    reference = Sampler("cpu")
+    g = torch.Generator().manual_seed(seed)
+    V = 5000
+    x = torch.randn(6, V, generator=g) * 2
+    x[1, :40] = 3.0                                   # ties at the k-th value inside the width
+    k = torch.tensor([1, 20, 50, 50, 64, 5])
+    top_p = torch.tensor([0.9, 0.5, 0.9, 1.0, 0.3, 0.999])
+    state = type("S", (), {"top_k": k.int(), "top_p": top_p, "any_top_k": True, "any_top_p": True})()
+    want = reference.apply_top_p(reference.apply_top_k(x, state), state)
+
+    values, ids, complete = top_k_candidates(x, k, width=int(k.max()) + 8)
+    masked = torch.full_like(x, NEG_INF).scatter_(1, ids, values)
+    probs = torch.softmax(masked, dim=-1).gather(1, ids)
+    values = top_p_candidates(values, probs, top_p)
+    got = torch.full_like(x, NEG_INF).scatter_(1, ids, values)
+    assert bool(complete.all())
+    assert torch.equal(torch.isfinite(got), torch.isfinite(want))
+    assert torch.equal(got[torch.isfinite(want)], want[torch.isfinite(want)])
