@@ -1,0 +1,23 @@
+"""Fixtures of the hostile-input suite (issue 7)."""
+
+import sys
+from pathlib import Path
+
+import pytest
+
+# --import-mode=importlib puts no test folder on sys.path; the suite's helpers live next to
+# this file under a name no other tests/ folder uses.
+sys.path.insert(0, str(Path(__file__).parent))
+
+from hostile_support import BACKEND_NAMES, load_sampler  # noqa: E402
+
+
+@pytest.fixture(scope="module", params=BACKEND_NAMES)
+def sampler(request):
+    """Each backend of BACKEND_NAMES that runs here (the others are skipped, saying why)."""
+    return load_sampler(request.param)
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return load_sampler("reference")

@@ -1,0 +1,169 @@
+"""Shared pieces of the hostile-input suite: backends to run, an independent oracle of the
+contract's masking and penalty stages, batch builders and comparisons, memory probes.
+
+The oracle is written from ``/work/shared/CONTRACT.md`` alone (plain Python loops over one
+row), so it does not share a line of code with any backend it checks.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+import pytest
+import torch
+
+import corelib
+from corelib import SamplingParams
+
+#: Every backend the suite runs against; those not installed or not usable here are skipped.
+BACKEND_NAMES = ("reference", "cpu", "cuda")
+
+NEG_INF = float("-inf")
+
+
+def load_sampler(name: str) -> corelib.Sampler:
+    """``corelib.get_sampler(name)``, or a clean skip saying why the backend cannot run here."""
+    try:
+        return corelib.get_sampler(name)
+    except (ValueError, corelib.BackendUnavailableError) as exc:
+        pytest.skip(f"backend {name!r} not usable here: {exc}")
+
+
+def on(sampler: corelib.Sampler, tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to(sampler.device)
+
+
+# --------------------------------------------------------------------------- requests
+@dataclass
+class Request:
+    """One request as the caller knows it: parameters, prompt and each child's history."""
+
+    request_id: str
+    params: SamplingParams
+    prompt: list[int] = field(default_factory=list)
+    outputs: list[list[int]] = field(default_factory=list)
+
+    def __post_init__(self):
+        if not self.outputs:
+            self.outputs = [[] for _ in range(self.params.n)]
+
+    def output_arg(self):
+        """``output_token_ids`` for ``batch.add`` (None when nothing was generated yet)."""
+        if not any(self.outputs):
+            return None
+        return self.outputs[0] if self.params.n == 1 else self.outputs
+
+
+def build_batch(sampler: corelib.Sampler, requests: Sequence[Request], vocab_size: int,
+                eos_token_id: Optional[int] = None, logprobs_mode: str = "raw"):
+    """A fresh batch holding ``requests`` (in that order) with their histories."""
+    batch = sampler.new_batch(vocab_size, eos_token_id=eos_token_id, logprobs_mode=logprobs_mode)
+    for r in requests:
+        batch.add(r.request_id, r.params, prompt_token_ids=r.prompt, output_token_ids=r.output_arg())
+    return batch
+
+
+def logits_by_key(batch, table: dict) -> torch.Tensor:
+    """float32 [rows, V]: the logits row ``table[(request_id, child)]`` for each batch row."""
+    return torch.stack([table[key] for key in batch.rows])
+
+
+# --------------------------------------------------------------------------- the oracle
+def oracle_masked(params: SamplingParams, output: Sequence[int], eos: Optional[int],
+                  vocab_size: int) -> set[int]:
+    """Token ids masked by steps 3-5 for a row with generated tokens ``output``."""
+    masked: set[int] = set()
+    if params.allowed_token_ids is not None:
+        allowed = set(params.allowed_token_ids)
+        masked |= {t for t in range(vocab_size) if t not in allowed}
+    for word in params.bad_words:
+        prefix = list(word[:-1])
+        if not prefix or (len(output) >= len(prefix) and list(output[-len(prefix):]) == prefix):
+            masked.add(word[-1])
+    if len(output) < params.min_tokens:
+        masked |= set(params.stop_token_ids)
+        if eos is not None:
+            masked.add(eos)
+    return masked
+
+
+def oracle_prepared(row: torch.Tensor, params: SamplingParams, prompt: Sequence[int],
+                    output: Sequence[int], eos: Optional[int]) -> tuple[list[float], bool]:
+    """Steps 2-8 for one row, one token at a time: (logits as floats, row valid)."""
+    V = row.shape[0]
+    x = [float(v) for v in row.to(torch.float32)]
+    finite = not any(math.isnan(v) or v == math.inf for v in x)
+    for t in oracle_masked(params, output, eos, V):
+        x[t] = NEG_INF
+    valid = finite and any(v > NEG_INF for v in x)
+    if not valid:
+        return x, False
+    for t, b in params.logit_bias.items():
+        x[t] += b
+    seen = set(prompt) | set(output)
+    counts = {t: output.count(t) for t in set(output)}
+    r = params.repetition_penalty
+    for t in range(V):
+        if t in seen:
+            x[t] = x[t] / r if x[t] > 0 else x[t] * r
+        c = counts.get(t, 0)
+        x[t] -= params.frequency_penalty * c + params.presence_penalty * (c > 0)
+    return x, True
+
+
+def argmax_set(values: Sequence[float], tolerance: float) -> set[int]:
+    """Ids whose value is within ``tolerance`` (relative and absolute) of the row's maximum."""
+    top = max(values)
+    slack = tolerance * (1.0 + abs(top))
+    return {i for i, v in enumerate(values) if v >= top - slack}
+
+
+# --------------------------------------------------------------------------- state views
+ROW_SCALARS = ("temperature", "top_p", "min_p", "repetition_penalty", "frequency_penalty",
+               "presence_penalty", "top_k", "seed_lo", "seed_hi", "child", "position",
+               "min_tokens", "seeded", "greedy")
+FLAGS = ("any_greedy", "all_greedy", "any_random", "any_seeded", "any_unseeded", "any_top_k",
+         "any_top_p", "any_min_p", "any_temperature", "any_penalties", "any_allowed", "any_bias",
+         "any_bad_words", "any_min_tokens", "num_logprobs")
+
+
+def snapshot(batch, rows: Optional[int] = None) -> dict[str, torch.Tensor]:
+    """A copy of every tensor of ``batch.step_state(rows)``, to check nothing wrote to it."""
+    s = batch.step_state(rows)
+    return {name: value.clone() for name, value in vars(s).items() if isinstance(value, torch.Tensor)}
+
+
+def assert_same_snapshot(before: dict, after: dict, what: str) -> None:
+    assert before.keys() == after.keys(), what
+    for name in before:
+        assert torch.equal(before[name], after[name]), f"{what}: step_state.{name} changed"
+
+
+# --------------------------------------------------------------------------- statistics
+def chi_square_p_value(observed: torch.Tensor, probs: torch.Tensor) -> float:
+    """Pearson's chi-square goodness-of-fit p-value; bins expecting < 5 draws are pooled."""
+    observed, probs = observed.double(), probs.double()
+    expected = probs * observed.sum()
+    small = expected < 5
+    obs = torch.cat([observed[~small], observed[small].sum().reshape(1)])
+    exp = torch.cat([expected[~small], expected[small].sum().reshape(1)])
+    if exp[-1] < 5:
+        obs, exp = obs[:-1], exp[:-1]
+        obs[torch.argmax(exp)] += observed[small].sum()
+        exp[torch.argmax(exp)] += expected[small].sum()
+    df = exp.numel() - 1
+    if df < 1:
+        return 1.0
+    stat = ((obs - exp) ** 2 / exp).sum()
+    return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), stat / 2))
+
+
+# --------------------------------------------------------------------------- memory
+def rss_bytes() -> int:
+    """Resident set size of this process, from /proc/self/statm (psutil is not installed)."""
+    with open("/proc/self/statm") as f:
+        resident_pages = int(f.read().split()[1])
+    return resident_pages * os.sysconf("SC_PAGE_SIZE")
