@@ -149,6 +149,14 @@ def _eos_ids(model, eos_token_id) -> list[int]:
     return [eos_token_id] if isinstance(eos_token_id, int) else [int(t) for t in eos_token_id]
 
 
+def _pad_id(model, pad_token_id: Optional[int]) -> int:
+    """The id written into padding (masked, so the model never reads it): the argument, else
+    the model's generation config, else 0."""
+    if pad_token_id is None:
+        pad_token_id = getattr(getattr(model, "generation_config", None), "pad_token_id", None)
+    return 0 if pad_token_id is None else int(pad_token_id)
+
+
 def _with_extra_stops(params: SamplingParams, extra: Sequence[int]) -> SamplingParams:
     """min_tokens masks the batch's one eos id and the stop ids: further eos ids join the stops."""
     missing = [t for t in extra if t not in params.stop_token_ids]
@@ -286,8 +294,10 @@ def generate(model, input_ids, params: SamplingParams | Sequence[SamplingParams]
     A completion stops after an eos id (``eos_token_id``, default the model's generation
     config; ``[]`` never stops early) or one of its ``stop_token_ids``, never before
     ``min_tokens`` (the sampler masks them). ``sampler`` defaults to
-    ``corelib.get_sampler(<the model's device>)``. Raises ValueError naming the prompt when
-    a row has no token left to sample (all masked) or its logits are NaN.
+    ``corelib.get_sampler(<the model's device>)``. List prompts are left-padded with
+    ``pad_token_id`` (default: the model's generation config, else 0). Raises ValueError
+    naming the request (its id is the prompt's index) when a row has no token left to sample
+    (all masked) or its logits are NaN.
     """
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
@@ -295,7 +305,7 @@ def generate(model, input_ids, params: SamplingParams | Sequence[SamplingParams]
     if sampler is None:
         from .. import get_sampler
         sampler = get_sampler(device)
-    ids, mask, prompts = _left_padded(input_ids, attention_mask, pad_token_id or 0)
+    ids, mask, prompts = _left_padded(input_ids, attention_mask, _pad_id(model, pad_token_id))
     _check_vocabulary(model, prompts)
     params = _per_prompt(params, len(prompts))
     eos = _eos_ids(model, eos_token_id)
