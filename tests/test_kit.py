@@ -173,6 +173,20 @@ def rename_template(destination: Path, name: str) -> Path:
     return destination
 
 
+def isolation_flags() -> list[str]:
+    """Build with this environment's setuptools when it can make wheels by itself (>= 70.1,
+    or older with the `wheel` package); otherwise let pip fetch a build environment."""
+    import importlib.metadata as md
+    import importlib.util
+    try:
+        version = tuple(int(p) for p in md.version("setuptools").split(".")[:2])
+    except (md.PackageNotFoundError, ValueError):
+        return []
+    if version >= (70, 1) or importlib.util.find_spec("wheel") is not None:
+        return ["--no-build-isolation"]
+    return []
+
+
 def run(args: list[str], cwd: Path, env: dict | None = None) -> subprocess.CompletedProcess:
     result = subprocess.run(args, cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, f"{' '.join(args)} failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
@@ -187,7 +201,7 @@ def test_renamed_template_builds_installs_and_passes_its_tests(tmp_path):
     assert not leftovers, f"the rename missed {leftovers}"
 
     py = sys.executable
-    run([py, "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-build-isolation",
+    run([py, "-m", "pip", "wheel", "--quiet", "--no-deps", *isolation_flags(),
          "-w", str(tmp_path / "dist"), str(source)], cwd=tmp_path)
     wheels = list((tmp_path / "dist").glob(f"corelib_{name}-*.whl"))
     assert len(wheels) == 1, f"expected one wheel, got {wheels}"
