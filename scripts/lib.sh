@@ -6,17 +6,27 @@ XLA_VENV="${CORELIB_XLA_VENV:-$PWD/.venv-xla}"
 # a multi-GB CUDA build. torch-xla 2.9.0 needs exactly torch 2.9.0, so it gets its own venv.
 TORCH_PIN="torch==2.13.0"
 XLA_PINS="torch==2.9.0 torch-xla==2.9.0"
+# The Hugging Face integration is tested against this release.
+TRANSFORMERS_PIN="transformers==5.24.0"
+# Plugins in the main venv: the demo needs only cpu; the tests add the others. The TPU plugin
+# needs its own torch and lives in XLA_VENV.
+DEMO_PLUGINS="cpu"
+TEST_PLUGINS="cpu cuda _template"
 
 pip_quiet() { "$1/bin/pip" install --quiet --disable-pip-version-check "${@:2}"; }
 
-ensure_main_venv() {
+ensure_main_venv() {  # [extras, e.g. "test,plot"] [more pip arguments...]
+  local extras="${1:-}"; shift || true
   [ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
-  pip_quiet "$VENV" "$TORCH_PIN"
-  pip_quiet "$VENV" -e ".[test,plot]"
-  for plugin in $MAIN_PLUGINS; do
-    pip_quiet "$VENV" -e "plugins/$plugin"
-  done
+  # A fresh 3.11 venv has setuptools 65 and no wheel; the template-plugin test builds a wheel
+  # without build isolation, which needs a newer setuptools.
+  pip_quiet "$VENV" "setuptools>=70.1" wheel "$TORCH_PIN"
+  pip_quiet "$VENV" -e ".${extras:+[$extras]}" "$@"
 }
 
-# Plugins installed into the main venv (the TPU plugin needs its own torch, see XLA_VENV).
-MAIN_PLUGINS="cpu"
+install_plugins() {  # venv, plugin folder names...
+  local venv="$1"; shift
+  for plugin in "$@"; do
+    pip_quiet "$venv" -e "plugins/$plugin"
+  done
+}

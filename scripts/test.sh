@@ -6,7 +6,8 @@ cd "$(dirname "$0")/.."
 source scripts/lib.sh
 
 echo "== setup: main venv ($VENV)"
-ensure_main_venv
+ensure_main_venv "test,plot" "$TRANSFORMERS_PIN"
+install_plugins "$VENV" $TEST_PLUGINS
 pip_quiet "$VENV" -e tests/plugins/corelib-example -e tests/plugins/corelib-broken
 
 status=0
@@ -20,7 +21,7 @@ run_suite() {  # name, python, pytest args...
 }
 
 run_suite core "$VENV/bin/python" tests
-for plugin in $MAIN_PLUGINS; do
+for plugin in $TEST_PLUGINS; do
   run_suite "plugin $plugin" "$VENV/bin/python" "plugins/$plugin/tests"
 done
 
