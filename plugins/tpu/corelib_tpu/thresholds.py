@@ -1,0 +1,225 @@
+"""Top-k and top-p without sorting the vocabulary: traced-friendly threshold searches.
+
+Every function here has fixed shapes, no data-dependent Python branches and no host reads, so
+XLA compiles it once per shape. Each returns the logits with dropped tokens at -inf; the kept
+set is always ``{token: x >= threshold}`` for a per-row threshold, as in the reference.
+
+Two ways to find the thresholds:
+
+- ``top_k_top_p_candidates``: one ``topk`` with a static K gives each row's K largest logits,
+  enough for top-k when every row's k <= K and for top-p over what top-k kept.
+- ``top_k_by_bisection`` and ``top_p_by_bisection``: an exact bisection over the float32 bit
+  patterns (32 and 30 passes over the vocabulary, each a compare and a sum) for any k or
+  nucleus size.
+
+Shapes: ``B`` rows, ``V`` vocabulary. Inputs are float32 ``[B, V]`` with no NaN and at least
+one finite logit per row (the sampler neutralises bad rows first).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .xla import bitcast
+
+NEG_INF = float("-inf")
+_SIGN_FLIP = 0x7FFFFFFF
+#: Bisection passes: int32 keys span 2**32 values; float32 probabilities in [0, 1] span
+#: 0x3F800001 < 2**30 bit patterns.
+KEY_BISECTION_STEPS = 32
+PROB_BISECTION_STEPS = 30
+
+
+def order_keys(x: torch.Tensor) -> torch.Tensor:
+    """int32 keys ordered as the float32 values ``x`` (any shape): ``a < b`` iff
+    ``key(a) < key(b)``, and -0.0 and +0.0 share key 0. Not in place."""
+    bits = bitcast(x, torch.int32)
+    keys = torch.where(bits < 0, bits ^ _SIGN_FLIP, bits)
+    return torch.where(x == 0, torch.zeros_like(keys), keys)
+
+
+def value_of_key(keys: torch.Tensor) -> torch.Tensor:
+    """float32 values of int32 order keys (inverse of ``order_keys``, zero as +0.0)."""
+    bits = torch.where(keys < 0, keys ^ _SIGN_FLIP, keys)
+    return bitcast(bits, torch.float32)
+
+
+def _bisect_largest(keys: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, steps: int,
+                    holds) -> torch.Tensor:
+    """The largest int32 ``t`` in ``[lo, hi)`` with ``holds(keys >= t)`` true, per row.
+
+    keys int32 ``[B, V]``; lo, hi int64 ``[B, 1]`` with ``holds`` true at lo and false at hi
+    (bounds in int64 so ``hi - lo`` may reach 2**32); ``holds`` maps a bool ``[B, V]`` mask to
+    bool ``[B, 1]`` and must be monotone (true for small t, false for large). ``steps`` must
+    reach ``hi - lo == 1``. Returns int64 ``[B, 1]``.
+    """
+    for _ in range(steps):
+        mid = (lo + hi) // 2
+        ok = holds(keys >= mid.to(torch.int32))
+        lo = torch.where(ok, mid, lo)
+        hi = torch.where(ok, hi, mid)
+    return lo
+
+
+def top_k_by_bisection(x: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
+    """Step 12 for any k: keep logits >= the k-th largest (ties at the boundary kept).
+
+    x float32 ``[B, V]``; top_k int32 ``[B]`` (0 = off; k > V keeps all). The k-th largest
+    value is the largest t with ``count(x >= t) >= k``, found exactly in 32 passes. Returns a
+    new tensor.
+    """
+    V = x.shape[-1]
+    k = top_k.to(torch.int64).clamp(min=0, max=V)[:, None]               # (B, 1)
+    keys = order_keys(x)
+    lo = torch.full_like(k, -(2**31))                                      # count = V >= k
+    hi = keys.max(dim=-1, keepdim=True).values.to(torch.int64) + 1          # count = 0 < k
+    kth = _bisect_largest(keys, lo, hi, KEY_BISECTION_STEPS,
+                          lambda mask: mask.sum(dim=-1, keepdim=True) >= k)
+    threshold = torch.where(k > 0, value_of_key(kth.to(torch.int32)), NEG_INF)
+    return x.masked_fill(x < threshold, NEG_INF)
+
+
+def top_p_by_bisection(x: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Step 13 for any nucleus size: keep the smallest most-likely set with mass >= top_p.
+
+    x float32 ``[B, V]`` (dropped tokens -inf); top_p float32 ``[B]`` (1 = off). With p the
+    probabilities, the kept set is ``p >= t*`` for the largest ``t*`` with
+    ``sum(p[p >= t*]) >= top_p``: the same set as the reference's sorted cumulative sum (ties
+    at the boundary kept, never empty), found in 30 passes over the probabilities' bit
+    patterns. Mass is summed in float32. Returns a new tensor.
+    """
+    probs = softmax_rows(x)
+    keys = bitcast(probs, torch.int32)               # non-negative floats: bits are ordered
+    p = top_p[:, None]
+    lo = torch.zeros((x.shape[0], 1), dtype=torch.int64, device=x.device)
+    hi = keys.max(dim=-1, keepdim=True).values.to(torch.int64) + 1
+    threshold = _bisect_largest(
+        keys, lo, hi, PROB_BISECTION_STEPS,
+        lambda mask: torch.where(mask, probs, 0.0).sum(dim=-1, keepdim=True) >= p)
+    keep = (keys >= threshold.to(torch.int32)) | (p >= 1.0)
+    return x.masked_fill(~keep, NEG_INF)
+
+
+def top_k_top_p_candidates(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                           min_p: torch.Tensor, candidates: int) -> torch.Tensor:
+    """Steps 11-13 from the ``candidates`` largest logits of each row, as one threshold.
+
+    x float32 ``[B, V]``; min_p float32 ``[B]`` (0 = off); top_k int32 ``[B]`` (0 = off);
+    top_p float32 ``[B]`` (1 = off). Rows whose result is used must have k <= candidates, and
+    k >= 1 when top_p < 1 (larger k are clamped). Every step keeps ``{x >= t}`` for a row
+    threshold t, so the result is ``x`` where ``x >= max(t_min_p, t_top_k, t_top_p)``:
+
+    - min-p keeps a top set of the row, so ``{x >= k-th largest}`` intersected with it is what
+      top-k keeps after it (all of it when fewer than k tokens survive min-p); the candidates
+      can be taken first, and the row max min-p needs is the first of them;
+    - top-p walks the kept candidates in order with probabilities normalised over every kept
+      token (one sum over the vocabulary); its threshold is the logit of the last token of
+      the nucleus. Ties with the k-th largest outside the candidates are kept by the compare,
+      and a nucleus not reached within the candidates ends in those ties.
+
+    Exact but for min-p and top-p boundaries compared in logit rather than probability
+    space (a token within float rounding of the boundary). Returns a new tensor.
+    """
+    K = min(candidates, x.shape[-1])
+    values = top_values(x, K)                                              # (B, K) descending
+    k = top_k.to(torch.int64).clamp(min=0, max=K)[:, None]
+    # Gathers, not static slices: XLA:CPU turns a static slice of topk's output into a sort.
+    top = values.gather(1, torch.zeros_like(k))                            # row max
+    kth = torch.where(k > 0, values.gather(1, (k - 1).clamp(min=0)), NEG_INF)
+    floor = torch.maximum(top + torch.log(min_p)[:, None], kth)            # steps 11-12
+    total = torch.where(x >= floor, torch.exp(x - top), 0.0).sum(dim=-1, keepdim=True)
+    cand = torch.where(values >= floor, torch.exp(values - top) / total, 0.0)   # (B, K)
+    # Exclusive running sum (shifted, not cumsum - cand, which rounds once more).
+    mass_before = torch.cat([torch.zeros_like(cand[:, :1]), torch.cumsum(cand, dim=-1)[:, :-1]], dim=-1)
+    p = top_p[:, None]
+    in_nucleus = (mass_before < p).sum(dim=-1, keepdim=True)
+    last = values.gather(1, (in_nucleus - 1).clamp(min=0))                 # step 13
+    threshold = torch.where(p >= 1.0, floor, torch.maximum(floor, last))
+    return torch.where(x >= threshold, x, NEG_INF)
+
+
+def min_p_filter(x: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Step 11 in logit space: keep tokens with ``x >= max(x) + log(min_p)``, the set
+    ``prob >= min_p * max prob`` up to float rounding at the boundary, without a softmax.
+    x float32 ``[B, V]``; min_p float32 ``[B]`` (0 = off: log 0 = -inf keeps all).
+    Returns a new tensor."""
+    floor = x.max(dim=-1, keepdim=True).values + torch.log(min_p)[:, None]
+    return torch.where(x >= floor, x, NEG_INF)
+
+
+def softmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """float32 ``[B, V]`` probabilities ``exp(x - max) / sum`` (the reference's formula)."""
+    weights = torch.exp(x - x.max(dim=-1, keepdim=True).values)
+    return weights / weights.sum(dim=-1, keepdim=True)
+
+
+def first_argmax(x: torch.Tensor) -> torch.Tensor:
+    """int64 ``[B]``: the lowest index of each row's maximum (``torch.argmax``'s answer).
+
+    x float32 ``[B, V]`` (no NaN), typically an unmaterialised expression such as logits plus
+    noise. Two stages, so the vocabulary is reduced once: the max of each chunk of ``L``
+    tokens (``x`` computed inside the reduction), then the first chunk holding the row
+    maximum is re-read by a gather of its ``L`` tokens. XLA:CPU runs this 5 times faster than
+    a max followed by a min over ``where(x == max, iota, V)``, and it never sorts.
+    """
+    B, V = x.shape
+    L, C = _chunking(V, max(1, math.isqrt(V) * 5 // 7))
+    chunk_max = _chunk_max(x, L, C)                                       # (B, C')
+    best = chunk_max.max(dim=-1, keepdim=True).values
+    chunk = _first_index(chunk_max == best)                               # (B, 1)
+    ids = chunk * L + torch.arange(L, device=x.device)[None, :]           # (B, L)
+    values = x.gather(1, ids.clamp(max=V - 1))
+    values = torch.where(ids < V, values, NEG_INF)
+    offset = _first_index(values == values.max(dim=-1, keepdim=True).values)
+    return (chunk * L + offset)[:, 0]
+
+
+def top_values(x: torch.Tensor, k: int) -> torch.Tensor:
+    """float32 ``[B, k]``: each row's k largest values, descending (``topk(x, k).values``).
+
+    x float32 ``[B, V]``. Exact and much cheaper than one ``topk`` over the vocabulary: the
+    k chunks with the largest maxima hold the k largest values (any value outside them is at
+    most its own chunk's maximum, which is at most the k-th largest chunk maximum), so a
+    ``topk`` over the chunk maxima and one over those k chunks' tokens (k * L values) give
+    them. Falls back to one ``topk`` when the vocabulary has fewer than k chunks.
+    """
+    B, V = x.shape
+    L, C = _chunking(V, max(1, 2 * math.isqrt(max(1, V // max(k, 1)))))
+    if C < k or k * L >= V:
+        return torch.topk(x, k, dim=-1).values
+    chunk_max = _chunk_max(x, L, C)                                       # (B, C')
+    chunks = torch.topk(chunk_max, k, dim=-1).indices                     # (B, k)
+    ids = (chunks[:, :, None] * L + torch.arange(L, device=x.device)).reshape(B, k * L)
+    values = x.gather(1, ids.clamp(max=V - 1))
+    values = torch.where(ids < V, values, NEG_INF)
+    return torch.topk(values, k, dim=-1).values
+
+
+def _chunking(V: int, target: int) -> tuple[int, int]:
+    """A chunk length near ``target`` that divides V when one does within a factor of 2 (a
+    tail chunk would need its own reduction), and the number of whole chunks."""
+    target = max(1, min(target, V))
+    for delta in range(target // 2 + 1):
+        for L in (target + delta, target - delta):
+            if 1 <= L <= V and V % L == 0:
+                return L, V // L
+    return target, V // target
+
+
+def _chunk_max(x: torch.Tensor, L: int, C: int) -> torch.Tensor:
+    """float32 ``[B, C]`` maxima of the whole chunks, plus one column for a tail if any."""
+    B, V = x.shape
+    body = x if C * L == V else x[:, :C * L]
+    chunk_max = body.reshape(B, C, L).max(dim=-1).values
+    if C * L < V:
+        chunk_max = torch.cat([chunk_max, x[:, C * L:].max(dim=-1, keepdim=True).values], dim=1)
+    return chunk_max
+
+
+def _first_index(mask: torch.Tensor) -> torch.Tensor:
+    """int64 ``[B, 1]``: the first True column of each row of a small bool ``[B, n]``."""
+    n = mask.shape[-1]
+    iota = torch.arange(n, dtype=torch.float32, device=mask.device)[None, :]
+    return torch.where(mask, iota, float(n)).min(dim=-1, keepdim=True).values.to(torch.int64)

@@ -1,0 +1,99 @@
+"""The few torch-xla calls the plugin makes, imported lazily, and no-ops on other devices.
+
+The sampler also runs on a plain torch device (``TpuSampler("cpu")``): the same traced code
+executes eagerly, which is how its logic is tested without torch-xla.
+"""
+
+from __future__ import annotations
+
+import sys
+from contextlib import contextmanager
+from typing import Sequence
+
+import torch
+
+#: torch-xla's counter of graphs compiled (not found in its in-memory graph cache).
+COMPILE_COUNTER = "UncachedCompile"
+
+
+class RecompilationError(RuntimeError):
+    """A strict sampler compiled a graph after its warm-up."""
+
+
+def is_xla(device: torch.device) -> bool:
+    return torch.device(device).type == "xla"
+
+
+def default_device() -> torch.device:
+    """The first XLA device (imports torch-xla)."""
+    import torch_xla
+    return torch.device(torch_xla.device())
+
+
+def launch(tensors: Sequence[torch.Tensor]) -> None:
+    """Compile (if new) and start the graph computing ``tensors``, without waiting for it.
+
+    Only these tensors' pending operations are cut into the graph, so a graph holds exactly
+    one sampler operation whatever else the caller has pending. No-op off XLA.
+    """
+    tensors = [t for t in tensors if t.device.type == "xla"]
+    if tensors:
+        import torch_xla
+        torch_xla._XLAC._xla_sync_multi(tensors, devices=[], wait=False)
+
+
+def bitcast(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Reinterpret the bits of ``tensor`` as ``dtype`` (same element size); not a copy off XLA.
+
+    On XLA this is a one-op user computation (``BitcastConvert``) inside the lazy graph:
+    torch-xla 2.9 runs ``Tensor.view(dtype)`` eagerly, which would cut every graph in two at
+    each bitcast. The computation is built once per input shape and type.
+    """
+    if tensor.device.type != "xla":
+        return tensor.view(dtype)
+    import torch_xla
+    import torch_xla.core.xla_builder as xb
+    shape = xb.tensor_shape(tensor)
+    key = (tuple(tensor.shape), tensor.dtype, dtype)
+    computation = _BITCASTS.get(key)
+    if computation is None:
+        target = xb._PT_XLA_TYPE_MAP[dtype]
+        computation = xb.create_computation("bitcast", lambda p: p.bitcast(target), [shape])
+        _BITCASTS[key] = computation
+    return torch_xla._XLAC._xla_user_computation("xla::bitcast", [tensor], computation)[0]
+
+
+_BITCASTS: dict = {}
+
+
+def compile_count() -> int:
+    """Graphs compiled so far in this process (0 when torch-xla is not loaded)."""
+    if "torch_xla" not in sys.modules:
+        return 0
+    import torch_xla.debug.metrics as met
+    return int(met.counter_value(COMPILE_COUNTER) or 0)
+
+
+class CompileGuard:
+    """Counts the graphs a sampler's operations compile; in strict mode, once armed (after
+    warm-up), raises ``RecompilationError`` naming the operation that compiled one.
+
+    Shared by a sampler and its batches, so adds, removes and appends are watched too.
+    """
+
+    def __init__(self, strict: bool = False):
+        self.strict = strict
+        self.armed = False
+        self.compiled_after_warmup = 0
+
+    @contextmanager
+    def watch(self, operation: str):
+        before = compile_count()
+        yield
+        new = compile_count() - before
+        if new and self.armed:
+            self.compiled_after_warmup += new
+            if self.strict:
+                raise RecompilationError(
+                    f"{operation} compiled {new} new XLA graph(s) after warmup(); warm up with "
+                    f"the shapes, dtypes and logits layouts used in serving (see docs/tpu.md)")
