@@ -22,6 +22,22 @@ MAX_LOGPROBS = 20
 MAX_SEED = 2**63
 
 
+# Field -> (test, rule): a value failing the test raises "<field> <rule>, got <value>".
+_RANGES = {
+    "n": (lambda v: v >= 1, "must be >= 1"),
+    "temperature": (lambda v: v >= 0, "must be >= 0"),
+    "top_k": (lambda v: v >= -1, "must be >= -1 (0 or -1 disable it)"),
+    "top_p": (lambda v: 0.0 < v <= 1.0, "must be in (0, 1]"),
+    "min_p": (lambda v: 0.0 <= v <= 1.0, "must be in [0, 1]"),
+    "presence_penalty": (lambda v: -2.0 <= v <= 2.0, "must be in [-2, 2]"),
+    "frequency_penalty": (lambda v: -2.0 <= v <= 2.0, "must be in [-2, 2]"),
+    "repetition_penalty": (lambda v: v > 0.0, "must be > 0"),
+    "min_tokens": (lambda v: v >= 0, "must be >= 0"),
+    "seed": (lambda v: 0 <= v < MAX_SEED, "must be in [0, 2**63)"),
+    "logprobs": (lambda v: 0 <= v <= MAX_LOGPROBS, f"must be in [0, {MAX_LOGPROBS}]"),
+}
+
+
 def _ensure_not_bool(value, field):
     if isinstance(value, bool):
         raise TypeError(f"{field} must be a number, got bool {value!r}")
@@ -78,53 +94,12 @@ class SamplingParams(BaseModel):
             return out
         return value
 
-    @field_validator("n")
+    @field_validator(*_RANGES)
     @classmethod
-    def _check_n(cls, v):
-        if v < 1:
-            raise ValueError(f"n must be >= 1, got {v}")
-        return v
-
-    @field_validator("temperature")
-    @classmethod
-    def _check_temperature(cls, v):
-        if v < 0:
-            raise ValueError(f"temperature must be >= 0, got {v}")
-        return v
-
-    @field_validator("top_k")
-    @classmethod
-    def _check_top_k(cls, v):
-        if v < -1:
-            raise ValueError(f"top_k must be >= -1 (0 or -1 disable it), got {v}")
-        return v
-
-    @field_validator("top_p")
-    @classmethod
-    def _check_top_p(cls, v):
-        if not 0.0 < v <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {v}")
-        return v
-
-    @field_validator("min_p")
-    @classmethod
-    def _check_min_p(cls, v):
-        if not 0.0 <= v <= 1.0:
-            raise ValueError(f"min_p must be in [0, 1], got {v}")
-        return v
-
-    @field_validator("presence_penalty", "frequency_penalty")
-    @classmethod
-    def _check_additive_penalty(cls, v, info):
-        if not -2.0 <= v <= 2.0:
-            raise ValueError(f"{info.field_name} must be in [-2, 2], got {v}")
-        return v
-
-    @field_validator("repetition_penalty")
-    @classmethod
-    def _check_repetition_penalty(cls, v):
-        if not v > 0.0:
-            raise ValueError(f"repetition_penalty must be > 0, got {v}")
+    def _check_range(cls, v, info):
+        in_range, rule = _RANGES[info.field_name]
+        if v is not None and not in_range(v):
+            raise ValueError(f"{info.field_name} {rule}, got {v}")
         return v
 
     @field_validator("logit_bias")
@@ -133,13 +108,6 @@ class SamplingParams(BaseModel):
         for token, bias in v.items():
             if not -100.0 <= bias <= 100.0:
                 raise ValueError(f"logit_bias[{token}] must be in [-100, 100], got {bias}")
-        return v
-
-    @field_validator("min_tokens")
-    @classmethod
-    def _check_min_tokens(cls, v):
-        if v < 0:
-            raise ValueError(f"min_tokens must be >= 0, got {v}")
         return v
 
     @field_validator("allowed_token_ids")
@@ -155,20 +123,6 @@ class SamplingParams(BaseModel):
         for i, word in enumerate(v):
             if len(word) == 0:
                 raise ValueError(f"bad_words[{i}] must be a non-empty token sequence, got []")
-        return v
-
-    @field_validator("seed")
-    @classmethod
-    def _check_seed(cls, v):
-        if v is not None and not 0 <= v < MAX_SEED:
-            raise ValueError(f"seed must be in [0, 2**63), got {v}")
-        return v
-
-    @field_validator("logprobs")
-    @classmethod
-    def _check_logprobs(cls, v):
-        if v is not None and not 0 <= v <= MAX_LOGPROBS:
-            raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {v}")
         return v
 
     @model_validator(mode="after")

@@ -58,6 +58,22 @@ class SamplerOutput:
             )
 
 
+def nucleus_keep(probs: torch.Tensor, ordered: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Step 13's kept set: bool [B, V], True for tokens in the nucleus (ties at its edge kept).
+
+    probs: float32 [B, V] renormalised over what steps 11-12 left; ordered: float32 [B, K], the
+    row's K largest probs in descending order (K = V, or any K that holds the whole nucleus);
+    top_p: float32 [B] (1 keeps every token). Mass is summed in float64. Not in place.
+    """
+    ordered64 = ordered.double()
+    mass_before = ordered64.cumsum(dim=-1) - ordered64
+    # Token j (by rank) is in the nucleus when the mass strictly before it is < top_p.
+    in_nucleus = mass_before < top_p.double()[:, None]
+    last = in_nucleus.sum(dim=-1, keepdim=True).clamp(min=1) - 1           # (B, 1)
+    threshold = ordered.gather(1, last)
+    return (probs >= threshold) | (top_p >= 1.0)[:, None]
+
+
 class Sampler:
     """A sampling backend. This class is the ``reference`` backend; plugins subclass it."""
 
@@ -304,13 +320,7 @@ class Sampler:
         """Step 13 alone; see ``apply_top_k_top_p``. Mass is summed in float64."""
         probs = torch.softmax(x, dim=-1)
         ordered = torch.sort(probs, dim=-1, descending=True).values
-        mass_before = ordered.double().cumsum(dim=-1) - ordered.double()
-        # Token j (by rank) is in the nucleus when the mass strictly before it is < top_p.
-        in_nucleus = mass_before < s.top_p.double()[:, None]
-        last = in_nucleus.sum(dim=-1, keepdim=True).clamp(min=1) - 1       # (B, 1)
-        threshold = ordered.gather(1, last)
-        keep = (probs >= threshold) | (s.top_p >= 1.0)[:, None]
-        return x.masked_fill(~keep, NEG_INF)
+        return x.masked_fill(~nucleus_keep(probs, ordered, s.top_p), NEG_INF)
 
     def draw(self, x: torch.Tensor, s: StepState) -> torch.Tensor:
         """Step 14: int64 [B] by the Gumbel-max race ``argmax(x + gumbel)`` over kept tokens

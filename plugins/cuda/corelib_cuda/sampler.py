@@ -25,7 +25,7 @@ from typing import Optional
 import torch
 from corelib import Sampler, SamplingBatch, StepState
 from corelib.noise import row_keys, seeded_gumbel
-from corelib.sampler import NEG_INF
+from corelib.sampler import NEG_INF, nucleus_keep
 
 from .batch import CudaBatch, FilterBounds
 
@@ -183,13 +183,7 @@ class CudaSampler(Sampler):
         the reference. Not in place."""
         probs = torch.softmax(x, dim=-1)
         ordered = probs.gather(1, ids)                                      # (B, K)
-        ordered64 = ordered.double()
-        mass_before = ordered64.cumsum(dim=-1) - ordered64
-        in_nucleus = mass_before < s.top_p.double()[:, None]
-        last = in_nucleus.sum(dim=-1, keepdim=True).clamp(min=1) - 1        # (B, 1)
-        threshold = ordered.gather(1, last)
-        keep = (probs >= threshold) | (s.top_p >= 1.0)[:, None]
-        return x.masked_fill(~keep, NEG_INF)
+        return x.masked_fill(~nucleus_keep(probs, ordered, s.top_p), NEG_INF)
 
     # ------------------------------------------------------------------ step 14
     def draw(self, x: torch.Tensor, s: StepState) -> torch.Tensor:
