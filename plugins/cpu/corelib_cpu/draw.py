@@ -58,14 +58,20 @@ def draw_by_inverse_cdf(x: torch.Tensor, generator: Optional[torch.Generator]) -
     probabilities ``exp(x - max)`` are summed per block of ``CDF_BLOCK`` tokens in float64; a
     uniform picks a block by its cumulative mass, then a token inside it. Only tokens with
     positive probability can be returned."""
-    n, V = x.shape
-    weights = torch.exp(x - x.amax(dim=-1, keepdim=True))                  # (n, V)
+    return draw_from_weights(torch.exp(x - x.amax(dim=-1, keepdim=True)), generator)
+
+
+def draw_from_weights(weights: torch.Tensor, generator: Optional[torch.Generator]) -> torch.Tensor:
+    """int64 [n]: one token per row with probability proportional to weights float32 [n, V]
+    (>= 0, each row with a positive one), by the inverse CDF (see draw_by_inverse_cdf)."""
+    n, V = weights.shape
     blocks = block_sums(weights)                                           # (n, nb) float64
     cum = blocks.cumsum(dim=-1)
     target = torch.rand(n, dtype=torch.float64, generator=generator) * cum[:, -1]
     block = torch.searchsorted(cum, target[:, None], right=True)
-    # u * total can round up to total itself: stay on the last block with mass.
-    block = torch.minimum(block, last_positive(blocks))
+    # u * total can round up to total itself: stay on the last block with mass. (A row of
+    # NaN, from float32 overflow upstream, has none: any column will do, the caller flags it.)
+    block = torch.minimum(block, last_positive(blocks)).clamp_(min=0)
     before = torch.where(block > 0, cum.gather(1, (block - 1).clamp(min=0)), 0.0)
     cols = block * CDF_BLOCK + torch.arange(CDF_BLOCK)[None, :]            # (n, CDF_BLOCK)
     inside = cols < V
@@ -73,7 +79,7 @@ def draw_by_inverse_cdf(x: torch.Tensor, generator: Optional[torch.Generator]) -
     offset = torch.searchsorted(local.cumsum(dim=-1), (target[:, None] - before), right=True)
     offset = offset.clamp_(max=CDF_BLOCK - 1)
     offset = nearest_positive(local, offset)
-    return (block * CDF_BLOCK + offset)[:, 0]
+    return (block * CDF_BLOCK + offset)[:, 0].clamp_(max=V - 1)
 
 
 def block_sums(weights: torch.Tensor) -> torch.Tensor:
@@ -106,5 +112,5 @@ def nearest_positive(local: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
     positive = local > 0
     before = torch.where(positive & (cols <= offset), cols, -1).amax(dim=-1, keepdim=True)
     after = torch.where(positive, cols, local.shape[1]).amin(dim=-1, keepdim=True)
-    fixed = torch.where(before >= 0, before, after)
+    fixed = torch.where(before >= 0, before, after.clamp(max=local.shape[1] - 1))
     return torch.where(hit, offset, fixed)

@@ -30,11 +30,19 @@ from corelib.sampler import INVALID_TOKEN, NEG_INF
 from .batch import CpuBatch
 from .draw import (
     draw_by_inverse_cdf,
+    draw_from_weights,
     draw_seeded_candidates,
     draw_seeded_rows,
     draw_unseeded_candidates,
 )
-from .select import kth_largest, mask_below, nucleus_threshold, top_k_candidates, top_p_candidates
+from .select import (
+    kth_largest,
+    mask_below,
+    nucleus_threshold,
+    top_k_candidates,
+    top_p_candidates,
+    top_p_candidates_fast,
+)
 
 
 class RowSlice:
@@ -105,6 +113,10 @@ class Block:
     greedy_ids: Optional[torch.Tensor]   # int64 [n] argmax after step 8, or None
     cand: Optional[Candidates] = None
     candidate_rows: set = field(default_factory=set)
+    # Whole rows whose last filter computed their probabilities: float32 [m, V], 0 where
+    # dropped (the final distribution, unnormalised), keyed by block-local row.
+    weights: Optional[torch.Tensor] = None
+    weight_rows: dict = field(default_factory=dict)
 
 
 class CpuSampler(Sampler):
@@ -148,7 +160,7 @@ class CpuSampler(Sampler):
             blk = self.run_block(logits, batch, s, plan, r0, r1)
             ids = self.draw_block(blk, plan)                                   # step 14
             token_ids[r0:r1] = ids
-            valid[r0:r1] = blk.valid
+            valid[r0:r1] = blk.valid & self.drawn_is_finite_in_block(blk, ids)
             if s.num_logprobs is not None:                                     # step 15
                 pieces.append(self.block_logprobs(blk, ids, s))
         logprobs = join_logprobs(pieces) if pieces else None
@@ -226,18 +238,20 @@ class CpuSampler(Sampler):
         """Steps 3-5 in place on x float32 [n, V]; returns bool [n] valid rows (no NaN/+inf
         before masking, a token left after it). Invalid rows become zeros, as in the
         reference, so they cannot disturb later stages."""
-        top = x.amax(dim=-1)                      # NaN if the row has a NaN, +inf if it has +inf
-        finite = ~(torch.isnan(top) | (top == float("inf")))
-        masked = s.any_allowed or s.any_bad_words or s.any_min_tokens
+        finite = None
         if s.any_allowed:
+            # masked_fill can hide a NaN or +inf; the others below add -inf, which keeps them
+            # (NaN + -inf and +inf + -inf are NaN), so one maximum after them is enough.
+            top = x.amax(dim=-1)
+            finite = ~(torch.isnan(top) | (top == float("inf")))
             x.masked_fill_(~rs.allowed_mask, NEG_INF)                           # step 3
         if s.any_bad_words:
             self.ban_in_place(x, rs.bad_last, self.bad_word_hits(rs))           # step 4
         if s.any_min_tokens:
             pending = (rs.position < rs.min_tokens)[:, None]
             self.ban_in_place(x, rs.stop_ids, rs.stop_valid & pending)          # step 5
-        left = (x.amax(dim=-1) if masked else top) > NEG_INF
-        valid = finite & left
+        top = x.amax(dim=-1)              # NaN with a NaN, +inf with a +inf, -inf if all masked
+        valid = torch.isfinite(top) if finite is None else finite & (top > NEG_INF)
         if not bool(valid.all()):
             x.masked_fill_(~valid[:, None], 0.0)
         return valid
@@ -289,10 +303,10 @@ class CpuSampler(Sampler):
         rows = lambda switch: [i for i, on in enumerate(switch[r0:r1]) if on]  # noqa: E731
         min_p_rows = rows(plan.min_p_on)
         if min_p_rows:
-            self.min_p_rows(x, min_p_rows, plan.min_p[r0:r1])                   # step 11
+            self.min_p_rows(blk, min_p_rows, plan.min_p[r0:r1])                 # step 11
         top_k_rows = rows(plan.top_k_on)
         if top_k_rows:
-            blk.cand = self.top_k_rows(x, top_k_rows, plan.top_k[r0:r1])        # step 12
+            blk.cand = self.top_k_rows(blk, top_k_rows, plan.top_k[r0:r1])      # step 12
             if blk.cand is not None:
                 blk.candidate_rows = set(blk.cand.rows.tolist())
         top_p_rows = rows(plan.top_p_on)
@@ -303,28 +317,46 @@ class CpuSampler(Sampler):
             if on_candidates:
                 self.top_p_candidate_rows(blk.cand, top_p, x.shape[1])
             if whole:
-                self.top_p_whole_rows(x, whole, top_p)
+                self.top_p_whole_rows(blk, whole, top_p)
 
-    def min_p_rows(self, x: torch.Tensor, rows: list, min_p: torch.Tensor) -> None:
-        """Step 11 in place on the given rows of x float32 [n, V]: drop tokens whose
+    def min_p_rows(self, blk: Block, rows: list, min_p: torch.Tensor) -> None:
+        """Step 11 in place on the given rows of blk.x float32 [n, V]: drop tokens whose
         probability is < min_p * the row's largest (min_p float32 [n]; 0 keeps all)."""
-        sub, index = take_rows(x, rows)
+        sub, index = take_rows(blk.x, rows)
         probs = torch.softmax(sub, dim=-1)
         threshold = min_p[index][:, None] * probs.amax(dim=-1, keepdim=True)
-        sub.masked_fill_(probs < threshold, NEG_INF)
-        put_rows(x, index, sub)
+        self.drop_and_keep_weights(blk, rows, index, sub, probs, probs < threshold)
 
-    def top_k_rows(self, x: torch.Tensor, rows: list, top_k: torch.Tensor) -> Optional[Candidates]:
+    @staticmethod
+    def drop_and_keep_weights(blk: Block, rows: list, index: torch.Tensor, sub: torch.Tensor,
+                              probs: torch.Tensor, drop: torch.Tensor) -> None:
+        """sub[drop] = -inf and probs[drop] = 0, sub written back into blk.x; probs become the
+        rows' draw weights (they are the final distribution unless a later stage changes
+        the row, which then replaces them)."""
+        sub.masked_fill_(drop, NEG_INF)
+        put_rows(blk.x, index, sub)
+        blk.weights = probs.masked_fill_(drop, 0.0)
+        blk.weight_rows = {row: j for j, row in enumerate(rows)}
+
+    @staticmethod
+    def forget_weights(blk: Block, rows: list) -> None:
+        """Rows changed after their weights were computed: draw them from blk.x instead."""
+        for row in rows:
+            blk.weight_rows.pop(row, None)
+
+    def top_k_rows(self, blk: Block, rows: list, top_k: torch.Tensor) -> Optional[Candidates]:
         """Step 12 for the given rows of x float32 [n, V] (top_k int64 [n], 1..V there).
 
         Rows whose ties at the k-th value may run past the candidate columns are masked in
         place in x and left out of the candidates (their next stages take the whole row)."""
+        x = blk.x
         sub, index = take_rows(x, rows)
         k = top_k[index]
         width = min(x.shape[1], int(k.max()) + self.TIE_SLACK)
         values, ids, complete = top_k_candidates(sub, k, width)
         if not bool(complete.all()):
             spill = (~complete).nonzero().flatten()
+            self.forget_weights(blk, index[spill].tolist())
             cut = kth_largest(values[spill], k[spill])   # masking kept the top k values
             x[index[spill]] = mask_below(sub[spill], cut)
             keep = complete.nonzero().flatten()
@@ -334,24 +366,30 @@ class CpuSampler(Sampler):
         return Candidates(index, values, ids)
 
     def top_p_candidate_rows(self, cand: Candidates, top_p: torch.Tensor, V: int) -> None:
-        """Step 13 on candidate rows (top_p float32 [n] per block row; 1 keeps all): the
-        reference's softmax of each masked row, read at the candidates."""
+        """Step 13 on candidate rows (top_p float32 [n] per block row; 1 keeps all).
+
+        From the softmax of the candidates alone when that provably picks the reference's
+        tokens (``select.top_p_candidates_fast``); the other rows take the reference's
+        softmax of the whole masked row."""
         p = top_p[cand.rows]
         if not bool((p < 1.0).any()):
             return
-        masked_rows = torch.full((cand.values.shape[0], V), NEG_INF)
-        masked_rows.scatter_(1, cand.ids, cand.values)
-        probs = torch.softmax(masked_rows, dim=-1).gather(1, cand.ids)
-        cand.values = top_p_candidates(cand.values, probs, p)
+        values, settled = top_p_candidates_fast(cand.values, p)
+        if not bool(settled.all()):
+            rows = (~settled).nonzero().flatten()
+            masked_rows = torch.full((rows.numel(), V), NEG_INF)
+            masked_rows.scatter_(1, cand.ids[rows], cand.values[rows])
+            probs = torch.softmax(masked_rows, dim=-1).gather(1, cand.ids[rows])
+            values[rows] = top_p_candidates(cand.values[rows], probs, p[rows])
+        cand.values = values
 
-    def top_p_whole_rows(self, x: torch.Tensor, rows: list, top_p: torch.Tensor) -> None:
-        """Step 13 in place on whole rows of x float32 [n, V] (top_p float32 [n], < 1 there):
-        the threshold by histogram select, then one masking pass."""
-        sub, index = take_rows(x, rows)
+    def top_p_whole_rows(self, blk: Block, rows: list, top_p: torch.Tensor) -> None:
+        """Step 13 in place on whole rows of blk.x float32 [n, V] (top_p float32 [n], < 1
+        there): the threshold by histogram select, then one masking pass."""
+        sub, index = take_rows(blk.x, rows)
         probs = torch.softmax(sub, dim=-1)
         threshold = nucleus_threshold(probs, top_p[index])
-        sub.masked_fill_(probs < threshold[:, None], NEG_INF)
-        put_rows(x, index, sub)
+        self.drop_and_keep_weights(blk, rows, index, sub, probs, probs < threshold[:, None])
 
     # ------------------------------------------------------------------ step 14
     def draw_block(self, blk: Block, plan: StepPlan) -> torch.Tensor:
@@ -376,9 +414,32 @@ class CpuSampler(Sampler):
             is_seeded = torch.tensor([seeded[i] for i in whole], dtype=torch.bool)
             self.draw_into(tokens, rows, is_seeded,
                            lambda sel, keys: draw_seeded_rows(blk.x[rows[sel]], keys),
-                           lambda sel: draw_by_inverse_cdf(blk.x[rows[sel]], self.generator),
+                           lambda sel: self.draw_whole_unseeded(blk, rows[sel]),
                            plan.keys, r0)
         return tokens
+
+    def draw_whole_unseeded(self, blk: Block, rows: torch.Tensor) -> torch.Tensor:
+        """int64 [m]: inverse-CDF draws for whole rows (block-local int64 [m]), from the
+        weights a filter left when every row has them, else from blk.x."""
+        at = [blk.weight_rows.get(row) for row in rows.tolist()]
+        if None not in at:
+            weights = blk.weights if at == list(range(blk.weights.shape[0])) else blk.weights[at]
+            return draw_from_weights(weights, self.generator)
+        return draw_by_inverse_cdf(blk.x[rows], self.generator)
+
+    @staticmethod
+    def drawn_is_finite_in_block(blk: Block, token_ids: torch.Tensor) -> torch.Tensor:
+        """bool [n]: the drawn id is in range and its final logit finite (the core's
+        ``Sampler.drawn_is_finite``: rows whose float32 overflowed are flagged, not returned
+        with an arbitrary id). Candidate rows read the candidates' values."""
+        V = blk.x.shape[1]
+        safe = token_ids.clamp(0, V - 1)
+        picked = blk.x.gather(1, safe[:, None])[:, 0]
+        if blk.cand is not None:
+            c = blk.cand
+            hit = c.ids == safe[c.rows][:, None]
+            picked[c.rows] = torch.where(hit, c.values, NEG_INF).amax(dim=-1)
+        return (token_ids >= 0) & (token_ids < V) & torch.isfinite(picked)
 
     @staticmethod
     def draw_into(tokens, rows, is_seeded, seeded_draw, unseeded_draw, keys, r0) -> None:

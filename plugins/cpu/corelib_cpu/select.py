@@ -17,6 +17,9 @@ NEG_INF = float("-inf")
 # A positive float32's bit pattern orders like its value, so its top 16 bits (sign, exponent,
 # 7 mantissa bits) name a bucket and its low 16 bits a value within the bucket.
 _BUCKETS = 1 << 16
+# Probabilities are at most 1.0 (bits 0x3F800000): buckets past its one stay empty, except
+# for NaN rows, which are then all empty and go to the sort.
+_PROB_BUCKETS = 0x3F80 + 1
 _HIGH, _LOW = (1, 0) if sys.byteorder == "little" else (0, 1)
 # Buckets from here up hold values >= 2**-29: float32 multiples of 2**-52, so float64 sums of
 # them below 2 are exact, in any order (the reference's sequential cumsum included).
@@ -60,16 +63,56 @@ def top_p_candidates(values: torch.Tensor, probs: torch.Tensor, top_p: torch.Ten
 
     The reference sums the sorted probabilities of the whole row; beyond the candidates they
     are 0, which changes neither the sums nor (see ``last`` below) the threshold."""
-    ordered = torch.sort(probs, dim=-1, descending=True).values
+    keep, _ = nucleus_of_candidates(values, probs, top_p)
+    return values.masked_fill(~keep, NEG_INF)
+
+
+def nucleus_of_candidates(values: torch.Tensor, probs: torch.Tensor, top_p: torch.Tensor):
+    """(keep bool [n, W], margin float64 [n]) for candidate rows: the reference's nucleus
+    rule on ``probs`` float32 [n, W]; ``margin`` is how far the decisive sums and the
+    threshold's neighbours sit from flipping the decision (see :func:`top_p_candidates_fast`)."""
+    ordered, order = torch.sort(probs, dim=-1, descending=True)
     ordered64 = ordered.double()
     mass_before = ordered64.cumsum(dim=-1) - ordered64
-    in_nucleus = mass_before < top_p.double()[:, None]
+    p64 = top_p.double()[:, None]
+    in_nucleus = mass_before < p64
     # When every candidate, zeros included, is in the nucleus, the reference's last position
     # is one of its zeros too: the threshold is 0 in both.
     last = in_nucleus.sum(dim=-1, keepdim=True).clamp(min=1) - 1
     threshold = ordered.gather(1, last)
     keep = (probs >= threshold) | (top_p >= 1.0)[:, None]
-    return values.masked_fill(~keep, NEG_INF)
+    # Distance of the nucleus sums from top_p, and of other values from the threshold
+    # (relative), ignoring tokens whose logit equals the threshold token's (equal in any sum).
+    sums_gap = (mass_before - p64).abs().amin(dim=-1)
+    threshold_value = values.gather(1, order.gather(1, last))
+    others = values != threshold_value
+    t64 = threshold.double()
+    value_gap = torch.where(others, (probs.double() - t64).abs() / t64.clamp(min=1e-300),
+                            float("inf")).amin(dim=-1)
+    margin = torch.minimum(sums_gap, value_gap)
+    # Relative bounds mean nothing for subnormal probabilities: never settle on those.
+    tiny = (t64[:, 0] > 0) & (t64[:, 0] < 2.0 ** -100)
+    return keep, torch.where(tiny, 0.0, margin)
+
+
+def top_p_candidates_fast(values: torch.Tensor, top_p: torch.Tensor):
+    """Step 13 on candidates from the softmax of the candidates alone. values float32 [n, W]
+    descending (-inf = dropped), top_p float32 [n]. Returns ``(values, settled bool [n])``;
+    rows not settled must take :func:`top_p_candidates` with the reference's probabilities.
+
+    The reference's probabilities come from a softmax over the whole masked row: the same
+    exp(v - max) terms, summed in another order. A sum of at most W positive float32 terms,
+    in any order, is within (W - 1) ulps (relative) of the exact sum, so the two softmaxes
+    differ by at most (2W + 4) ulps per value, and every float64 prefix sum by as much
+    relative to the mass. A row is settled when no prefix sum lies within twice that of
+    top_p and no other value lies that close to the threshold: both rules then pick the
+    same tokens. (Exact boundaries, which hand-made cases hit, are never settled.)"""
+    W = values.shape[-1]
+    probs = torch.softmax(values, dim=-1)
+    keep, margin = nucleus_of_candidates(values, probs, top_p)
+    tolerance = (4 * W + 40) * 2.0 ** -24
+    settled = (margin > tolerance) | (top_p >= 1.0)
+    return values.masked_fill(~keep, NEG_INF), settled
 
 
 def nucleus_threshold(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
@@ -97,21 +140,24 @@ def select_by_histogram(probs: torch.Tensor, top_p: torch.Tensor):
     Returns ``(threshold float32 [n], exact bool [n])``; rows with ``exact`` False must use
     :func:`threshold_by_sort`."""
     n, V = probs.shape
-    halves = probs.view(torch.int16)                                    # (n, 2V)
+    # Unsigned halves: a NaN row (float32 overflow upstream) must still give valid bins; its
+    # sums are NaN, so it ends up not exact and takes the sort, as the reference would.
+    halves = probs.view(torch.uint16)                                   # (n, 2V)
     high, low = halves[:, _HIGH::2], halves[:, _LOW::2]                 # (n, V) views
     p64 = top_p.double()[:, None]
     row = torch.arange(n)
 
     # Pass 1: buckets (exponent + 7 mantissa bits).
     keys = high.to(torch.long) + (row * _BUCKETS)[:, None]
-    mass = torch.bincount(keys.view(-1), probs.double().view(-1), minlength=n * _BUCKETS).view(n, _BUCKETS)
+    mass = torch.bincount(keys.view(-1), probs.double().view(-1), minlength=n * _BUCKETS)
+    mass = mass.view(n, _BUCKETS)[:, :_PROB_BUCKETS]
     above = mass_above(mass)
     bucket = first_true((mass > 0) & (above < p64))                     # (n,)
     above_bucket = above.gather(1, bucket[:, None])                     # (n, 1)
 
     # Pass 2: the distinct values inside that bucket.
-    band_rows, band_cols = (high == bucket.to(torch.int16)[:, None]).nonzero(as_tuple=True)
-    values = (low[band_rows, band_cols].to(torch.long) & 0xFFFF) + band_rows * _BUCKETS
+    band_rows, band_cols = (high == bucket.to(torch.uint16)[:, None]).nonzero(as_tuple=True)
+    values = low[band_rows, band_cols].to(torch.long) + band_rows * _BUCKETS
     mass2 = torch.bincount(values, probs[band_rows, band_cols].double(), minlength=n * _BUCKETS).view(n, _BUCKETS)
     above2 = mass_above(mass2) + above_bucket
     value = first_true((mass2 > 0) & (above2 < p64))                    # (n,)
@@ -135,11 +181,12 @@ def threshold_by_sort(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
 
 
 def mass_above(mass: torch.Tensor) -> torch.Tensor:
-    """float64 [n, K] -> float64 [n, K]: for each bin, the mass of the bins after it."""
-    from_here = mass.flip(-1).cumsum(-1).flip(-1)
-    above = torch.zeros_like(mass)
-    above[:, :-1] = from_here[:, 1:]
-    return above
+    """float64 [n, K] -> float64 [n, K]: for each bin, the mass of the bins after it.
+
+    ``total - prefix``: when every bin from here up holds values >= 2**-29 (the only bins an
+    exact row reads) both sums and their difference are exact."""
+    prefix = mass.cumsum(dim=-1)
+    return prefix[:, -1:] - prefix
 
 
 def first_true(mask: torch.Tensor) -> torch.Tensor:

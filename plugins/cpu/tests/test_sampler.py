@@ -139,3 +139,24 @@ def test_python_work_per_step_does_not_grow_with_vocabulary_or_history(config):
         cpu.sample(logits, batch)                                        # warm caches
         counts.append(python_calls(lambda: cpu.sample(logits, batch)))
     assert counts[0] == counts[1] == counts[2], counts
+
+
+def test_overflowing_rows_are_flagged_never_answered_with_a_dropped_token():
+    # The core's example: finite logits near the float32 limit, divided by a temperature < 1,
+    # become +inf; top-p then sees NaN. Whatever the stages keep, the row must be flagged
+    # or its token must be one that allowed_token_ids permits.
+    vocab = 600
+    params = [SamplingParams(temperature=0.5, top_p=0.9, allowed_token_ids=[1, 2], seed=1),
+              SamplingParams(temperature=0.5, top_k=5, allowed_token_ids=[1, 2]),
+              SamplingParams(temperature=0.5, allowed_token_ids=[1, 2]),
+              SamplingParams(temperature=0.5, min_p=0.2, allowed_token_ids=[1, 2], seed=2)]
+    logits = torch.zeros(len(params), vocab)
+    logits[:, 1:3] = 3e38
+    for sampler in (CpuSampler(), CpuSampler(block_elements=vocab)):
+        batch = sampler.new_batch(vocab)
+        for i, p in enumerate(params):
+            batch.add(f"r{i}", p)
+        out = sampler.sample(logits, batch)
+        for row in range(len(params)):
+            token, ok = int(out.token_ids[row]), bool(out.valid[row])
+            assert (not ok and token == -1) or (ok and token in (1, 2)), (row, token, ok)

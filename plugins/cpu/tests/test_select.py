@@ -7,6 +7,7 @@ import torch
 from corelib import Sampler
 
 from corelib_cpu.select import (
+    top_p_candidates_fast,
     nucleus_threshold,
     select_by_histogram,
     threshold_by_sort,
@@ -123,3 +124,30 @@ def test_top_k_then_top_p_on_candidates_match_the_reference(seed):
     assert bool(complete.all())
     assert torch.equal(torch.isfinite(got), torch.isfinite(want))
     assert torch.equal(got[torch.isfinite(want)], want[torch.isfinite(want)])
+
+
+def test_candidate_softmax_settles_most_rows_and_never_disagrees_with_the_reference():
+    g = torch.Generator().manual_seed(11)
+    rows, settled_rows = 0, 0
+    for scale in (0.3, 1.0, 3.0, 10.0):
+        x = torch.randn(64, 4000, generator=g) * scale
+        x[:8, :60] = x[:8, :1]                           # ties across the threshold
+        k = torch.randint(1, 80, (64,), generator=g)
+        top_p = torch.rand(64, generator=g).clamp(0.01, 0.999)
+        values, ids, _ = top_k_candidates(x, k, width=int(k.max()) + 8)
+        masked = torch.full_like(x, NEG_INF).scatter_(1, ids, values)
+        want = top_p_candidates(values, torch.softmax(masked, dim=-1).gather(1, ids), top_p)
+        got, settled = top_p_candidates_fast(values, top_p)
+        same = (torch.isfinite(got) == torch.isfinite(want)).all(dim=-1)
+        assert bool(same[settled].all())
+        rows += 64
+        settled_rows += int(settled.sum())
+    assert settled_rows >= 0.9 * rows
+
+
+def test_candidate_softmax_leaves_exact_boundaries_to_the_reference():
+    # probabilities 1/2, 1/4, 1/4 (logits log 2, 0, 0) and top_p = 0.75: the mass before the
+    # third token equals top_p up to rounding, which only the reference's own sum settles
+    values = torch.tensor([[0.6931471805599453, 0.0, 0.0, NEG_INF]])
+    _, settled = top_p_candidates_fast(values, torch.tensor([0.75]))
+    assert not bool(settled[0])
