@@ -1,0 +1,130 @@
+"""XlaSamplingBatch: fixed-shape state that follows rows through churn, limits, path choice."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from corelib import SamplingParams
+from corelib.sampler import Sampler
+
+from corelib_tpu.batch import choose_path
+from corelib_tpu.sampler import TpuSampler
+
+from tpu_support import needs_xla, xla_device
+
+V = 64
+OPTIONS = [
+    dict(), dict(temperature=0.0), dict(top_k=3, seed=1), dict(top_p=0.6),
+    dict(logit_bias={1: 4.0, 9: -3.0}), dict(allowed_token_ids=[2, 3, 5, 7, 11]),
+    dict(bad_words=[[4], [1, 2], [3, 3, 3]]), dict(min_tokens=3, stop_token_ids=[8]),
+    dict(repetition_penalty=1.4, frequency_penalty=0.5, presence_penalty=-0.3),
+    dict(n=3, seed=7, min_p=0.1), dict(logprobs=2, top_k=10, top_p=0.9),
+]
+
+
+def _churn(sampler: Sampler, reference: Sampler, steps: int, seed: int):
+    """Random adds, removes (rows move) and appends on both samplers; after each step the
+    processed logits must agree."""
+    rng, gen = random.Random(seed), torch.Generator().manual_seed(seed)
+    mine, ref = sampler.new_batch(V, eos_token_id=0), reference.new_batch(V, eos_token_id=0)
+    for step in range(steps):
+        if len(mine) < 12 and rng.random() < 0.7:
+            params = SamplingParams(**rng.choice(OPTIONS))
+            prompt = [rng.randrange(V) for _ in range(rng.randrange(4))]
+            outputs = [[rng.randrange(1, V) for _ in range(rng.randrange(3))] for _ in range(params.n)]
+            outputs = outputs[0] if params.n == 1 else outputs
+            for batch in (mine, ref):
+                batch.add(f"r{step}", params, prompt_token_ids=prompt, output_token_ids=outputs)
+        if len(mine) > 3 and rng.random() < 0.4:
+            victim = rng.choice(mine.request_ids)
+            mine.remove(victim)
+            ref.remove(victim)
+        assert mine.rows == ref.rows
+        if not len(mine):
+            continue
+        logits = torch.randn((len(mine), V), generator=gen) * 2
+        got = sampler.processed_logits(logits.to(sampler.device), mine)
+        want = reference.processed_logits(logits, ref)
+        assert torch.equal(torch.isfinite(got), torch.isfinite(want)), f"kept sets differ at step {step}"
+        torch.testing.assert_close(got[torch.isfinite(want)], want[torch.isfinite(want)])
+        tokens = torch.argmax(want, dim=-1).tolist()             # any valid token per row
+        mine.append(tokens)
+        ref.append(tokens)
+    return mine
+
+
+def test_state_follows_rows_through_churn_on_cpu():
+    batch = _churn(TpuSampler("cpu", buckets=(4, 8, 16)), Sampler("cpu"), steps=60, seed=1)
+    assert batch.generated_counts() == [int(p) for p in batch._ints[:len(batch), 4]]
+
+
+@needs_xla
+def test_state_follows_rows_through_churn_on_xla():
+    _churn(TpuSampler(xla_device(), buckets=(16,)), Sampler("cpu"), steps=25, seed=2)
+
+
+def test_limits_raise_naming_the_request():
+    sampler = TpuSampler("cpu", buckets=(4,), max_bad_words=2, max_bad_word_length=3)
+    batch = sampler.new_batch(V)
+    with pytest.raises(ValueError, match=r"'big'.*largest bucket \(4\)"):
+        batch.add("big", SamplingParams(n=5, seed=1))
+    with pytest.raises(ValueError, match=r"'words'.*max_bad_words=2"):
+        batch.add("words", SamplingParams(bad_words=[[1, 2], [2, 3], [3, 4]]))
+    with pytest.raises(ValueError, match=r"'long'.*max_bad_word_length=3"):
+        batch.add("long", SamplingParams(bad_words=[[1, 2, 3, 4]]))
+    batch.add("ok", SamplingParams(bad_words=[[1], [2], [3], [1, 2], [2, 3, 4]]))   # 1-token words are free
+    assert len(batch) == 1
+
+
+def test_append_checks_host_ids_and_counts_device_ids():
+    sampler = TpuSampler("cpu", buckets=(4,))
+    batch = sampler.new_batch(V)
+    batch.add("a", SamplingParams(frequency_penalty=1.0))
+    with pytest.raises(ValueError, match="out of range"):
+        batch.append([V])
+    with pytest.raises(ValueError, match="one token id per row"):
+        batch.append([1, 2])
+    batch.append([5])
+    assert batch.generated_counts() == [1]
+    assert int(batch.step_state().output_counts[0, 5]) == 1
+
+
+@pytest.mark.parametrize("rows, path", [
+    ([dict(temperature=0.0)], "greedy"),
+    ([dict(), dict(min_p=0.1), dict(temperature=0.0, top_k=500)], "plain"),
+    ([dict(top_k=50, top_p=0.9), dict(top_k=64), dict(temperature=0.0)], "candidates"),
+    ([dict(top_k=50, top_p=0.9), dict()], "candidates"),
+    ([dict(top_p=0.9)], "bisect"),
+    ([dict(top_k=65)], "bisect"),
+    ([dict(top_k=-1, top_p=0.5), dict(top_k=3)], "bisect"),
+])
+def test_path_choice(rows, path):
+    assert choose_path([SamplingParams(**p) for p in rows], candidates=64) == path
+
+
+def test_row_sources_map_rows_to_their_logits_rows():
+    batch = TpuSampler("cpu", buckets=(8,)).new_batch(V)
+    batch.add("a", SamplingParams(n=2, seed=1))
+    batch.add("b", SamplingParams())
+    batch.add("c", SamplingParams(n=2, seed=2))
+    batch.remove("a")                                  # c's rows move into a's places
+    assert batch.rows == [("c", 0), ("c", 1), ("b", 0)]
+    assert batch.row_sources(8, per_request=False).tolist() == [0, 1, 2, 0, 0, 0, 0, 0]
+    assert batch.request_ids == ["c", "b"]
+    assert batch.row_sources(8, per_request=True).tolist() == [0, 0, 1, 0, 0, 0, 0, 0]
+
+
+def test_padded_rows_are_neutral():
+    batch = TpuSampler("cpu", buckets=(8,)).new_batch(V)
+    batch.add("a", SamplingParams(temperature=0.5, top_k=3, top_p=0.5, min_p=0.2, seed=3,
+                                  repetition_penalty=2.0, min_tokens=4))
+    batch.remove("a")
+    batch.add("b", SamplingParams())
+    s = batch.step_state()
+    assert s.num_rows == 8 and s.live_rows == 1
+    for name, neutral in [("temperature", 1.0), ("top_p", 1.0), ("min_p", 0.0),
+                          ("repetition_penalty", 1.0), ("top_k", 0), ("min_tokens", 0)]:
+        assert torch.all(getattr(s, name)[1:] == neutral), name
+    assert not s.seeded[1:].any() and not s.greedy.any()

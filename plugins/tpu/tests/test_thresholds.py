@@ -1,0 +1,116 @@
+"""The traced top-k / top-p / min-p / argmax building blocks against the reference stages.
+
+Each test packs many cases into the rows of one batch (one XLA graph per function and shape),
+on CPU tensors and on the XLA device.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from corelib.sampler import Sampler
+
+from corelib_tpu import thresholds
+
+from tpu_support import needs_xla, xla_device
+
+DEVICES = ["cpu", pytest.param("xla", marks=needs_xla)]
+REF = Sampler("cpu")
+
+
+def _device(name: str) -> torch.device:
+    return xla_device() if name == "xla" else torch.device("cpu")
+
+
+def _logits(V: int, seed: int = 0) -> torch.Tensor:
+    """Rows of several shapes: peaked, flat, integer-valued (big tie groups), with -inf."""
+    gen = torch.Generator().manual_seed(seed)
+    peaked = torch.randn((4, V), generator=gen) * 3
+    flat = torch.zeros((2, V))
+    ties = torch.randint(0, 5, (4, V), generator=gen).to(torch.float32)
+    masked = torch.randn((2, V), generator=gen)
+    masked[:, ::3] = float("-inf")
+    return torch.cat([peaked, flat, ties, masked])                     # (12, V)
+
+
+def _kept(x: torch.Tensor) -> torch.Tensor:
+    return torch.isfinite(x)
+
+
+def _assert_same_kept(got: torch.Tensor, want: torch.Tensor, what: str, params) -> None:
+    got, want = _kept(got.cpu()), _kept(want)
+    for row in range(want.shape[0]):
+        if not torch.equal(got[row], want[row]):
+            extra = torch.nonzero(got[row] & ~want[row]).flatten().tolist()[:8]
+            missing = torch.nonzero(want[row] & ~got[row]).flatten().tolist()[:8]
+            pytest.fail(f"{what}: row {row} ({params(row)}) kept extra {extra}, dropped {missing}")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_top_k_by_bisection_matches_the_reference(device):
+    x = _logits(1000, seed=1)
+    k = torch.tensor([1, 5, 50, 200, 0, 7, 1, 64, 300, 999, 3, 1000], dtype=torch.int32)
+    want = REF.apply_top_k(x, SimpleNamespace(top_k=k))
+    got = thresholds.top_k_by_bisection(x.to(_device(device)), k.to(_device(device)))
+    _assert_same_kept(got, want, "top_k_by_bisection", lambda r: f"k={int(k[r])}")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_top_p_by_bisection_matches_the_reference(device):
+    x = _logits(1000, seed=2)
+    p = torch.tensor([0.9, 0.5, 0.1, 1.0, 0.3, 0.95, 0.2, 0.7, 0.999, 0.05, 0.6, 0.8])
+    want = REF.apply_top_p(x, SimpleNamespace(top_p=p))
+    got = thresholds.top_p_by_bisection(x.to(_device(device)), p.to(_device(device)))
+    _assert_same_kept(got, want, "top_p_by_bisection", lambda r: f"top_p={float(p[r])}")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("candidates", [64, 8])
+def test_candidates_match_the_reference_min_p_top_k_top_p(device, candidates):
+    """With 8 candidates the integer-valued rows tie far beyond the candidate set."""
+    x = _logits(1000, seed=3)
+    k = torch.tensor([50, 5, 8, 1, 8, 3, 5, 8, 2, 8, 4, 6], dtype=torch.int32).clamp(max=candidates)
+    p = torch.tensor([0.9, 0.5, 1.0, 0.3, 0.8, 0.95, 0.2, 0.7, 1.0, 0.05, 0.6, 0.99])
+    m = torch.tensor([0.0, 0.05, 0.0, 0.0, 0.2, 0.0, 0.01, 0.0, 0.3, 0.0, 0.0, 0.1])
+    s = SimpleNamespace(top_k=k, top_p=p, min_p=m)
+    want = REF.apply_top_p(REF.apply_top_k(REF.apply_min_p(x, s), s), s)
+    dev = _device(device)
+    got = thresholds.top_k_top_p_candidates(x.to(dev), k.to(dev), p.to(dev), m.to(dev), candidates)
+    _assert_same_kept(got, want, f"candidates={candidates}",
+                      lambda r: f"k={int(k[r])}, top_p={float(p[r])}, min_p={float(m[r])}")
+    torch.testing.assert_close(got.cpu()[_kept(want)], want[_kept(want)])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_min_p_filter_matches_the_reference(device):
+    x = _logits(1000, seed=4)
+    m = torch.tensor([0.0, 0.05, 0.5, 1.0, 0.1, 0.0, 0.3, 0.01, 0.9, 0.2, 0.0, 0.4])
+    want = REF.apply_min_p(x, SimpleNamespace(min_p=m))
+    got = thresholds.min_p_filter(x.to(_device(device)), m.to(_device(device)))
+    _assert_same_kept(got, want, "min_p_filter", lambda r: f"min_p={float(m[r])}")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("V", [1000, 1031, 128])
+def test_first_argmax_and_top_values_match_torch(device, V):
+    """1031 is prime: the chunked reductions need a tail chunk."""
+    x = _logits(V, seed=5)
+    x[0, V - 1] = x[0].max() + 1                     # the maximum in the tail chunk
+    x[1, 3] = x[1, V - 2] = 7.0                      # tie: the lower id wins
+    dev = _device(device)
+    assert torch.equal(thresholds.first_argmax(x.to(dev)).cpu(), torch.argmax(x, dim=-1))
+    for k in (1, 20, 64):
+        got = thresholds.top_values(x.to(dev), k).cpu()
+        assert torch.equal(got, torch.topk(x, k, dim=-1).values), f"top_values k={k}, V={V}"
+
+
+def test_order_keys_sort_like_the_floats():
+    values = torch.tensor([float("-inf"), -3e38, -2.0, -1.0, -1e-30, -0.0, 0.0, 1e-30, 1.0,
+                           2.0, 3e38, float("inf")])
+    keys = thresholds.order_keys(values)
+    assert torch.equal(torch.sort(keys).values, keys)                        # monotone
+    assert keys[5] == keys[6] == 0                                           # -0.0 == +0.0
+    back = thresholds.value_of_key(keys)
+    assert torch.equal(back, values.abs() * torch.sign(values) + 0.0)        # -0.0 -> +0.0
