@@ -142,6 +142,62 @@ def assert_same_snapshot(before: dict, after: dict, what: str) -> None:
         assert torch.equal(before[name], after[name]), f"{what}: step_state.{name} changed"
 
 
+# Neutral values of the padding rows (rows past len(batch)), from the StepState docs.
+NEUTRAL = {"temperature": 1.0, "top_p": 1.0, "min_p": 0.0, "repetition_penalty": 1.0,
+           "frequency_penalty": 0.0, "presence_penalty": 0.0, "top_k": 0, "seed_lo": 0,
+           "seed_hi": 0, "child": 0, "position": 0, "min_tokens": 0, "seeded": False,
+           "greedy": False}
+
+
+def per_key(batch, values) -> dict:
+    return {key: values[row] for row, key in enumerate(batch.rows)}
+
+
+def assert_same_state(batch, rebuilt, sampler, reference, where: str, table: dict,
+                      max_freed_rows: int = 64) -> None:
+    """``batch`` (sampled by ``sampler``) equals ``rebuilt`` (a fresh batch of the same live
+    requests and histories, sampled by ``reference``): rows, positions, per-row parameters,
+    flags, running counts, neutral padding rows, processed logits and seeded/greedy draws
+    on the logits ``table[(request_id, child)]``. Rows may be in a different order."""
+    assert sorted(batch.rows) == sorted(rebuilt.rows), where
+    assert dict(zip(batch.rows, batch.generated_counts())) == \
+        dict(zip(rebuilt.rows, rebuilt.generated_counts())), where
+    s, r = batch.step_state(), rebuilt.step_state()
+    for name in FLAGS:
+        assert getattr(s, name) == getattr(r, name), f"{where}: flag {name}"
+    for name in ROW_SCALARS:
+        mine = per_key(batch, getattr(s, name).cpu().tolist())
+        theirs = per_key(rebuilt, getattr(r, name).tolist())
+        assert mine == theirs, f"{where}: step_state.{name}"
+    for name in ("output_counts", "prompt_mask"):
+        if getattr(s, name) is not None and getattr(r, name) is not None:
+            mine, theirs = per_key(batch, getattr(s, name).cpu()), per_key(rebuilt, getattr(r, name))
+            for key in theirs:
+                if batch.params_of(key[0]).uses_penalties:
+                    assert torch.equal(mine[key], theirs[key]), f"{where}: {name} of {key}"
+    padded = batch.step_state(len(batch) + max_freed_rows)   # covers every freed row
+    for name, neutral in NEUTRAL.items():
+        tail = getattr(padded, name)[len(batch):].cpu()
+        assert (tail == neutral).all(), f"{where}: padding rows of {name} are not neutral"
+    if not len(batch):
+        return
+    mine_logits = torch.stack([table[k] for k in batch.rows])
+    theirs_logits = torch.stack([table[k] for k in rebuilt.rows])
+    mine_p = per_key(batch, sampler.processed_logits(on(sampler, mine_logits), batch).cpu())
+    theirs_p = per_key(rebuilt, reference.processed_logits(theirs_logits, rebuilt))
+    for key in theirs_p:
+        assert torch.equal(torch.isfinite(mine_p[key]), torch.isfinite(theirs_p[key])), f"{where}: kept set of {key}"
+        assert torch.allclose(mine_p[key], theirs_p[key], atol=1e-4, rtol=1e-5, equal_nan=True), \
+            f"{where}: processed logits of {key}"
+    mine_out = sampler.sample(on(sampler, mine_logits), batch)
+    theirs_out = reference.sample(theirs_logits, rebuilt)
+    mine_ids, theirs_ids = per_key(batch, mine_out.token_ids.cpu().tolist()), per_key(rebuilt, theirs_out.token_ids.tolist())
+    for key in theirs_ids:
+        params = batch.params_of(key[0])
+        if params.seed is not None or params.temperature == 0.0:
+            assert mine_ids[key] == theirs_ids[key], f"{where}: seeded draw of {key} params={params!r}"
+
+
 # --------------------------------------------------------------------------- statistics
 def chi_square_p_value(observed: torch.Tensor, probs: torch.Tensor) -> float:
     """Pearson's chi-square goodness-of-fit p-value; bins expecting < 5 draws are pooled."""

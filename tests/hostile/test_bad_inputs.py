@@ -313,26 +313,36 @@ def test_large_n_works_and_children_draw_distinct_streams(sampler):
     assert out.valid.all() and counts.min() > 300, counts   # uniform: 375 expected per token
 
 
-def test_allocation_failure_leaves_the_batch_usable(sampler):
-    """A request whose [capacity, V] tensors cannot be allocated raises the allocator's error
-    (RuntimeError / torch.OutOfMemoryError / MemoryError); the batch keeps its old tensors and
-    grows normally afterwards."""
-    vocab = 2**33                                   # 20 rows x 2**33 bools cannot be allocated
+@pytest.mark.parametrize("case", ["new_vocab_wide_tensor", "growing_existing_tensors"])
+def test_allocation_failure_leaves_the_batch_usable(sampler, case):
+    """A request whose tensors cannot be allocated raises the allocator's error (RuntimeError /
+    torch.OutOfMemoryError / MemoryError); the batch keeps its old tensors and grows normally
+    afterwards. Both sizes asked for are over a terabyte, so they fail at once everywhere."""
+    if case == "new_vocab_wide_tensor":
+        # 32 rows x 2**33 bools for the penalties' prompt mask.
+        vocab, first = 2**33, SamplingParams(seed=1)
+        big = SamplingParams(n=20, seed=2, frequency_penalty=0.5)
+    else:
+        # A first request's penalties allocate [capacity, 2**20] tensors; growing them to
+        # 2**20 rows needs a terabyte, after the per-row scalars have already grown.
+        vocab = 2**20
+        first = SamplingParams(seed=1, frequency_penalty=0.5)
+        big = SamplingParams(n=2**20 - 8, seed=2)
     batch = sampler.new_batch(vocab)
-    batch.add("a", SamplingParams(seed=1))
+    batch.add("a", first)
     before = State(batch)
     try:
-        batch.add("big", SamplingParams(n=20, seed=2, frequency_penalty=0.5))
+        batch.add("big", big)
     except (RuntimeError, MemoryError):
         before.assert_unchanged(batch, "a failed allocation changed the batch")
-    else:  # a backend whose batch keeps penalty state sparsely may manage it: then it is there
-        assert batch.rows_of("big") == list(range(1, 21))
+    else:  # a backend whose batch keeps this state sparsely may manage it: then it is there
+        assert len(batch.rows_of("big")) == big.n
         batch.remove("big")
-    for i in range(40):                             # capacity grows 8 -> 64 past the failure
+    for i in range(12):                             # capacity grows 8 -> 16 past the failure
         batch.add(f"r{i}", SamplingParams(seed=100 + i))
     s = batch.step_state()
-    assert s.seed_lo.cpu().tolist() == [1] + [100 + i for i in range(40)]
-    assert s.position.cpu().tolist() == [0] * 41
+    assert s.seed_lo.cpu().tolist() == [1] + [100 + i for i in range(12)]
+    assert s.position.cpu().tolist() == [0] * 13
 
 
 def test_huge_logit_bias_dict_equals_a_dense_bias(sampler):
