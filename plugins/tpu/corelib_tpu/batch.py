@@ -42,11 +42,14 @@ _COL = {name: i for i, name in enumerate(FLOAT_COLUMNS + INT_COLUMNS)}
 _POSITION = INT_COLUMNS.index("position")
 _RANDOM_KEY = INT_COLUMNS.index("random_key")
 
-#: Static graph variants per bucket, chosen on the host from the rows' parameters:
-#: greedy = every row greedy (no filter, no draw); plain = no random row uses top-k/top-p;
-#: candidates = every top-k fits the candidate set and every top-p row has such a top-k;
-#: bisect = anything else (exact bisection over the vocabulary).
-PATHS = ("greedy", "plain", "candidates", "bisect")
+#: Static graph variants per bucket, chosen on the host from the rows' parameters (only random
+#: rows count; greedy rows skip steps 10-13):
+#: greedy = every row greedy (no filter, no draw); plain = no row uses top-k or top-p;
+#: candidates = every top-k fits the candidate set and every top-p row has such a top-k
+#: (steps 11-13 from one small topk); nucleus = some row uses top-p without top-k (top-p by
+#: bisection over the vocabulary); exhaustive = some top-k exceeds the candidate set (top-k by
+#: bisection too).
+PATHS = ("greedy", "plain", "candidates", "nucleus", "exhaustive")
 
 #: ``append`` marks rows that are not live with this id: their state is left untouched.
 NOT_LIVE = -2
@@ -222,12 +225,9 @@ class XlaSamplingBatch(SamplingBatch):
         self._sources = {}
 
     def _ensure_capacity(self, rows: int) -> None:
+        """Allocate everything at full capacity once; ``add`` checks the row limit first."""
         if not self._state:
             self._allocate()
-        if rows > self.capacity:
-            raise ValueError(
-                f"the batch would hold {rows} rows, more than the largest bucket "
-                f"({self.capacity}); create the sampler with larger buckets")
 
     def _allocate_optional_state(self, params: SamplingParams) -> None:
         """Nothing to allocate: every tensor exists at full size from the start."""
@@ -387,10 +387,11 @@ def choose_path(row_params: Sequence[SamplingParams], candidates: int) -> str:
     filtering = [p for p in random if p.effective_top_k > 0 or p.top_p < 1.0]
     if not filtering:
         return "plain"
-    if all(p.effective_top_k <= candidates and (p.top_p >= 1.0 or p.effective_top_k > 0)
-           for p in filtering):
+    if any(p.effective_top_k > candidates for p in filtering):
+        return "exhaustive"
+    if all(p.top_p >= 1.0 or p.effective_top_k > 0 for p in filtering):
         return "candidates"
-    return "bisect"
+    return "nucleus"
 
 
 def flags_for(path: str, asked: Optional[int], padded_logprobs: int) -> dict:
@@ -400,7 +401,7 @@ def flags_for(path: str, asked: Optional[int], padded_logprobs: int) -> dict:
     ``any_greedy`` is True only when every row is greedy: otherwise greedy rows, whose filter
     parameters are neutral, get their argmax from the draw (``TpuSampler.draw``)."""
     random = path != "greedy"
-    filtering = path in ("candidates", "bisect")
+    filtering = path not in ("greedy", "plain")
     return dict(
         any_greedy=not random, all_greedy=not random, any_random=random, any_seeded=random,
         any_unseeded=random, any_top_k=filtering, any_top_p=filtering,

@@ -234,14 +234,17 @@ class TpuSampler(Sampler):
         return thresholds.min_p_filter(x, s.min_p)
 
     def apply_top_k_top_p(self, x: torch.Tensor, s: XlaStepState) -> torch.Tensor:
-        """Steps 12-13 without a sort: the candidate path (one static ``topk``, which also
-        runs step 11 there) when every row's k fits, exact bisections otherwise
-        (``thresholds``). top_k int32 ``[B]`` (0 = off), top_p float32 ``[B]`` (1 = off).
-        Not in place."""
+        """Steps 12-13 without a sort, by path (``PATHS``): from the candidate set alone
+        (which also runs step 11 there), top-k from the candidates and top-p by bisection, or
+        both by bisection (``thresholds``). top_k int32 ``[B]`` (0 = off), top_p float32
+        ``[B]`` (1 = off). Not in place."""
         if s.path == "candidates":
             return thresholds.top_k_top_p_candidates(x, s.top_k, s.top_p, s.min_p,
                                                      self.top_k_candidates)
-        x = thresholds.top_k_by_bisection(x, s.top_k)
+        if s.path == "nucleus":
+            x = thresholds.top_k_by_candidates(x, s.top_k, self.top_k_candidates)
+        else:
+            x = thresholds.top_k_by_bisection(x, s.top_k)
         return thresholds.top_p_by_bisection(x, s.top_p)
 
     def draw(self, x: torch.Tensor, s: XlaStepState) -> torch.Tensor:

@@ -10,7 +10,7 @@ Two ways to find the thresholds:
   enough for top-k when every row's k <= K and for top-p over what top-k kept.
 - ``top_k_by_bisection`` and ``top_p_by_bisection``: an exact bisection over the float32 bit
   patterns (32 and 30 passes over the vocabulary, each a compare and a sum) for any k or
-  nucleus size.
+  nucleus size; ``top_k_by_candidates`` when only top-p needs it.
 
 Shapes: ``B`` rows, ``V`` vocabulary. Inputs are float32 ``[B, V]`` with no NaN and at least
 one finite logit per row (the sampler neutralises bad rows first).
@@ -30,6 +30,8 @@ _SIGN_FLIP = 0x7FFFFFFF
 #: 0x3F800001 < 2**30 bit patterns.
 KEY_BISECTION_STEPS = 32
 PROB_BISECTION_STEPS = 30
+#: order_keys(-inf): keys below it are NaN bit patterns, where every compare is false.
+_NEG_INF_KEY = 0xFF800000 ^ _SIGN_FLIP ^ -(1 << 32)
 
 
 def order_keys(x: torch.Tensor) -> torch.Tensor:
@@ -46,21 +48,22 @@ def value_of_key(keys: torch.Tensor) -> torch.Tensor:
     return bitcast(bits, torch.float32)
 
 
-def _bisect_largest(keys: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, steps: int,
-                    holds) -> torch.Tensor:
-    """The largest int32 ``t`` in ``[lo, hi)`` with ``holds(keys >= t)`` true, per row.
+def _bisect_largest(lo: torch.Tensor, hi: torch.Tensor, steps: int, holds) -> torch.Tensor:
+    """The largest float32 ``t`` with ``holds(t)`` true, per row, searched over bit patterns.
 
-    keys int32 ``[B, V]``; lo, hi int64 ``[B, 1]`` with ``holds`` true at lo and false at hi
-    (bounds in int64 so ``hi - lo`` may reach 2**32); ``holds`` maps a bool ``[B, V]`` mask to
-    bool ``[B, 1]`` and must be monotone (true for small t, false for large). ``steps`` must
-    reach ``hi - lo == 1``. Returns int64 ``[B, 1]``.
+    lo, hi: int64 ``[B, 1]`` order keys (``order_keys``) with ``holds`` true at lo and false at
+    hi (int64 so ``hi - lo`` may reach 2**32); ``holds`` maps float32 thresholds ``[B, 1]`` to
+    bool ``[B, 1]`` and must be monotone (true below some value, false above). ``steps`` must
+    bring ``hi - lo`` to 1. Each step is one pass over the vocabulary inside ``holds``, which
+    compares floats (a key order equals the float order), so no ``[B, V]`` bitcast is needed.
+    Returns float32 ``[B, 1]``, a value ``holds`` was true at.
     """
     for _ in range(steps):
         mid = (lo + hi) // 2
-        ok = holds(keys >= mid.to(torch.int32))
+        ok = holds(value_of_key(mid.to(torch.int32)))
         lo = torch.where(ok, mid, lo)
         hi = torch.where(ok, hi, mid)
-    return lo
+    return value_of_key(lo.to(torch.int32))
 
 
 def top_k_by_bisection(x: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
@@ -72,13 +75,22 @@ def top_k_by_bisection(x: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
     """
     V = x.shape[-1]
     k = top_k.to(torch.int64).clamp(min=0, max=V)[:, None]               # (B, 1)
-    keys = order_keys(x)
-    lo = torch.full_like(k, -(2**31))                                      # count = V >= k
-    hi = keys.max(dim=-1, keepdim=True).values.to(torch.int64) + 1          # count = 0 < k
-    kth = _bisect_largest(keys, lo, hi, KEY_BISECTION_STEPS,
-                          lambda mask: mask.sum(dim=-1, keepdim=True) >= k)
-    threshold = torch.where(k > 0, value_of_key(kth.to(torch.int32)), NEG_INF)
-    return x.masked_fill(x < threshold, NEG_INF)
+    lo = torch.full_like(k, _NEG_INF_KEY)                                  # count(x >= -inf) = V
+    hi = order_keys(x.max(dim=-1, keepdim=True).values).to(torch.int64) + 1   # count 0 < k
+    kth = _bisect_largest(lo, hi, KEY_BISECTION_STEPS,
+                          lambda t: (x >= t).sum(dim=-1, keepdim=True) >= k)
+    return torch.where((x >= kth) | (k == 0), x, NEG_INF)
+
+
+def top_k_by_candidates(x: torch.Tensor, top_k: torch.Tensor, candidates: int) -> torch.Tensor:
+    """Step 12 when every row's k <= ``candidates`` (larger k are clamped): keep logits >=
+    the k-th largest, read from ``top_values``. x float32 ``[B, V]``; top_k int32 ``[B]``
+    (0 = off). Returns a new tensor."""
+    K = min(candidates, x.shape[-1])
+    values = top_values(x, K)
+    k = top_k.to(torch.int64).clamp(min=0, max=K)[:, None]
+    kth = torch.where(k > 0, values.gather(1, (k - 1).clamp(min=0)), NEG_INF)
+    return torch.where(x >= kth, x, NEG_INF)
 
 
 def top_p_by_bisection(x: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
@@ -88,18 +100,18 @@ def top_p_by_bisection(x: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     probabilities, the kept set is ``p >= t*`` for the largest ``t*`` with
     ``sum(p[p >= t*]) >= top_p``: the same set as the reference's sorted cumulative sum (ties
     at the boundary kept, never empty), found in 30 passes over the probabilities' bit
-    patterns. Mass is summed in float32. Returns a new tensor.
+    patterns (non-negative floats: [0, 1] spans fewer than 2**30). Mass is summed in float32.
+    Returns a new tensor.
     """
     probs = softmax_rows(x)
-    keys = bitcast(probs, torch.int32)               # non-negative floats: bits are ordered
     p = top_p[:, None]
-    lo = torch.zeros((x.shape[0], 1), dtype=torch.int64, device=x.device)
-    hi = keys.max(dim=-1, keepdim=True).values.to(torch.int64) + 1
+    lo = torch.zeros_like(p, dtype=torch.int64)                          # mass(p >= 0) = 1
+    hi = order_keys(probs.max(dim=-1, keepdim=True).values).to(torch.int64) + 1
     threshold = _bisect_largest(
-        keys, lo, hi, PROB_BISECTION_STEPS,
-        lambda mask: torch.where(mask, probs, 0.0).sum(dim=-1, keepdim=True) >= p)
-    keep = (keys >= threshold.to(torch.int32)) | (p >= 1.0)
-    return x.masked_fill(~keep, NEG_INF)
+        lo, hi, PROB_BISECTION_STEPS,
+        lambda t: torch.where(probs >= t, probs, 0.0).sum(dim=-1, keepdim=True) >= p)
+    keep = (probs >= threshold) | (p >= 1.0)
+    return torch.where(keep, x, NEG_INF)
 
 
 def top_k_top_p_candidates(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,

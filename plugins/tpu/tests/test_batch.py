@@ -96,9 +96,10 @@ def test_append_checks_host_ids_and_counts_device_ids():
     ([dict(), dict(min_p=0.1), dict(temperature=0.0, top_k=500)], "plain"),
     ([dict(top_k=50, top_p=0.9), dict(top_k=64), dict(temperature=0.0)], "candidates"),
     ([dict(top_k=50, top_p=0.9), dict()], "candidates"),
-    ([dict(top_p=0.9)], "bisect"),
-    ([dict(top_k=65)], "bisect"),
-    ([dict(top_k=-1, top_p=0.5), dict(top_k=3)], "bisect"),
+    ([dict(top_p=0.9)], "nucleus"),
+    ([dict(top_k=-1, top_p=0.5), dict(top_k=3)], "nucleus"),
+    ([dict(top_k=65)], "exhaustive"),
+    ([dict(top_p=0.9), dict(top_k=65, top_p=0.5)], "exhaustive"),
 ])
 def test_path_choice(rows, path):
     assert choose_path([SamplingParams(**p) for p in rows], candidates=64) == path

@@ -27,7 +27,8 @@ PATH_PARAMS = {
     "greedy": dict(temperature=0.0),
     "plain": dict(temperature=0.7, min_p=0.05),
     "candidates": dict(top_k=20, top_p=0.9),
-    "bisect": dict(top_p=0.8),
+    "nucleus": dict(top_p=0.8),
+    "exhaustive": dict(top_k=100, top_p=0.8),
 }
 
 

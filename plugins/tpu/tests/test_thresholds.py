@@ -58,6 +58,15 @@ def test_top_k_by_bisection_matches_the_reference(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_top_k_by_candidates_matches_the_reference(device):
+    x = _logits(1000, seed=6)
+    k = torch.tensor([1, 5, 50, 64, 0, 7, 1, 64, 30, 2, 3, 0], dtype=torch.int32)
+    want = REF.apply_top_k(x, SimpleNamespace(top_k=k))
+    got = thresholds.top_k_by_candidates(x.to(_device(device)), k.to(_device(device)), 64)
+    _assert_same_kept(got, want, "top_k_by_candidates", lambda r: f"k={int(k[r])}")
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_top_p_by_bisection_matches_the_reference(device):
     x = _logits(1000, seed=2)
     p = torch.tensor([0.9, 0.5, 0.1, 1.0, 0.3, 0.95, 0.2, 0.7, 0.999, 0.05, 0.6, 0.8])
