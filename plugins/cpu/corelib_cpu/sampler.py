@@ -35,6 +35,7 @@ from .draw import (
     draw_seeded_rows,
     draw_unseeded_candidates,
 )
+from .workspace import Workspace
 from .select import (
     kth_largest,
     mask_below,
@@ -117,11 +118,12 @@ class Block:
     # dropped (the final distribution, unnormalised), keyed by block-local row.
     weights: Optional[torch.Tensor] = None
     weight_rows: dict = field(default_factory=dict)
+    draw_ok: Optional[torch.Tensor] = None   # bool [n]: False where a draw saw NaN weights
 
 
 class CpuSampler(Sampler):
-    """The ``cpu`` backend (see the module docstring). Stateless between calls: buffers are
-    block-sized and come back from the allocator's free lists, so steps reuse them.
+    """The ``cpu`` backend (see the module docstring). Block-sized buffers live in
+    ``self.workspace`` (one set per thread) and serve every step.
 
     ``block_elements``: logits per block (rows per block = block_elements // V, at least 1).
     """
@@ -144,6 +146,7 @@ class CpuSampler(Sampler):
         self.block_elements = int(block_elements or self.BLOCK_ELEMENTS)
         if self.block_elements < 1:
             raise ValueError(f"block_elements must be >= 1, got {block_elements!r}")
+        self.workspace = Workspace()
 
     # ------------------------------------------------------------------ public API
     def sample(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
@@ -213,8 +216,9 @@ class CpuSampler(Sampler):
         """Steps 1-13 for rows ``r0:r1``."""
         rs = RowSlice(s, r0, r1)
         x = self.block_copy(logits, plan, r0, r1)                               # step 2
-        raw = torch.log_softmax(x, dim=-1) if (
-            s.num_logprobs is not None and s.logprobs_mode == "raw") else None  # step 1
+        raw = None
+        if s.num_logprobs is not None and s.logprobs_mode == "raw":             # step 1
+            raw = torch.log_softmax(x, dim=-1, out=self.workspace.take("raw", tuple(x.shape)))
         valid = self.mask_block(x, s, rs)                                       # steps 3-5
         if s.any_bias:
             x.scatter_add_(1, rs.bias_ids, rs.bias_values)                      # step 6
@@ -227,12 +231,12 @@ class CpuSampler(Sampler):
         return blk
 
     def block_copy(self, logits: torch.Tensor, plan: StepPlan, r0: int, r1: int) -> torch.Tensor:
-        """Step 2: float32 [n, V], a fresh copy of the block's logits (per-request logits are
-        expanded to rows)."""
+        """Step 2: float32 [n, V], the block's logits copied into the workspace (per-request
+        logits are expanded to rows). Never aliases ``logits``."""
+        x = self.workspace.take("x", (r1 - r0, logits.shape[1]))
         if plan.request_index is not None:
-            rows = logits.index_select(0, plan.request_index[r0:r1])
-            return rows.to(torch.float32) if rows.dtype != torch.float32 else rows
-        return logits[r0:r1].to(torch.float32, copy=True)
+            return x.copy_(logits.index_select(0, plan.request_index[r0:r1]))
+        return x.copy_(logits[r0:r1])
 
     def mask_block(self, x: torch.Tensor, s: StepState, rs: RowSlice) -> torch.Tensor:
         """Steps 3-5 in place on x float32 [n, V]; returns bool [n] valid rows (no NaN/+inf
@@ -323,19 +327,31 @@ class CpuSampler(Sampler):
         """Step 11 in place on the given rows of blk.x float32 [n, V]: drop tokens whose
         probability is < min_p * the row's largest (min_p float32 [n]; 0 keeps all)."""
         sub, index = take_rows(blk.x, rows)
-        probs = torch.softmax(sub, dim=-1)
+        probs = torch.softmax(sub, dim=-1, out=self.workspace.take("probs", tuple(sub.shape)))
+        # amax is NaN when probs hold a NaN: the row is then dropped whole (see below)
         threshold = min_p[index][:, None] * probs.amax(dim=-1, keepdim=True)
-        self.drop_and_keep_weights(blk, rows, index, sub, probs, probs < threshold)
+        self.drop_and_keep_weights(blk, rows, index, sub, probs, threshold)
 
-    @staticmethod
-    def drop_and_keep_weights(blk: Block, rows: list, index: torch.Tensor, sub: torch.Tensor,
-                              probs: torch.Tensor, drop: torch.Tensor) -> None:
-        """sub[drop] = -inf and probs[drop] = 0, sub written back into blk.x; probs become the
-        rows' draw weights (they are the final distribution unless a later stage changes
-        the row, which then replaces them)."""
-        sub.masked_fill_(drop, NEG_INF)
+    def drop_and_keep_weights(self, blk: Block, rows: list, index: torch.Tensor, sub: torch.Tensor,
+                              probs: torch.Tensor, threshold: torch.Tensor) -> None:
+        """Drop tokens whose probability is below threshold (float32 [m, 1]): sub (float32
+        [m, V], the rows of blk.x) gets -inf there and is written back; probs gets 0 and
+        becomes the rows' draw weights (the final distribution unless a later stage changes
+        the row, which then replaces them).
+
+        No boolean mask: masked_fill and where with an irregular mask are ~40x slower than
+        vectorised arithmetic on CPUs. copysign(inf, probs - threshold) is +inf for kept
+        tokens (probs >= threshold) and -inf for dropped ones, and min() with it masks both.
+        Rows whose probabilities are NaN (float32 overflow upstream) drop every token, as the
+        reference's comparisons do; the draw then flags them."""
+        sign = torch.sub(probs, threshold, out=self.workspace.take("sign", tuple(probs.shape)))
+        torch.copysign(_INF, sign, out=sign)
+        broken = torch.isnan(threshold[:, 0])
+        if bool(broken.any()):
+            sign[broken] = NEG_INF
+        torch.minimum(sub, sign, out=sub)
         put_rows(blk.x, index, sub)
-        blk.weights = probs.masked_fill_(drop, 0.0)
+        blk.weights = torch.minimum(probs, sign, out=probs).clamp_(min=0.0)
         blk.weight_rows = {row: j for j, row in enumerate(rows)}
 
     @staticmethod
@@ -387,9 +403,10 @@ class CpuSampler(Sampler):
         """Step 13 in place on whole rows of blk.x float32 [n, V] (top_p float32 [n], < 1
         there): the threshold by histogram select, then one masking pass."""
         sub, index = take_rows(blk.x, rows)
-        probs = torch.softmax(sub, dim=-1)
-        threshold = nucleus_threshold(probs, top_p[index])
-        self.drop_and_keep_weights(blk, rows, index, sub, probs, probs < threshold[:, None])
+        probs = torch.softmax(sub, dim=-1, out=self.workspace.take("probs", tuple(sub.shape)))
+        threshold = nucleus_threshold(probs, top_p[index], self.workspace)[:, None]
+        threshold = torch.where(torch.isnan(probs.amax(dim=-1, keepdim=True)), float("nan"), threshold)
+        self.drop_and_keep_weights(blk, rows, index, sub, probs, threshold)
 
     # ------------------------------------------------------------------ step 14
     def draw_block(self, blk: Block, plan: StepPlan) -> torch.Tensor:
@@ -413,19 +430,27 @@ class CpuSampler(Sampler):
             rows = torch.tensor(whole, dtype=torch.long)
             is_seeded = torch.tensor([seeded[i] for i in whole], dtype=torch.bool)
             self.draw_into(tokens, rows, is_seeded,
-                           lambda sel, keys: draw_seeded_rows(blk.x[rows[sel]], keys),
+                           lambda sel, keys: draw_seeded_rows(pick_rows(blk.x, rows[sel]), keys),
                            lambda sel: self.draw_whole_unseeded(blk, rows[sel]),
                            plan.keys, r0)
         return tokens
 
     def draw_whole_unseeded(self, blk: Block, rows: torch.Tensor) -> torch.Tensor:
         """int64 [m]: inverse-CDF draws for whole rows (block-local int64 [m]), from the
-        weights a filter left when every row has them, else from blk.x."""
+        weights a filter left when every row has them, else from blk.x. Rows whose weights
+        are NaN are marked in blk.draw_ok."""
         at = [blk.weight_rows.get(row) for row in rows.tolist()]
         if None not in at:
             weights = blk.weights if at == list(range(blk.weights.shape[0])) else blk.weights[at]
-            return draw_from_weights(weights, self.generator)
-        return draw_by_inverse_cdf(blk.x[rows], self.generator)
+            tokens, ok = draw_from_weights(weights, self.generator)
+        else:
+            x = pick_rows(blk.x, rows)
+            tokens, ok = draw_by_inverse_cdf(x, self.generator, self.workspace.take("weights", tuple(x.shape)))
+        if not bool(ok.all()):
+            if blk.draw_ok is None:
+                blk.draw_ok = torch.ones(blk.x.shape[0], dtype=torch.bool)
+            blk.draw_ok[rows] = ok
+        return tokens
 
     @staticmethod
     def drawn_is_finite_in_block(blk: Block, token_ids: torch.Tensor) -> torch.Tensor:
@@ -439,7 +464,8 @@ class CpuSampler(Sampler):
             c = blk.cand
             hit = c.ids == safe[c.rows][:, None]
             picked[c.rows] = torch.where(hit, c.values, NEG_INF).amax(dim=-1)
-        return (token_ids >= 0) & (token_ids < V) & torch.isfinite(picked)
+        ok = (token_ids >= 0) & (token_ids < V) & torch.isfinite(picked)
+        return ok if blk.draw_ok is None else ok & blk.draw_ok
 
     @staticmethod
     def draw_into(tokens, rows, is_seeded, seeded_draw, unseeded_draw, keys, r0) -> None:
@@ -471,6 +497,9 @@ class CpuSampler(Sampler):
         return blk.x
 
 
+_INF = torch.tensor(float("inf"))
+
+
 def take_rows(x: torch.Tensor, rows: list) -> tuple[torch.Tensor, torch.Tensor]:
     """(x's rows as a tensor, their indices int64). All rows: x itself (a view, so in-place
     changes land in x); otherwise a copy, to be written back with :func:`put_rows`."""
@@ -478,6 +507,13 @@ def take_rows(x: torch.Tensor, rows: list) -> tuple[torch.Tensor, torch.Tensor]:
     if len(rows) == x.shape[0]:
         return x, index
     return x.index_select(0, index), index
+
+
+def pick_rows(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """x[rows] for int64 rows [m], without a copy when rows are all of x's rows in order."""
+    if rows.numel() == x.shape[0] and bool((rows == torch.arange(x.shape[0])).all()):
+        return x
+    return x.index_select(0, rows)
 
 
 def put_rows(x: torch.Tensor, index: torch.Tensor, sub: torch.Tensor) -> None:

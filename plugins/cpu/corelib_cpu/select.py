@@ -115,7 +115,7 @@ def top_p_candidates_fast(values: torch.Tensor, top_p: torch.Tensor):
     return values.masked_fill(~keep, NEG_INF), settled
 
 
-def nucleus_threshold(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+def nucleus_threshold(probs: torch.Tensor, top_p: torch.Tensor, workspace=None) -> torch.Tensor:
     """Step 13 on whole rows: float32 [n], the smallest kept probability, so the nucleus is
     ``probs >= threshold``. probs float32 [n, V], a softmax; top_p float32 [n] in (0, 1).
 
@@ -124,49 +124,70 @@ def nucleus_threshold(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     :func:`select_by_histogram`); rows where float64 sums could round (a nucleus reaching
     values below 2**-29, or ending within 2**-30 of top_p) take the reference's sort. Does not
     modify probs."""
-    threshold, exact = select_by_histogram(probs, top_p)
+    threshold, exact = select_by_histogram(probs, top_p, workspace)
     if not bool(exact.all()):
         rows = (~exact).nonzero().flatten()
         threshold[rows] = threshold_by_sort(probs[rows], top_p[rows])
     return threshold
 
 
-def select_by_histogram(probs: torch.Tensor, top_p: torch.Tensor):
+def select_by_histogram(probs: torch.Tensor, top_p: torch.Tensor, workspace=None):
     """The nucleus threshold by radix select. probs float32 [n, V], top_p float32 [n].
 
-    Pass 1 sums the probability mass per bucket (top 16 bits) in float64 and finds the
-    lowest bucket whose mass strictly above is < top_p: v* lies in it. Pass 2 does the same
-    over that bucket's tokens with the low 16 bits, each bin holding one distinct value.
-    Returns ``(threshold float32 [n], exact bool [n])``; rows with ``exact`` False must use
-    :func:`threshold_by_sort`."""
+    Pass 1 sums the probability mass per bucket of the top 16 bits (sign, exponent, 7
+    mantissa bits) in float64 and finds the lowest bucket whose mass strictly above is
+    < top_p: v* lies in it. Passes 2 and 3 do the same over that bucket's tokens with the
+    next 8 bits, then the last 8 (one distinct value per bin). Returns ``(threshold float32
+    [n], exact bool [n])``; rows with ``exact`` False must use :func:`threshold_by_sort`.
+    ``workspace`` (a :class:`~corelib_cpu.workspace.Workspace`) lends the [n, V] temporaries."""
     n, V = probs.shape
-    # Unsigned halves: a NaN row (float32 overflow upstream) must still give valid bins; its
-    # sums are NaN, so it ends up not exact and takes the sort, as the reference would.
-    halves = probs.view(torch.uint16)                                   # (n, 2V)
-    high, low = halves[:, _HIGH::2], halves[:, _LOW::2]                 # (n, V) views
+    bits = probs.view(torch.int32)
     p64 = top_p.double()[:, None]
-    row = torch.arange(n)
+    offsets = torch.arange(n, dtype=torch.int32)[:, None] * _BUCKETS
 
-    # Pass 1: buckets (exponent + 7 mantissa bits).
-    keys = high.to(torch.long) + (row * _BUCKETS)[:, None]
-    mass = torch.bincount(keys.view(-1), probs.double().view(-1), minlength=n * _BUCKETS)
+    # Pass 1 over every token. (NaN rows have no mass below 1.0's bucket: not exact.)
+    keys = _take(workspace, "select_keys", (n, V), torch.int32)
+    torch.bitwise_right_shift(bits, 16, out=keys).bitwise_and_(0xFFFF).add_(offsets)   # (n, V)
+    weights = _take(workspace, "select_weights", (n, V), torch.float64).copy_(probs)
+    mass = torch.bincount(keys.view(-1), weights.view(-1), minlength=n * _BUCKETS)
     mass = mass.view(n, _BUCKETS)[:, :_PROB_BUCKETS]
-    above = mass_above(mass)
-    bucket = first_true((mass > 0) & (above < p64))                     # (n,)
-    above_bucket = above.gather(1, bucket[:, None])                     # (n, 1)
+    bucket, above = lowest_qualifying(mass, torch.zeros_like(p64), p64)   # (n,), (n, 1)
 
-    # Pass 2: the distinct values inside that bucket.
-    band_rows, band_cols = (high == bucket.to(torch.uint16)[:, None]).nonzero(as_tuple=True)
-    values = low[band_rows, band_cols].to(torch.long) + band_rows * _BUCKETS
-    mass2 = torch.bincount(values, probs[band_rows, band_cols].double(), minlength=n * _BUCKETS).view(n, _BUCKETS)
-    above2 = mass_above(mass2) + above_bucket
-    value = first_true((mass2 > 0) & (above2 < p64))                    # (n,)
+    # Passes 2 and 3 over the bucket's tokens only.
+    rows, cols = (keys == (bucket[:, None].to(torch.int32) + offsets)).nonzero(as_tuple=True)
+    low = bits[rows, cols] & 0xFFFF                                      # (m,)
+    middle = low >> 8
+    sub, above = lowest_qualifying(bin_mass(rows, middle, probs[rows, cols], n), above, p64)
+    inside = (middle == sub[rows]).nonzero().flatten()
+    rows, low = rows[inside], low[inside]
+    mass3 = bin_mass(rows, low & 0xFF, probs[rows, cols[inside]], n)
+    last, above = lowest_qualifying(mass3, above, p64)
 
-    bits = ((bucket << 16) | value).to(torch.int32)
-    threshold = bits.view(torch.float32)
-    mass_from = (above2.gather(1, value[:, None]) + mass2.gather(1, value[:, None]))[:, 0]
+    threshold_bits = ((bucket << 16) | (sub << 8) | last).to(torch.int32)
+    mass_from = above[:, 0] + mass3.gather(1, last[:, None])[:, 0]    # mass of probs >= v*
     exact = (bucket >= _EXACT_BUCKET) & (mass_from - p64[:, 0] >= _MARGIN)
-    return threshold.clone(), exact
+    return threshold_bits.view(torch.float32).clone(), exact
+
+
+def _take(workspace, name: str, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
+    if workspace is None:
+        return torch.empty(shape, dtype=dtype)
+    return workspace.take(name, shape, dtype)
+
+
+def bin_mass(rows: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor, n: int) -> torch.Tensor:
+    """float64 [n, 256]: weights (float32 [m]) summed in float64 per (row, key in [0, 256))."""
+    flat = rows * 256 + keys.to(torch.long)
+    return torch.bincount(flat, weights.double(), minlength=n * 256).view(n, 256)
+
+
+def lowest_qualifying(mass: torch.Tensor, above_all: torch.Tensor, p64: torch.Tensor):
+    """One radix step. mass float64 [n, K]: mass per bin (bins ascending in value);
+    above_all float64 [n, 1]: mass above every bin. Returns (bin int64 [n], the mass above
+    that bin float64 [n, 1]) for the lowest non-empty bin whose mass above is < top_p."""
+    above = mass_above(mass) + above_all
+    chosen = first_true((mass > 0) & (above < p64))
+    return chosen, above.gather(1, chosen[:, None])
 
 
 def threshold_by_sort(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:

@@ -64,7 +64,8 @@ def test_inverse_cdf_follows_softmax_and_never_draws_dropped_tokens():
     counts = torch.zeros(V, dtype=torch.long)
     gen = torch.Generator().manual_seed(2)
     for _ in range(25):
-        ids = draw_by_inverse_cdf(x.expand(rows, V).contiguous(), gen)
+        ids, ok = draw_by_inverse_cdf(x.expand(rows, V).contiguous(), gen)
+        assert bool(ok.all())
         counts += torch.bincount(ids, minlength=V)
     kept = probs > 0
     assert int(counts[~kept].sum()) == 0
@@ -76,7 +77,18 @@ def test_inverse_cdf_single_kept_token_anywhere():
     for token in (0, CDF_BLOCK - 1, CDF_BLOCK, V - 1):
         x = torch.full((50, V), NEG_INF)
         x[:, token] = 0.0
-        assert draw_by_inverse_cdf(x, None).tolist() == [token] * 50
+        ids, ok = draw_by_inverse_cdf(x, None)
+        assert ids.tolist() == [token] * 50 and bool(ok.all())
+
+
+def test_inverse_cdf_reports_rows_it_cannot_draw_from():
+    # +inf logits (float32 overflow upstream) make softmax NaN: the row is reported, never
+    # answered with an id that looks valid, and the other rows are untouched.
+    x = torch.zeros(3, 700)
+    x[1, 5] = float("inf")
+    ids, ok = draw_by_inverse_cdf(x, torch.Generator().manual_seed(0))
+    assert ok.tolist() == [True, False, True]
+    assert 0 <= int(ids[1]) < 700
 
 
 def test_unseeded_candidates_follow_the_kept_distribution():
