@@ -363,7 +363,7 @@ class XlaSamplingBatch(SamplingBatch):
         valid = (ids >= 0) & (ids < self.vocab_size)
         safe = torch.where(valid, ids, 0)
         counts, recent = self._state["output_counts"], self._state["recent"]
-        rows = torch.arange(B, device=self.device)
+        rows = xla.iota(B, torch.int64, self.device)[0]
         counts.index_put_((rows, safe), valid.to(torch.int32), accumulate=True)
         window = recent[:B]
         shifted = torch.cat([window[:, 1:], torch.where(valid, ids, -1)[:, None]], dim=1)

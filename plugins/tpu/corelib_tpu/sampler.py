@@ -210,7 +210,7 @@ class TpuSampler(Sampler):
         scatter (XLA copies a whole ``[B, V]`` operand to scatter into it). Not in place."""
         matches = ((s.bad_prefix == s.recent[:, None, :]) | (s.bad_prefix == -2)).all(dim=-1)
         banned = torch.where(matches & s.bad_valid, s.bad_last, -1)         # (B, W), -1 = none
-        vocab = torch.arange(x.shape[-1], device=x.device)[None, :]
+        vocab = xla.iota(x.shape[-1], torch.int64, x.device)
         hit = torch.zeros_like(x, dtype=torch.bool)
         for w in range(banned.shape[1]):
             hit = hit | (vocab == banned[:, w:w + 1])
@@ -254,7 +254,7 @@ class TpuSampler(Sampler):
         (``random_key``), so one hash serves both and nothing waits on the host."""
         keys = torch.where(s.seeded, noise.row_keys(s.seed_lo, s.seed_hi, s.child, s.position),
                            s.random_key)
-        vocab = torch.arange(x.shape[-1], dtype=torch.int32, device=x.device)[None, :]
+        vocab = xla.iota(x.shape[-1], torch.int32, x.device)
         gumbel = noise.seeded_gumbel(keys[:, None], vocab)
         # Greedy rows carry neutral filter parameters, so ``x`` is still their step-8 logits:
         # without noise, this argmax is step 9 (the template skips its own, see flags_for).

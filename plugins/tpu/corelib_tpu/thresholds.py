@@ -22,7 +22,7 @@ import math
 
 import torch
 
-from .xla import bitcast
+from .xla import bitcast, iota
 
 NEG_INF = float("-inf")
 _SIGN_FLIP = 0x7FFFFFFF
@@ -181,7 +181,7 @@ def first_argmax(x: torch.Tensor) -> torch.Tensor:
     chunk_max = _chunk_max(x, L, C)                                       # (B, C')
     best = chunk_max.max(dim=-1, keepdim=True).values
     chunk = _first_index(chunk_max == best)                               # (B, 1)
-    ids = chunk * L + torch.arange(L, device=x.device)[None, :]           # (B, L)
+    ids = chunk * L + iota(L, torch.int64, x.device)                      # (B, L)
     values = x.gather(1, ids.clamp(max=V - 1))
     values = torch.where(ids < V, values, NEG_INF)
     offset = _first_index(values == values.max(dim=-1, keepdim=True).values)
@@ -203,7 +203,7 @@ def top_values(x: torch.Tensor, k: int) -> torch.Tensor:
         return torch.topk(x, k, dim=-1).values
     chunk_max = _chunk_max(x, L, C)                                       # (B, C')
     chunks = torch.topk(chunk_max, k, dim=-1).indices                     # (B, k)
-    ids = (chunks[:, :, None] * L + torch.arange(L, device=x.device)).reshape(B, k * L)
+    ids = (chunks[:, :, None] * L + iota(L, torch.int64, x.device)).reshape(B, k * L)
     values = x.gather(1, ids.clamp(max=V - 1))
     values = torch.where(ids < V, values, NEG_INF)
     return torch.topk(values, k, dim=-1).values
@@ -233,5 +233,5 @@ def _chunk_max(x: torch.Tensor, L: int, C: int) -> torch.Tensor:
 def _first_index(mask: torch.Tensor) -> torch.Tensor:
     """int64 ``[B, 1]``: the first True column of each row of a small bool ``[B, n]``."""
     n = mask.shape[-1]
-    iota = torch.arange(n, dtype=torch.float32, device=mask.device)[None, :]
-    return torch.where(mask, iota, float(n)).min(dim=-1, keepdim=True).values.to(torch.int64)
+    index = iota(n, torch.float32, mask.device)
+    return torch.where(mask, index, float(n)).min(dim=-1, keepdim=True).values.to(torch.int64)

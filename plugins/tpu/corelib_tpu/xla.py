@@ -66,6 +66,23 @@ def bitcast(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 _BITCASTS: dict = {}
 
 
+def iota(n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``torch.arange(n)`` as a ``[1, n]`` tensor on ``device``, made once and reused.
+
+    torch-xla builds ``arange`` on the host and uploads it at every call (10 to 50 ms for a
+    128k vocabulary); a cached tensor enters each graph as an input instead.
+    """
+    key = (n, dtype, str(device))
+    tensor = _IOTAS.get(key)
+    if tensor is None:
+        tensor = torch.arange(n, dtype=dtype)[None, :].to(device)
+        _IOTAS[key] = tensor
+    return tensor
+
+
+_IOTAS: dict = {}
+
+
 def compile_count() -> int:
     """Graphs compiled so far in this process (0 when torch-xla is not loaded)."""
     if "torch_xla" not in sys.modules:
