@@ -35,6 +35,7 @@ from .draw import (
     draw_seeded_rows,
     draw_unseeded_candidates,
 )
+from .rowops import count_at_least, first_argmax, top_values
 from .workspace import Workspace
 from .select import (
     kth_largest,
@@ -224,7 +225,7 @@ class CpuSampler(Sampler):
             x.scatter_add_(1, rs.bias_ids, rs.bias_values)                      # step 6
         if s.any_penalties:
             self.penalize_block(x, batch, rs, plan, r0, r1)                     # steps 7-8
-        greedy_ids = torch.argmax(x, dim=-1) if any(plan.greedy[r0:r1]) else None  # step 9
+        greedy_ids = first_argmax(x) if any(plan.greedy[r0:r1]) else None     # step 9
         blk = Block(r0, r1, x, raw, valid, greedy_ids)
         if not all(plan.greedy[r0:r1]):
             self.filter_block(blk, plan)                                        # steps 10-13
@@ -483,6 +484,26 @@ class CpuSampler(Sampler):
         """Step 15 for a block: from the raw logprobs, or from the final distribution."""
         source = blk.raw if blk.raw is not None else torch.log_softmax(self.materialize(blk), dim=-1)
         return self.gather_logprobs(source, token_ids, s.num_logprobs)
+
+    def gather_logprobs(self, logprobs: torch.Tensor, token_ids: torch.Tensor,
+                        num_logprobs: int) -> Logprobs:
+        """Step 15 as the reference computes it (``Sampler.gather_logprobs``), with the
+        top-N by group maxima and the rank by sign arithmetic (see ``rowops``)."""
+        V = logprobs.shape[-1]
+        safe = token_ids.clamp(min=0)[:, None]
+        sampled = logprobs.gather(1, safe)                                  # (n, 1)
+        ranks = count_at_least(logprobs, sampled)
+        ids, values = [safe], [sampled]
+        available = min(num_logprobs, V)
+        if available > 0:
+            top, top_ids, _ = top_values(logprobs, available)
+            ids.append(top_ids)
+            values.append(top)
+        if available < num_logprobs:  # a vocabulary smaller than N: pad with id -1, -inf
+            missing = (logprobs.shape[0], num_logprobs - available)
+            ids.append(torch.full(missing, -1, dtype=torch.long))
+            values.append(torch.full(missing, NEG_INF))
+        return Logprobs(torch.cat(ids, dim=1), torch.cat(values, dim=1), ranks)
 
     def materialize(self, blk: Block) -> torch.Tensor:
         """float32 [n, V]: the block's final logits (candidate rows written out in full, -inf

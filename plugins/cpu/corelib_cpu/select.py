@@ -12,6 +12,8 @@ import sys
 
 import torch
 
+from .rowops import top_values
+
 NEG_INF = float("-inf")
 
 # A positive float32's bit pattern orders like its value, so its top 16 bits (sign, exponent,
@@ -35,12 +37,12 @@ def top_k_candidates(x: torch.Tensor, k: torch.Tensor, width: int):
 
     Returns ``(values, ids, complete)``: values float32 [n, W] descending, tokens below the
     k-th largest set to -inf; ids int64 [n, W]; complete bool [n], False where tokens tied
-    with the k-th value may lie beyond the W columns (the caller then masks the row in full
-    with :func:`mask_below`). Does not modify x."""
+    with the k-th value may lie beyond the W columns or the groups searched (the caller then
+    masks the row in full with :func:`mask_below`). Does not modify x."""
     V = x.shape[-1]
-    values, ids = torch.topk(x, width, dim=-1)                          # (n, W), descending
+    values, ids, floor = top_values(x, width)                           # (n, W), descending
     kth = values.gather(1, (k - 1)[:, None])                            # (n, 1)
-    complete = (values[:, -1:] < kth) | (kth == NEG_INF)
+    complete = ((values[:, -1:] < kth) & (floor[:, None] < kth)) | (kth == NEG_INF)
     if width >= V:
         complete = torch.ones_like(complete)
     return values.masked_fill(values < kth, NEG_INF), ids, complete[:, 0]

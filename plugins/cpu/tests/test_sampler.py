@@ -132,7 +132,7 @@ def python_calls(fn) -> int:
 def test_python_work_per_step_does_not_grow_with_vocabulary_or_history(config):
     cpu = CpuSampler()
     counts = []
-    for vocab, history in [(2000, 8), (60000, 8), (2000, 2000)]:
+    for vocab, history in [(20000, 8), (120000, 8), (20000, 2000)]:
         batch = build(cpu, requests_for(CONFIGS[config], rows=4, seeded=True, vocab=vocab,
                                         history=history), vocab)
         logits = make_logits(4, vocab, "flat", seed=1)

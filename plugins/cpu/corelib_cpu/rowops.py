@@ -1,0 +1,76 @@
+"""Row-wise selections faster than torch's generic kernels on CPUs, with the same results.
+
+``torch.topk`` copies every row into (value, index) pairs before selecting, and
+``torch.argmax`` is a scalar loop; both cost several times a vectorised pass. A row's k
+largest values lie in the k groups (of G consecutive tokens) with the largest maxima, and
+its first maximum in the first group that reaches the row's maximum: one vectorised max per
+group, then work on k * G tokens. Shapes: ``n`` rows, ``V`` vocabulary.
+"""
+
+from __future__ import annotations
+
+import torch
+
+#: Tokens per group: large groups make the per-group maxima cheap, small ones the gather.
+GROUP = 128
+
+
+def group_maxima(x: torch.Tensor, group: int = GROUP) -> torch.Tensor:
+    """float32 [n, ceil(V / group)]: the maximum of each group of ``group`` consecutive
+    tokens of x float32 [n, V] (the last group may be shorter). NaN propagates."""
+    n, V = x.shape
+    full = V // group
+    maxima = x[:, : full * group].reshape(n, full, group).amax(dim=-1)
+    if full * group < V:
+        maxima = torch.cat([maxima, x[:, full * group:].amax(dim=-1, keepdim=True)], dim=1)
+    return maxima
+
+
+def group_columns(groups: torch.Tensor, V: int, group: int = GROUP) -> torch.Tensor:
+    """int64 [n, g * group]: the token ids of the given groups (int64 [n, g]), clamped to
+    V - 1 past the end of a short last group (callers mask those columns)."""
+    cols = groups[:, :, None] * group + torch.arange(group)
+    return cols.reshape(groups.shape[0], -1).clamp_(max=V - 1)
+
+
+def top_values(x: torch.Tensor, width: int):
+    """The ``width`` largest values of each row of x float32 [n, V], descending, with their
+    ids (int64 [n, width]) and ``floor`` float32 [n]: no token outside the groups searched
+    exceeds it (a tie with ``floor`` may lie outside; -inf when every group was searched).
+
+    The values are torch.topk's; among equal values the ids may come in another order."""
+    n, V = x.shape
+    maxima = group_maxima(x)
+    if maxima.shape[1] <= width or V < 4 * GROUP:
+        values, ids = torch.topk(x, min(width, V), dim=-1)
+        return values, ids, torch.full((n,), float("-inf"))
+    group_top, groups = torch.topk(maxima, width, dim=-1)                  # (n, width)
+    cols = group_columns(groups, V)
+    picked = x.gather(1, cols)
+    if V % GROUP:                          # a short last group: hide its clamped repeats
+        repeat = torch.arange(cols.shape[1]) % GROUP >= (V % GROUP)
+        last = groups.repeat_interleave(GROUP, dim=1) == maxima.shape[1] - 1
+        picked = picked.masked_fill(repeat & last, float("-inf"))
+    values, at = torch.topk(picked, width, dim=-1)
+    return values, cols.gather(1, at), group_top[:, -1]
+
+
+def first_argmax(x: torch.Tensor) -> torch.Tensor:
+    """int64 [n]: the lowest index of each row's maximum (``torch.argmax``'s answer) for x
+    float32 [n, V]. Rows holding a NaN go to torch.argmax (which returns the NaN)."""
+    n, V = x.shape
+    maxima = group_maxima(x)
+    top = maxima.amax(dim=-1, keepdim=True)
+    if bool(torch.isnan(top).any()) or V < 4 * GROUP:
+        return torch.argmax(x, dim=-1)
+    group = (maxima == top).to(torch.uint8).argmax(dim=-1, keepdim=True)   # first such group
+    cols = group_columns(group, V)
+    inside = (x.gather(1, cols) == top).to(torch.uint8).argmax(dim=-1, keepdim=True)
+    return cols.gather(1, inside)[:, 0]
+
+
+def count_at_least(x: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """int64 [n]: how many entries of each row of x float32 [n, V] are >= value float32
+    [n, 1] (NaN entries never count). Sign arithmetic instead of a boolean tensor."""
+    steps = torch.sub(x, value).sign_().add_(1.0).clamp_(0.0, 1.0).nan_to_num_(0.0)
+    return steps.sum(dim=-1).to(torch.long)
