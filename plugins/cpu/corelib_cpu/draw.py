@@ -19,6 +19,8 @@ from typing import Optional
 import torch
 from corelib.noise import seeded_gumbel
 
+from .rowops import first_argmax
+
 # Tokens per block of the inverse-CDF search: the second search reads one block per row.
 CDF_BLOCK = 256
 _TINY = torch.finfo(torch.float32).tiny
@@ -49,7 +51,7 @@ def draw_seeded_rows(x: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
     """int64 [n]: ``argmax(x + noise)`` over whole rows, the reference's computation. x float32
     [n, V] (-inf = dropped), keys int32 [n]."""
     vocab = torch.arange(x.shape[-1], dtype=torch.int32)[None, :]
-    return torch.argmax(x + seeded_gumbel(keys[:, None], vocab), dim=-1)
+    return first_argmax(x + seeded_gumbel(keys[:, None], vocab))
 
 
 def draw_by_inverse_cdf(x: torch.Tensor, generator: Optional[torch.Generator],
