@@ -14,7 +14,7 @@ status=0
 run_suite() {  # name, python, pytest args...
   local name="$1" py="$2"; shift 2
   echo "== tests: $name"
-  if ! "$py" -m pytest -p no:cacheprovider "$@"; then
+  if ! "$py" -m pytest -p no:cacheprovider -q "$@"; then
     echo "!! $name: FAILED"
     status=1
   fi
@@ -24,5 +24,11 @@ run_suite core "$VENV/bin/python" tests
 for plugin in $TEST_PLUGINS; do
   run_suite "plugin $plugin" "$VENV/bin/python" "plugins/$plugin/tests"
 done
+
+echo "== setup: XLA venv ($XLA_VENV)"
+ensure_xla_venv
+# XLA:CPU runs real compiled XLA graphs; CORELIB_TPU_REQUIRE_XLA=1 makes a missing XLA device
+# an error instead of a skip, so this suite cannot pass by skipping.
+PJRT_DEVICE=CPU CORELIB_TPU_REQUIRE_XLA=1 run_suite "plugin tpu (XLA:CPU)" "$XLA_VENV/bin/python" plugins/tpu/tests
 
 exit $status
