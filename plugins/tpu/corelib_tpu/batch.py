@@ -74,22 +74,19 @@ class XlaStepState(StepState):
 class XlaSamplingBatch(SamplingBatch):
     """A ``SamplingBatch`` whose per-step work is a fixed set of XLA graphs (module docstring).
 
-    Created by ``TpuSampler.new_batch``; ``generator`` (a CPU ``torch.Generator``) draws the
-    per-step keys of unseeded rows; ``guard`` is the sampler's compile watch.
+    Created by ``TpuSampler.new_batch``; ``guard`` is the sampler's compile watch.
     """
 
     def __init__(self, vocab_size: int, device: torch.device | str = "cpu",
                  eos_token_id: Optional[int] = None, logprobs_mode: str = "raw", *,
                  buckets: Optional[Buckets] = None, top_k_candidates: int = 64,
                  max_bad_words: int = 8, max_bad_word_length: int = 8,
-                 num_logprobs: int = 20, generator: Optional[torch.Generator] = None,
-                 guard: Optional[xla.CompileGuard] = None):
+                 num_logprobs: int = 20, guard: Optional[xla.CompileGuard] = None):
         self.buckets = buckets if buckets is not None else Buckets()
         self.top_k_candidates = _positive("top_k_candidates", top_k_candidates)
         self.max_bad_words = _positive("max_bad_words", max_bad_words)
         self.max_bad_word_length = _positive("max_bad_word_length", max_bad_word_length)
         self.padded_logprobs = num_logprobs
-        self.generator = generator if generator is not None else _entropy_generator()
         self.guard = guard if guard is not None else xla.CompileGuard()
         self._state: dict[str, torch.Tensor] = {}
         self._path: Optional[str] = None
@@ -110,7 +107,7 @@ class XlaSamplingBatch(SamplingBatch):
     def path(self) -> str:
         """The static graph variant the current rows need (see ``PATHS``)."""
         if self._path is None:
-            self._path = choose_path(self._row_params, self.top_k_candidates)
+            self._path = choose_path(self._row_params, self.top_k_candidates, self.vocab_size)
         return self._path
 
     def row_sources(self, bucket: int, per_request: bool) -> torch.Tensor:
@@ -147,7 +144,12 @@ class XlaSamplingBatch(SamplingBatch):
         One graph per bucket updates the running counts and the recent-token window.
         """
         n = len(self._row_keys)
-        ids = torch.as_tensor(token_ids)
+        try:   # the core's checks and messages (SamplingBatch.append)
+            ids = torch.as_tensor(token_ids)
+        except (RuntimeError, TypeError, ValueError) as exc:  # None, strings, ints past int64
+            kind = ValueError if isinstance(exc, ValueError) else TypeError
+            raise kind(f"append needs one integer token id per row, got "
+                       f"{type(token_ids).__name__}: {exc}") from None
         if ids.dim() != 1 or ids.shape[0] != n:
             raise ValueError(
                 f"append needs one token id per row: expected shape [{n}], got {list(ids.shape)}")
@@ -172,18 +174,21 @@ class XlaSamplingBatch(SamplingBatch):
             self._generated[i] += 1
 
     # ------------------------------------------------------------------ step state
-    def step_state(self, num_rows: Optional[int] = None) -> XlaStepState:
-        """The first ``num_rows`` rows (default: the live rows' bucket) as device tensors.
+    def step_state(self, num_rows: Optional[int] = None,
+                   random_keys: Optional[torch.Tensor] = None) -> XlaStepState:
+        """The first ``num_rows`` rows (default: the live rows; the sampler asks for its
+        bucket, rows past the live ones being neutral padding) as device tensors.
 
-        One host-to-device transfer: the per-row scalars (with fresh keys for unseeded rows)
-        as an int32 ``[B, 15]`` block. Dense state is sliced, not copied.
+        random_keys: int32 ``[num_rows]`` host tensor, the unseeded rows' noise keys for this
+        step (the sampler draws them from its generator); zeros when omitted. One
+        host-to-device transfer: the per-row scalars as an int32 ``[B, 15]`` block (floats as
+        their bits). Dense state is sliced, not copied.
         """
         n = len(self._row_keys)
-        B = self.bucket(n) if num_rows is None else num_rows
-        if B < n or B > self.capacity:
-            raise ValueError(f"step_state needs {n} <= num_rows <= {self.capacity}, got {B}")
-        self._ints[:B, _RANDOM_KEY] = torch.randint(-(2**31), 2**31, (B,), dtype=torch.int32,
-                                                    generator=self.generator)
+        B = n if num_rows is None else num_rows
+        if B > self.capacity:
+            raise ValueError(f"step_state needs num_rows <= {self.capacity}, got {B}")
+        self._ints[:B, _RANDOM_KEY] = 0 if random_keys is None else random_keys
         host = torch.cat([self._floats[:B].view(torch.int32), self._ints[:B]], dim=1)
         table = host.to(self.device)
         col = lambda name: table[:, _COL[name]]                             # noqa: E731
@@ -237,7 +242,8 @@ class XlaSamplingBatch(SamplingBatch):
         shared = self._request_rows(params, prompt)
         for child, (row, out) in enumerate(zip(rows, outputs)):
             self._floats[row] = torch.tensor(_float_values(params))
-            self._ints[row] = torch.tensor(_int_values(params, child, len(out)), dtype=torch.int32)
+            self._ints[row] = torch.tensor(_int_values(params, child, len(out), self.vocab_size),
+                                           dtype=torch.int32)
             self._write_device_row(row, dict(shared, **self._child_rows(out)))
 
     def _move_rows(self, src: torch.Tensor, dst: torch.Tensor) -> None:
@@ -279,8 +285,8 @@ class XlaSamplingBatch(SamplingBatch):
     def _check_fits(self, request_id: str, params: SamplingParams) -> None:
         if self.num_rows + params.n > self.capacity:
             raise ValueError(
-                f"request {request_id!r}: n={params.n} more rows would make {self.num_rows + params.n}, "
-                f"more than the largest bucket ({self.capacity}); create the sampler with larger buckets")
+                f"request {request_id!r}: n={params.n} does not fit: this batch holds at most "
+                f"{self.capacity} rows (the sampler's largest bucket), it has {self.num_rows}")
         multi = [w for w in params.bad_words if len(w) > 1]
         if len(multi) > self.max_bad_words:
             raise ValueError(
@@ -378,20 +384,28 @@ class XlaSamplingBatch(SamplingBatch):
         return self._asked[0]
 
 
-def choose_path(row_params: Sequence[SamplingParams], candidates: int) -> str:
+def choose_path(row_params: Sequence[SamplingParams], candidates: int,
+                vocab_size: int = 2**31 - 1) -> str:
     """The static graph variant for these rows (``PATHS``). Greedy rows skip steps 10-13, so
-    only random rows decide."""
+    only random rows decide; a top-k of at least the vocabulary keeps everything (off)."""
     random = [p for p in row_params if not p.is_greedy]
     if not random:
         return "greedy"
-    filtering = [p for p in random if p.effective_top_k > 0 or p.top_p < 1.0]
+    top_k = [_top_k(p, vocab_size) for p in random]
+    filtering = [(p, k) for p, k in zip(random, top_k) if k > 0 or p.top_p < 1.0]
     if not filtering:
         return "plain"
-    if any(p.effective_top_k > candidates for p in filtering):
+    if any(k > candidates for _, k in filtering):
         return "exhaustive"
-    if all(p.top_p >= 1.0 or p.effective_top_k > 0 for p in filtering):
+    if all(p.top_p >= 1.0 or k > 0 for p, k in filtering):
         return "candidates"
     return "nucleus"
+
+
+def _top_k(params: SamplingParams, vocab_size: int) -> int:
+    """The top-k a row runs with: 0 (off) for greedy rows and for k >= the vocabulary."""
+    k = params.effective_top_k
+    return 0 if params.is_greedy or k >= vocab_size else k
 
 
 def flags_for(path: str, asked: Optional[int], padded_logprobs: int) -> dict:
@@ -420,10 +434,11 @@ def _float_values(params: SamplingParams) -> list[float]:
             params.frequency_penalty, params.presence_penalty]
 
 
-def _int_values(params: SamplingParams, child: int, position: int) -> list[int]:
+def _int_values(params: SamplingParams, child: int, position: int, vocab_size: int) -> list[int]:
     seed_lo, seed_hi = split_seed(params.seed) if params.seed is not None else (0, 0)
-    top_k = 0 if params.is_greedy else params.effective_top_k
-    return [top_k, seed_lo, seed_hi, child, position, params.min_tokens,
+    # min_tokens past int32 means the same as 2**31 - 1: a position never reaches either.
+    min_tokens = min(params.min_tokens, 2**31 - 1)
+    return [_top_k(params, vocab_size), seed_lo, seed_hi, child, position, min_tokens,
             int(params.seed is not None), int(params.is_greedy), 0]
 
 
@@ -431,9 +446,3 @@ def _positive(name: str, value: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{name} must be a positive int, got {value!r}")
     return value
-
-
-def _entropy_generator() -> torch.Generator:
-    generator = torch.Generator()
-    generator.seed()
-    return generator

@@ -84,7 +84,7 @@ class TpuSampler(Sampler):
             vocab_size, self.device, eos_token_id, logprobs_mode, buckets=self.buckets,
             top_k_candidates=self.top_k_candidates, max_bad_words=self.max_bad_words,
             max_bad_word_length=self.max_bad_word_length, num_logprobs=MAX_LOGPROBS,
-            generator=self._host_generator, guard=self.guard)
+            guard=self.guard)
 
     def sample(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         """``Sampler.sample`` on the logits padded to the batch's bucket, then one transfer.
@@ -165,8 +165,11 @@ class TpuSampler(Sampler):
 
     # ------------------------------------------------------------------ template parts
     def step_state(self, logits: torch.Tensor, batch: SamplingBatch) -> XlaStepState:
-        """The bucket's state: ``logits`` arrive padded, so their row count is the bucket."""
-        s = batch.step_state(logits.shape[0])
+        """The bucket's state, with fresh noise keys for unseeded rows from this sampler's
+        generator: ``logits`` arrive padded, so their row count is the bucket."""
+        B = logits.shape[0]
+        keys = torch.randint(-(2**31), 2**31, (B,), dtype=torch.int32, generator=self._host_generator)
+        s = batch.step_state(B, random_keys=keys)
         if self._forced is not None:
             path, logprobs = self._forced
             asked = MAX_LOGPROBS if logprobs else None
@@ -263,11 +266,11 @@ class TpuSampler(Sampler):
     # ------------------------------------------------------------------ internals
     def _check(self, logits: torch.Tensor, batch: SamplingBatch) -> bool:
         """Validate; True when ``logits`` hold one row per request (to expand to rows)."""
+        if batch.device.type != self.device.type:
+            raise ValueError(f"batch lives on {batch.device}, but sampler {self.name!r} runs on {self.device}")
         if not isinstance(batch, XlaSamplingBatch):
             raise TypeError(f"sampler {self.name!r} needs a batch from its new_batch(), got "
                             f"{type(batch).__name__}")
-        if batch.device.type != self.device.type:
-            raise ValueError(f"batch lives on {batch.device}, but sampler {self.name!r} runs on {self.device}")
         n = batch.num_rows
         padded = (isinstance(logits, torch.Tensor) and logits.dim() == 2 and n > 0
                   and logits.shape[0] == batch.bucket(n) and logits.shape[0] not in (n, batch.num_requests))

@@ -68,7 +68,7 @@ def test_state_follows_rows_through_churn_on_xla():
 def test_limits_raise_naming_the_request():
     sampler = TpuSampler("cpu", buckets=(4,), max_bad_words=2, max_bad_word_length=3)
     batch = sampler.new_batch(V)
-    with pytest.raises(ValueError, match=r"'big'.*largest bucket \(4\)"):
+    with pytest.raises(ValueError, match=r"'big': n=5 does not fit.*at most 4 rows"):
         batch.add("big", SamplingParams(n=5, seed=1))
     with pytest.raises(ValueError, match=r"'words'.*max_bad_words=2"):
         batch.add("words", SamplingParams(bad_words=[[1, 2], [2, 3], [3, 4]]))
@@ -123,7 +123,7 @@ def test_padded_rows_are_neutral():
                                   repetition_penalty=2.0, min_tokens=4))
     batch.remove("a")
     batch.add("b", SamplingParams())
-    s = batch.step_state()
+    s = batch.step_state(batch.bucket())
     assert s.num_rows == 8 and s.live_rows == 1
     for name, neutral in [("temperature", 1.0), ("top_p", 1.0), ("min_p", 0.0),
                           ("repetition_penalty", 1.0), ("top_k", 0), ("min_tokens", 0)]:
