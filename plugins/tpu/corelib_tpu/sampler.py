@@ -263,6 +263,23 @@ class TpuSampler(Sampler):
         # without noise, this argmax is step 9 (the template skips its own, see flags_for).
         return thresholds.first_argmax(x + torch.where(s.greedy[:, None], 0.0, gumbel))
 
+    def gather_logprobs(self, logprobs: torch.Tensor, token_ids: torch.Tensor,
+                        num_logprobs: int) -> Logprobs:
+        """Step 15 as ``Sampler.gather_logprobs`` (float32 ``[B, V]`` log-probabilities, int64
+        ``[B]`` sampled ids), with the top-N from ``thresholds.top_entries``: torch-xla lowers
+        a ``topk`` over the vocabulary to a sort."""
+        V = logprobs.shape[-1]
+        safe = token_ids.clamp(min=0)[:, None]
+        sampled = logprobs.gather(1, safe)                                  # (B, 1)
+        ranks = (logprobs >= sampled).sum(dim=-1)
+        available = min(num_logprobs, V)
+        values, ids = thresholds.top_entries(logprobs, available)
+        if available < num_logprobs:  # a vocabulary smaller than N: pad with id -1, -inf
+            missing = (logprobs.shape[0], num_logprobs - available)
+            ids = torch.cat([ids, torch.full(missing, -1, dtype=torch.long, device=logprobs.device)], 1)
+            values = torch.cat([values, torch.full(missing, NEG_INF, device=logprobs.device)], 1)
+        return Logprobs(torch.cat([safe, ids], dim=1), torch.cat([sampled, values], dim=1), ranks)
+
     # ------------------------------------------------------------------ internals
     def _check(self, logits: torch.Tensor, batch: SamplingBatch) -> bool:
         """Validate; True when ``logits`` hold one row per request (to expand to rows)."""

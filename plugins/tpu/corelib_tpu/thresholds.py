@@ -189,24 +189,32 @@ def first_argmax(x: torch.Tensor) -> torch.Tensor:
 
 
 def top_values(x: torch.Tensor, k: int) -> torch.Tensor:
-    """float32 ``[B, k]``: each row's k largest values, descending (``topk(x, k).values``).
+    """float32 ``[B, k]``: each row's k largest values, descending (``topk(x, k).values``)."""
+    return top_entries(x, k)[0]
 
-    x float32 ``[B, V]``. Exact and much cheaper than one ``topk`` over the vocabulary: the
-    k chunks with the largest maxima hold the k largest values (any value outside them is at
-    most its own chunk's maximum, which is at most the k-th largest chunk maximum), so a
-    ``topk`` over the chunk maxima and one over those k chunks' tokens (k * L values) give
-    them. Falls back to one ``topk`` when the vocabulary has fewer than k chunks.
+
+def top_entries(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's k largest values, descending, and their ids (``torch.topk(x, k)``).
+
+    x float32 ``[B, V]``; returns float32 ``[B, k]`` and int64 ``[B, k]``. Exact without a
+    ``topk`` over the vocabulary (torch-xla lowers it to a sort): the k chunks with the largest
+    maxima hold the k largest values (any value outside them is at most its own chunk's
+    maximum, at most the k-th largest chunk maximum), so one ``topk`` over the chunk maxima
+    and one over those k chunks' k * L tokens give them. Candidates stay in id order, so
+    where ``topk`` is stable (XLA's is) equal values come lower id first. A vocabulary of
+    fewer than k chunks takes one ``topk``.
     """
     B, V = x.shape
     L, C = _chunking(V, max(1, 2 * math.isqrt(max(1, V // max(k, 1)))))
     if C < k or k * L >= V:
-        return torch.topk(x, k, dim=-1).values
+        top = torch.topk(x, k, dim=-1)
+        return top.values, top.indices
     chunk_max = _chunk_max(x, L, C)                                       # (B, C')
-    chunks = torch.topk(chunk_max, k, dim=-1).indices                     # (B, k)
+    chunks = torch.topk(chunk_max, k, dim=-1).indices.sort(dim=-1).values  # (B, k), id order
     ids = (chunks[:, :, None] * L + iota(L, torch.int64, x.device)).reshape(B, k * L)
     values = x.gather(1, ids.clamp(max=V - 1))
-    values = torch.where(ids < V, values, NEG_INF)
-    return torch.topk(values, k, dim=-1).values
+    top = torch.topk(torch.where(ids < V, values, NEG_INF), k, dim=-1)
+    return top.values, ids.gather(1, top.indices)
 
 
 def _chunking(V: int, target: int) -> tuple[int, int]:

@@ -118,3 +118,22 @@ def test_strict_mode_raises_on_an_unwarmed_shape(warm):
     with pytest.raises(RecompilationError, match=r"sample \(bucket 8"):
         sampler.sample(_logits(1, 0, torch.float16), batch)      # float16 was not warmed up
     sampler.sample(_logits(1, 0, torch.bfloat16), batch)         # bfloat16 was
+
+
+def test_no_vocabulary_wide_sort_or_scatter_in_a_step():
+    """Each step graph's HLO, as torch-xla lowers it, sorts and scatters only small arrays."""
+    import torch_xla
+    from corelib.sampler import Sampler
+    from corelib_tpu.sampler import _pack
+    vocab = 1000
+    sampler = TpuSampler(xla_device(), buckets=(8,))
+    batch = sampler.new_batch(vocab)
+    logits = torch.zeros((8, vocab)).to(xla_device())
+    for path in PATHS:
+        for logprobs in (False, True):
+            with sampler._forcing(path, logprobs):
+                packed = _pack(Sampler.sample(sampler, logits, batch))
+            hlo = torch_xla._XLAC._get_xla_tensors_hlo([packed])
+            wide = [line.strip()[:160] for line in hlo.splitlines()
+                    if (" sort(" in line or " scatter(" in line) and f",{vocab}]" in line]
+            assert not wide, f"path {path}, logprobs {logprobs}: {wide}"

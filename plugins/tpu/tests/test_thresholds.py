@@ -123,3 +123,19 @@ def test_order_keys_sort_like_the_floats():
     assert keys[5] == keys[6] == 0                                           # -0.0 == +0.0
     back = thresholds.value_of_key(keys)
     assert torch.equal(back, values.abs() * torch.sign(values) + 0.0)        # -0.0 -> +0.0
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_top_entries_give_topk_ids(device):
+    x = _logits(1000, seed=7)[:4]                     # peaked rows: no ties
+    values, ids = thresholds.top_entries(x.to(_device(device)), 20)
+    want = torch.topk(x, 20, dim=-1)
+    assert torch.equal(values.cpu(), want.values) and torch.equal(ids.cpu(), want.indices)
+
+
+@needs_xla
+def test_top_entries_on_xla_put_lower_ids_first_among_ties():
+    """XLA's TopK is stable and the candidates stay in id order (CPU topk is not stable)."""
+    x = (torch.arange(1000) % 10).to(torch.float32).expand(2, 1000)   # 100 tokens per value
+    values, ids = thresholds.top_entries(x.to(xla_device()), 20)
+    assert ids.cpu()[0].tolist() == list(range(9, 200, 10)) and (values.cpu() == 9).all()
