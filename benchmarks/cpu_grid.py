@@ -14,9 +14,12 @@ run; nothing here asserts a time.
 
 from __future__ import annotations
 
+import os
+
+os.environ.setdefault("KINETO_LOG_LEVEL", "5")   # keep the memory profiler quiet
+
 import argparse
 import csv
-import os
 import statistics
 import sys
 import time
@@ -112,8 +115,9 @@ def peak_extra_memory(fn: Callable[[], object]) -> float:
     return float(peak)
 
 
-def bench_cell(cpu: CpuSampler, reference: Optional[Sampler], config: str, B: int, V: int,
-               profile: str, repeats: int) -> Cell:
+def bench_cell(reference: Optional[Sampler], config: str, B: int, V: int, profile: str,
+               repeats: int) -> Cell:
+    cpu = CpuSampler()          # a fresh workspace: the cell's memory is its own
     logits = make_logits(B, V, profile)
     batch = make_batch(cpu, config, B, V)
     cpu_samples = timed(lambda: cpu.sample(logits, batch), repeats)
@@ -271,13 +275,13 @@ def main(argv=None) -> int:
 
     description = f"{machine_description()}, load average {os.getloadavg()[0]:.2f} at start"
     print(description)
-    cpu, reference = CpuSampler(), None if args.no_reference else Sampler("cpu")
+    reference = None if args.no_reference else Sampler("cpu")
     cells = []
     order = [(V, p, c, B) for V in grid["vocab_sizes"] for p in grid["profiles"]
              for c in configs for B in grid["batch_sizes"]]
     started = time.perf_counter()
     for i, (V, profile, config, B) in enumerate(order):
-        cells.append(bench_cell(cpu, reference, config, B, V, profile, repeats))
+        cells.append(bench_cell(reference, config, B, V, profile, repeats))
         sys.stderr.write(f"\r{i + 1}/{len(order)} {config} B={B} V={V} {profile}        ")
         sys.stderr.flush()
     sys.stderr.write("\n")

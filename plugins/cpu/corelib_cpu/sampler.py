@@ -38,6 +38,7 @@ from .draw import (
 from .rowops import count_at_least, first_argmax, top_values
 from .workspace import Workspace
 from .select import (
+    SCRATCH,
     kth_largest,
     mask_below,
     nucleus_threshold,
@@ -345,7 +346,8 @@ class CpuSampler(Sampler):
         tokens (probs >= threshold) and -inf for dropped ones, and min() with it masks both.
         Rows whose probabilities are NaN (float32 overflow upstream) drop every token, as the
         reference's comparisons do; the draw then flags them."""
-        sign = torch.sub(probs, threshold, out=self.workspace.take("sign", tuple(probs.shape)))
+        scratch = self.workspace.take(SCRATCH, tuple(probs.shape), torch.int32)
+        sign = torch.sub(probs, threshold, out=scratch.view(torch.float32))
         torch.copysign(_INF, sign, out=sign)
         broken = torch.isnan(threshold[:, 0])
         if bool(broken.any()):

@@ -19,6 +19,8 @@ NEG_INF = float("-inf")
 # A positive float32's bit pattern orders like its value, so its top 16 bits (sign, exponent,
 # 7 mantissa bits) name a bucket and its low 16 bits a value within the bucket.
 _BUCKETS = 1 << 16
+#: Workspace name of the int32 [n, V] scratch buffer (free again once a function returns).
+SCRATCH = "scratch32"
 # Probabilities are at most 1.0 (bits 0x3F800000): buckets past its one stay empty, except
 # for NaN rows, which are then all empty and go to the sort.
 _PROB_BUCKETS = 0x3F80 + 1
@@ -141,22 +143,23 @@ def select_by_histogram(probs: torch.Tensor, top_p: torch.Tensor, workspace=None
     < top_p: v* lies in it. Passes 2 and 3 do the same over that bucket's tokens with the
     next 8 bits, then the last 8 (one distinct value per bin). Returns ``(threshold float32
     [n], exact bool [n])``; rows with ``exact`` False must use :func:`threshold_by_sort`.
-    ``workspace`` (a :class:`~corelib_cpu.workspace.Workspace`) lends the [n, V] temporaries."""
+    ``workspace`` (a :class:`~corelib_cpu.workspace.Workspace`) lends the [n, V] int32 keys
+    (as ``SCRATCH``) and a [V] float64 row."""
     n, V = probs.shape
     bits = probs.view(torch.int32)
     p64 = top_p.double()[:, None]
-    offsets = torch.arange(n, dtype=torch.int32)[:, None] * _BUCKETS
 
-    # Pass 1 over every token. (NaN rows have no mass below 1.0's bucket: not exact.)
-    keys = _take(workspace, "select_keys", (n, V), torch.int32)
-    torch.bitwise_right_shift(bits, 16, out=keys).bitwise_and_(0xFFFF).add_(offsets)   # (n, V)
-    weights = _take(workspace, "select_weights", (n, V), torch.float64).copy_(probs)
-    mass = torch.bincount(keys.view(-1), weights.view(-1), minlength=n * _BUCKETS)
-    mass = mass.view(n, _BUCKETS)[:, :_PROB_BUCKETS]
+    # Pass 1 over every token, a row at a time: the float64 copy bincount needs stays one
+    # row (and its histogram) in the cache. NaN rows have no mass below 1.0's bucket.
+    keys = _take(workspace, SCRATCH, (n, V), torch.int32)
+    torch.bitwise_right_shift(bits, 16, out=keys).bitwise_and_(0xFFFF)                 # (n, V)
+    row64 = _take(workspace, "select_row64", (V,), torch.float64)
+    mass = torch.stack([torch.bincount(keys[i], row64.copy_(probs[i]), minlength=_PROB_BUCKETS)[:_PROB_BUCKETS]
+                        for i in range(n)])
     bucket, above = lowest_qualifying(mass, torch.zeros_like(p64), p64)   # (n,), (n, 1)
 
     # Passes 2 and 3 over the bucket's tokens only.
-    rows, cols = (keys == (bucket[:, None].to(torch.int32) + offsets)).nonzero(as_tuple=True)
+    rows, cols = (keys == bucket[:, None].to(torch.int32)).nonzero(as_tuple=True)
     low = bits[rows, cols] & 0xFFFF                                      # (m,)
     middle = low >> 8
     sub, above = lowest_qualifying(bin_mass(rows, middle, probs[rows, cols], n), above, p64)
