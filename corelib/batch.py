@@ -284,6 +284,28 @@ class SamplingBatch:
         when they can be checked without waiting on the device (a list or a CPU tensor);
         on an accelerator they are counted nowhere and only advance the position.
         """
+        ids = self.check_token_ids(token_ids)
+        n = ids.shape[0]
+        if n == 0:
+            return
+        ids = ids.to(self.device, torch.long, non_blocking=True)
+        in_range = (ids >= 0) & (ids < self.vocab_size)
+        safe = torch.where(in_range, ids, torch.zeros_like(ids))
+        t = self._tensors
+        t["position"][:n] += 1
+        if "output_counts" in t:
+            t["output_counts"][:n].scatter_add_(1, safe[:, None], in_range[:, None].to(torch.int32))
+        if "recent" in t and t["recent"].shape[1] > 0:
+            recent = t["recent"][:n]
+            recent.copy_(torch.cat([recent[:, 1:], torch.where(in_range, ids, -1)[:, None]], dim=1))
+        for i in range(n):
+            self._generated[i] += 1
+
+    def check_token_ids(self, token_ids: torch.Tensor | Sequence[int]) -> torch.Tensor:
+        """``append``'s argument checks: one integer id per row; ids outside
+        ``[0, vocab_size)`` raise when the ids are on the host (a list or a CPU tensor), since
+        checking device ids would wait on the device. Returns them as a tensor (not copied to
+        the batch's device)."""
         n = len(self._row_keys)
         try:
             ids = torch.as_tensor(token_ids)
@@ -297,9 +319,7 @@ class SamplingBatch:
             )
         if ids.dtype.is_floating_point or ids.dtype == torch.bool or ids.is_complex():
             raise TypeError(f"append needs integer token ids, got dtype {ids.dtype}")
-        if n == 0:
-            return
-        if ids.device.type == "cpu":
+        if n and ids.device.type == "cpu":
             bad = ((ids < 0) | (ids >= self.vocab_size)).nonzero()
             if bad.numel():
                 row = int(bad[0, 0])
@@ -307,18 +327,7 @@ class SamplingBatch:
                     f"append: token id {int(ids[row])} for row {row} (request "
                     f"{self._row_keys[row][0]!r}) is out of range for vocab_size={self.vocab_size}"
                 )
-        ids = ids.to(self.device, torch.long, non_blocking=True)
-        in_range = (ids >= 0) & (ids < self.vocab_size)
-        safe = torch.where(in_range, ids, torch.zeros_like(ids))
-        t = self._tensors
-        t["position"][:n] += 1
-        if "output_counts" in t:
-            t["output_counts"][:n].scatter_add_(1, safe[:, None], in_range[:, None].to(torch.int32))
-        if "recent" in t and t["recent"].shape[1] > 0:
-            recent = t["recent"][:n]
-            recent.copy_(torch.cat([recent[:, 1:], torch.where(in_range, ids, -1)[:, None]], dim=1))
-        for i in range(n):
-            self._generated[i] += 1
+        return ids
 
     # ------------------------------------------------------------------ step state
     def step_state(self, num_rows: Optional[int] = None) -> StepState:

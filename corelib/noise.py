@@ -2,8 +2,9 @@
 
 Every backend must reproduce these functions bit for bit (``docs/seeded-draw.md`` gives the
 exact recipe). They use only 32-bit integer multiply, xor, add and shift, which wrap the same
-way on CPUs, GPUs and TPUs; torch's ``>>`` on int32 is arithmetic, so every right shift is
-followed by a mask that clears the sign-extended bits.
+way on CPUs, GPUs and TPUs. Right shifts go through ``torch.bitwise_right_shift`` (torch-xla
+2.9 lowers the ``>>`` operator on int32 as a division rounding toward zero, so ``-5 >> 16``
+gives 0 there) and are followed by a mask that clears the sign-extended bits.
 """
 
 from __future__ import annotations
@@ -22,14 +23,18 @@ _UNIFORM_BITS = 23  # (top + 0.5) then needs 24 bits: exact in float32
 _UNIFORM_SCALE = 1.0 / (1 << _UNIFORM_BITS)
 
 
+def _shift_right(x: torch.Tensor, bits: int) -> torch.Tensor:
+    """Logical right shift of int32 values: arithmetic shift, then the sign bits masked off."""
+    return torch.bitwise_right_shift(x, bits) & ((1 << (32 - bits)) - 1)
+
+
 def mix32(x: torch.Tensor) -> torch.Tensor:
     """Bijective avalanche mix of int32 values. Shape kept; int32 in, int32 out; not in place."""
-    x = x ^ ((x >> 16) & 0xFFFF)
+    x = x ^ _shift_right(x, 16)
     x = x * _MIX_MUL_1
-    x = x ^ ((x >> 15) & 0x1FFFF)
+    x = x ^ _shift_right(x, 15)
     x = x * _MIX_MUL_2
-    x = x ^ ((x >> 16) & 0xFFFF)
-    return x
+    return x ^ _shift_right(x, 16)
 
 
 def split_seed(seed: int) -> tuple[int, int]:
@@ -62,7 +67,7 @@ def uniform_noise(keys: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
     broadcast shape: ``(top 23 bits of the hash + 0.5) / 2**23``, exact in float32.
     """
     h = mix32(keys + token_ids * _TOKEN_STEP)
-    top = (h >> (32 - _UNIFORM_BITS)) & ((1 << _UNIFORM_BITS) - 1)
+    top = _shift_right(h, 32 - _UNIFORM_BITS)
     return (top.to(torch.float32) + 0.5) * _UNIFORM_SCALE
 
 

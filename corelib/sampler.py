@@ -346,14 +346,20 @@ class Sampler:
         ids, values = [safe], [sampled]
         available = min(num_logprobs, logprobs.shape[-1])
         if available > 0:
-            top = torch.topk(logprobs, available, dim=-1)
-            ids.append(top.indices)
-            values.append(top.values)
+            top_values, top_ids = self.top_logprobs(logprobs, available)
+            ids.append(top_ids)
+            values.append(top_values)
         if available < num_logprobs:  # a vocabulary smaller than N: pad with id -1, -inf
             missing = (logprobs.shape[0], num_logprobs - available)
             ids.append(torch.full(missing, -1, dtype=torch.long, device=logprobs.device))
             values.append(torch.full(missing, NEG_INF, device=logprobs.device))
         return Logprobs(torch.cat(ids, dim=1), torch.cat(values, dim=1), ranks)
+
+    def top_logprobs(self, logprobs: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The ``n`` (<= V) best entries of float32 [B, V] log-probabilities, best first:
+        (float32 [B, n] values, int64 [B, n] ids). Not in place."""
+        top = torch.topk(logprobs, n, dim=-1)
+        return top.values, top.indices
 
     # ------------------------------------------------------------------ helpers
     @staticmethod

@@ -143,28 +143,12 @@ class XlaSamplingBatch(SamplingBatch):
         transfer); there, out-of-range ids (the -1 of a flagged row) only advance the position.
         One graph per bucket updates the running counts and the recent-token window.
         """
-        n = len(self._row_keys)
-        try:   # the core's checks and messages (SamplingBatch.append)
-            ids = torch.as_tensor(token_ids)
-        except (RuntimeError, TypeError, ValueError) as exc:  # None, strings, ints past int64
-            kind = ValueError if isinstance(exc, ValueError) else TypeError
-            raise kind(f"append needs one integer token id per row, got "
-                       f"{type(token_ids).__name__}: {exc}") from None
-        if ids.dim() != 1 or ids.shape[0] != n:
-            raise ValueError(
-                f"append needs one token id per row: expected shape [{n}], got {list(ids.shape)}")
-        if ids.dtype.is_floating_point or ids.dtype == torch.bool or ids.is_complex():
-            raise TypeError(f"append needs integer token ids, got dtype {ids.dtype}")
+        ids = self.check_token_ids(token_ids)   # the core's checks and messages
+        n = ids.shape[0]
         if n == 0:
             return
-        on_host = ids.device.type == "cpu"
         ids = ids.cpu().to(torch.long)
         out_of_range = (ids < 0) | (ids >= self.vocab_size)
-        if on_host and bool(out_of_range.any()):
-            row = int(out_of_range.nonzero()[0, 0])
-            raise ValueError(
-                f"append: token id {int(ids[row])} for row {row} (request "
-                f"{self._row_keys[row][0]!r}) is out of range for vocab_size={self.vocab_size}")
         bucket = self.bucket(n)
         padded = torch.full((bucket,), NOT_LIVE, dtype=torch.long)
         padded[:n] = torch.where(out_of_range, -1, ids)

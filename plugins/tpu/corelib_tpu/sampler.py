@@ -21,7 +21,9 @@ from corelib.batch import SamplingBatch
 from corelib.params import MAX_LOGPROBS
 from corelib.sampler import NEG_INF, Logprobs, Sampler, SamplerOutput
 
-from . import noise, thresholds, xla
+from corelib import noise
+
+from . import thresholds, xla
 from .batch import PATHS, XlaSamplingBatch, XlaStepState, flags_for
 from .buckets import Buckets
 from .xla import RecompilationError
@@ -263,22 +265,10 @@ class TpuSampler(Sampler):
         # without noise, this argmax is step 9 (the template skips its own, see flags_for).
         return thresholds.first_argmax(x + torch.where(s.greedy[:, None], 0.0, gumbel))
 
-    def gather_logprobs(self, logprobs: torch.Tensor, token_ids: torch.Tensor,
-                        num_logprobs: int) -> Logprobs:
-        """Step 15 as ``Sampler.gather_logprobs`` (float32 ``[B, V]`` log-probabilities, int64
-        ``[B]`` sampled ids), with the top-N from ``thresholds.top_entries``: torch-xla lowers
-        a ``topk`` over the vocabulary to a sort."""
-        V = logprobs.shape[-1]
-        safe = token_ids.clamp(min=0)[:, None]
-        sampled = logprobs.gather(1, safe)                                  # (B, 1)
-        ranks = (logprobs >= sampled).sum(dim=-1)
-        available = min(num_logprobs, V)
-        values, ids = thresholds.top_entries(logprobs, available)
-        if available < num_logprobs:  # a vocabulary smaller than N: pad with id -1, -inf
-            missing = (logprobs.shape[0], num_logprobs - available)
-            ids = torch.cat([ids, torch.full(missing, -1, dtype=torch.long, device=logprobs.device)], 1)
-            values = torch.cat([values, torch.full(missing, NEG_INF, device=logprobs.device)], 1)
-        return Logprobs(torch.cat([safe, ids], dim=1), torch.cat([sampled, values], dim=1), ranks)
+    def top_logprobs(self, logprobs: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Step 15's top-N from ``thresholds.top_entries`` (float32 [B, n] values, int64 [B, n]
+        ids): torch-xla lowers a ``topk`` over the vocabulary to a sort."""
+        return thresholds.top_entries(logprobs, n)
 
     # ------------------------------------------------------------------ internals
     def _check(self, logits: torch.Tensor, batch: SamplingBatch) -> bool:
