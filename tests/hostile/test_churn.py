@@ -65,13 +65,7 @@ def logits_for(key, step: int) -> torch.Tensor:
     return row
 
 
-def test_ten_thousand_operations_keep_the_state_of_a_rebuilt_batch(sampler, reference, request):
-    if sampler.name == "cpu":
-        # Known cpu-plugin bug (reported): CpuBatch.remove index_selects its penalty-slot
-        # tensors, which only grow on a penalty add or a sample, so removing a request from a
-        # batch of more than 8 rows raises IndexError. Not strict: the fix turns it into XPASS.
-        request.applymarker(pytest.mark.xfail(raises=IndexError, strict=False,
-                                              reason="cpu plugin: CpuBatch.remove past 8 rows"))
+def test_ten_thousand_operations_keep_the_state_of_a_rebuilt_batch(sampler, reference):
     rng = random.Random(20240607)
     batch = sampler.new_batch(V, eos_token_id=EOS)
     live: dict[str, Request] = {}

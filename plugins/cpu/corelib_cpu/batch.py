@@ -63,6 +63,8 @@ class CpuBatch(SamplingBatch):
         uses_penalties = self.params_of(request_id).uses_penalties
         before = {key: row for row, key in enumerate(self.rows)}
         old_len = self.num_rows
+        # Slots grow only when a penalty row is written; moving rows needs them all.
+        self._ensure_rows(old_len)
         super().remove(request_id)
         after = self.rows
         moves = [(before[key], row) for row, key in enumerate(after) if before[key] != row]
