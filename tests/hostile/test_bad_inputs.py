@@ -250,12 +250,7 @@ def test_values_outside_float32_follow_the_float32_rules(sampler, dtype, value):
 
 
 @pytest.mark.parametrize("layout", ["transposed", "strided", "expanded", "offset_view"])
-def test_non_contiguous_logits_sample_like_a_contiguous_copy(sampler, layout, request):
-    if sampler.name == "cpu" and layout == "transposed":
-        # Known cpu-plugin bug (reported): block_copy keeps the transposed strides and the
-        # sparse-penalty stage calls x.view(-1). Not strict, so the fix turns it into XPASS.
-        request.applymarker(pytest.mark.xfail(raises=RuntimeError, strict=False,
-                                              reason="cpu plugin: x.view(-1) on transposed logits"))
+def test_non_contiguous_logits_sample_like_a_contiguous_copy(sampler, layout):
     batch = build_batch(sampler, mixed_requests(), V, eos_token_id=0)
     B = len(batch)
     base = on(sampler, clean_logits(batch))         # views are made on the sampler's device
