@@ -20,7 +20,8 @@ ensure_main_venv() {  # [extras, e.g. "test,plot"] [more pip arguments...]
   [ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
   # A fresh 3.11 venv has setuptools 65 and no wheel; the template-plugin test builds a wheel
   # without build isolation, which needs a newer setuptools.
-  pip_quiet "$VENV" "setuptools>=70.1" wheel "$TORCH_PIN"
+  # numpy only silences torch's "Failed to initialize NumPy" warning.
+  pip_quiet "$VENV" "setuptools>=70.1" wheel numpy "$TORCH_PIN"
   pip_quiet "$VENV" -e ".${extras:+[$extras]}" "$@"
 }
 
