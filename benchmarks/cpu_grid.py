@@ -50,6 +50,8 @@ class Cell:
     cpu_min_ms: float
     reference_ms: Optional[float]
     clone_ms: float
+    copy_ms: float                       # logits copied into an existing buffer: one pure
+                                         # read + write, without clone()'s page faults
     peak_extra_logits: float             # (allocation high-water mark of one cpu call + the
                                          # sampler's workspace) / logits bytes
 
@@ -61,8 +63,13 @@ class Cell:
     def passes(self) -> float:
         return self.cpu_ms / self.clone_ms
 
+    @property
+    def copy_passes(self) -> float:
+        return self.cpu_ms / self.copy_ms
+
     def row(self) -> dict:
-        return {**asdict(self), "speedup": self.speedup, "passes": self.passes}
+        return {**asdict(self), "speedup": self.speedup, "passes": self.passes,
+                "copy_passes": self.copy_passes}
 
 
 def make_batch(sampler: Sampler, config: str, batch_size: int, vocab_size: int):
@@ -123,6 +130,8 @@ def bench_cell(reference: Optional[Sampler], config: str, B: int, V: int, profil
     cpu_samples = timed(lambda: cpu.sample(logits, batch), repeats)
     peak = peak_extra_memory(lambda: cpu.sample(logits, batch)) + cpu.workspace.nbytes()
     clone_ms = statistics.median(timed(lambda: logits.clone(), max(repeats, 9)))
+    target = torch.empty_like(logits)
+    copy_ms = statistics.median(timed(lambda: target.copy_(logits), max(repeats, 9)))
     reference_ms = None
     if reference is not None:
         ref_batch = make_batch(reference, config, B, V)
@@ -130,14 +139,14 @@ def bench_cell(reference: Optional[Sampler], config: str, B: int, V: int, profil
                                                max(1, repeats // 3), warmup=1 if B * V < 2**22 else 0))
     logits_bytes = logits.numel() * logits.element_size()
     return Cell(config, B, V, profile, statistics.median(cpu_samples), min(cpu_samples),
-                reference_ms, clone_ms, peak / logits_bytes)
+                reference_ms, clone_ms, copy_ms, peak / logits_bytes)
 
 
 def format_table(cells: list[Cell]) -> str:
-    head = ["config", "B", "V", "logits", "cpu ms", "ref ms", "speedup", "passes", "peak mem"]
+    head = ["config", "B", "V", "logits", "cpu ms", "ref ms", "speedup", "passes", "copies", "peak mem"]
     body = [[c.config, str(c.batch_size), str(c.vocab_size), c.profile, f"{c.cpu_ms:.3f}",
              "-" if c.reference_ms is None else f"{c.reference_ms:.2f}",
-             "-" if c.speedup is None else f"{c.speedup:.1f}x", f"{c.passes:.1f}",
+             "-" if c.speedup is None else f"{c.speedup:.1f}x", f"{c.passes:.1f}", f"{c.copy_passes:.1f}",
              f"{c.peak_extra_logits:.2f}x"] for c in cells]
     widths = [max(len(h), *(len(r[i]) for r in body)) for i, h in enumerate(head)]
     lines = ["  ".join(h.ljust(w) for h, w in zip(head, widths)), "  ".join("-" * w for w in widths)]
@@ -197,18 +206,22 @@ def write_plot(cells: list[Cell], path: str, description: str) -> bool:
         print("matplotlib is not installed: no PNG (pip install matplotlib)", file=sys.stderr)
         return False
     vocabs = sorted({c.vocab_size for c in cells})
+    configs = list(dict.fromkeys(c.config for c in cells))
+    colour = {config: plt.get_cmap("tab10")(i % 10) for i, config in enumerate(configs)}
     fig, axes = plt.subplots(2, len(vocabs), figsize=(5.5 * len(vocabs), 8), squeeze=False)
     for col, V in enumerate(vocabs):
-        for (config, profile) in sorted({(c.config, c.profile) for c in cells if c.vocab_size == V}):
+        for (config, profile) in sorted({(c.config, c.profile) for c in cells if c.vocab_size == V},
+                                        key=lambda cp: (configs.index(cp[0]), cp[1])):
             sel = sorted((c for c in cells if (c.config, c.profile, c.vocab_size) == (config, profile, V)),
                          key=lambda c: c.batch_size)
-            style = "-" if profile == "flat" else "--"
+            style = dict(color=colour[config], ls="-" if profile == "flat" else "--", marker="o", ms=3)
             if all(c.speedup is not None for c in sel):
-                axes[0][col].plot([c.batch_size for c in sel], [c.speedup for c in sel], style,
-                                  marker="o", label=f"{config} {profile}")
-            axes[1][col].plot([c.batch_size for c in sel], [c.passes for c in sel], style,
-                              marker="o", label=f"{config} {profile}")
-        for row, label in ((0, "speedup over reference (x)"), (1, "time / one clone() (passes)")):
+                axes[0][col].plot([c.batch_size for c in sel], [c.speedup for c in sel],
+                                  label=f"{config} {profile}", **style)
+            axes[1][col].plot([c.batch_size for c in sel], [c.copy_passes for c in sel],
+                              label=f"{config} {profile}", **style)
+        for row, label in ((0, "speedup over reference (x)"),
+                           (1, "time / one copy_() of the logits")):
             ax = axes[row][col]
             ax.set_xscale("log", base=2)
             ax.set_yscale("log")
@@ -219,7 +232,10 @@ def write_plot(cells: list[Cell], path: str, description: str) -> bool:
         axes[0][col].axhline(25, color="grey", lw=0.8, ls=":")
         axes[1][col].axhline(4, color="grey", lw=0.8, ls=":")
         axes[1][col].axhline(10, color="grey", lw=0.8, ls=":")
-    axes[0][0].legend(fontsize=6, ncol=2)
+    if axes[0][0].lines:
+        axes[0][0].legend(fontsize=6, ncol=2)
+    else:
+        axes[1][0].legend(fontsize=6, ncol=2)
     fig.suptitle(f"corelib cpu backend vs reference\n{description}", fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -2,13 +2,18 @@
 
 What differs from the reference (``corelib.Sampler``), stage by stage:
 
-- rows are processed in blocks of about ``BLOCK_ELEMENTS`` logits (a few MiB), so every
-  stage of a block runs on data still in the cache, and temporaries never reach ``B x V``;
+- rows are processed in blocks of about ``BLOCK_ELEMENTS`` logits (a few MiB) held in a
+  per-thread workspace, so every stage of a block runs on data still in the cache, nothing
+  is allocated per step, and no temporary reaches ``B x V``;
 - steps 3-8 work in place; penalties touch only the tokens a row has seen, from the running
   slots kept by :class:`~corelib_cpu.batch.CpuBatch`;
-- step 12 selects candidates with ``torch.topk`` (k-th value and ties as the reference);
-- step 13 on candidates sums the reference's softmax over the few candidates; on whole rows
-  it finds the threshold by a two-pass histogram select (``select.nucleus_threshold``);
+- step 9 and step 15's top-N use group maxima (``rowops``) instead of torch.argmax/topk;
+- step 12 selects candidates (k-th value and ties as the reference) from group maxima;
+- step 13 on candidates uses the candidates' own softmax when an error bound proves it picks
+  the reference's tokens (else the reference's softmax of the masked row); on whole rows it
+  finds the threshold by a radix select over the probabilities' bits
+  (``select.nucleus_threshold``); masks are applied with copysign/min, never with boolean
+  fills (which run ~40x slower than arithmetic on CPUs);
 - step 14 draws candidate rows with noise for the candidates only (seeded rows with the
   contract's noise, so their tokens are the reference's), and whole unseeded rows with one
   uniform per row through the inverse CDF.
@@ -36,7 +41,6 @@ from .draw import (
     draw_unseeded_candidates,
 )
 from .rowops import count_at_least, first_argmax, top_values
-from .workspace import Workspace
 from .select import (
     SCRATCH,
     kth_largest,
@@ -46,6 +50,7 @@ from .select import (
     top_p_candidates,
     top_p_candidates_fast,
 )
+from .workspace import Workspace
 
 
 class RowSlice:

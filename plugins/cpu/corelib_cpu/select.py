@@ -1,5 +1,6 @@
-"""Steps 12-13 without sorting the vocabulary: top-k by ``torch.topk``, top-p by a histogram
-select over the bits of the probabilities.
+"""Steps 12-13 without sorting the vocabulary: top-k from group maxima (``rowops``), top-p
+on candidates from their own softmax under a proven error bound, and top-p on whole rows by a
+radix select over the bits of the probabilities.
 
 Every function keeps exactly the reference's set (``corelib.Sampler.apply_top_k`` /
 ``apply_top_p``): the same k-th value with ties kept, the same softmax probabilities, the same
@@ -8,23 +9,20 @@ float64 nucleus sums. Shapes: ``n`` rows, ``V`` vocabulary, ``W`` candidate colu
 
 from __future__ import annotations
 
-import sys
-
 import torch
 
 from .rowops import top_values
 
 NEG_INF = float("-inf")
 
-# A positive float32's bit pattern orders like its value, so its top 16 bits (sign, exponent,
-# 7 mantissa bits) name a bucket and its low 16 bits a value within the bucket.
+# A positive float32's bit pattern (read as int32) orders like its value, so its top 16 bits
+# (sign, exponent, 7 mantissa bits) name a bucket, the next 8 a sub-bucket, the last 8 a value.
 _BUCKETS = 1 << 16
 #: Workspace name of the int32 [n, V] scratch buffer (free again once a function returns).
 SCRATCH = "scratch32"
 # Probabilities are at most 1.0 (bits 0x3F800000): buckets past its one stay empty, except
 # for NaN rows, which are then all empty and go to the sort.
 _PROB_BUCKETS = 0x3F80 + 1
-_HIGH, _LOW = (1, 0) if sys.byteorder == "little" else (0, 1)
 # Buckets from here up hold values >= 2**-29: float32 multiples of 2**-52, so float64 sums of
 # them below 2 are exact, in any order (the reference's sequential cumsum included).
 _EXACT_BUCKET = (127 - 29) << 7
