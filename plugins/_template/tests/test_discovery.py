@@ -3,20 +3,16 @@ so, and auto-detection never picks it over the reference backend."""
 
 from __future__ import annotations
 
-from importlib.metadata import entry_points
-
 import torch
 from corelib.registry import Registry
+from corelib.testing import assert_entry_point
 
 from corelib_template import plugin
 from corelib_template.sampler import TemplateSampler
 
 
 def test_entry_point_resolves_to_the_plugin_module():
-    eps = [ep for ep in entry_points(group="corelib.plugins") if ep.name == plugin.BACKEND_NAME]
-    assert len(eps) == 1, f"expected one {plugin.BACKEND_NAME!r} entry point, found {eps}"
-    assert eps[0].load() is plugin
-    assert eps[0].dist.name == f"corelib-{plugin.BACKEND_NAME}"
+    assert_entry_point(plugin.BACKEND_NAME, plugin, f"corelib-{plugin.BACKEND_NAME}")
 
 
 def test_backend_is_available_exactly_when_the_probe_says_so():

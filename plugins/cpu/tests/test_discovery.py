@@ -3,21 +3,17 @@ available exactly when its probe says so, and it builds a CpuSampler by name and
 
 from __future__ import annotations
 
-from importlib.metadata import entry_points
 
 import torch
 from corelib.registry import Registry
+from corelib.testing import assert_entry_point
 
 from corelib_cpu import plugin
 from corelib_cpu.sampler import CpuSampler
 
 
 def test_entry_point_resolves_to_the_plugin_module():
-    eps = [ep for ep in entry_points(group="corelib.plugins") if ep.name == "cpu"]
-    assert len(eps) == 1, f"expected one 'cpu' entry point, found {eps}"
-    assert eps[0].value == "corelib_cpu.plugin"
-    assert eps[0].load() is plugin
-    assert eps[0].dist.name == "corelib-cpu"
+    assert_entry_point("cpu", plugin, "corelib-cpu")
 
 
 def test_backend_is_listed_and_available_exactly_when_the_probe_says_so():

@@ -7,12 +7,12 @@ import os
 import subprocess
 import sys
 import textwrap
-from importlib.metadata import entry_points
 
 import pytest
 import torch
 from corelib import BackendUnavailableError
 from corelib.registry import Registry
+from corelib.testing import assert_entry_point
 
 from corelib_cuda import plugin
 from corelib_cuda.probe import (ENV_FLASHINFER, FLASHINFER_MIN_CAPABILITY, cuda_availability,
@@ -20,11 +20,7 @@ from corelib_cuda.probe import (ENV_FLASHINFER, FLASHINFER_MIN_CAPABILITY, cuda_
 
 
 def test_entry_point_resolves_to_the_plugin_module():
-    eps = [ep for ep in entry_points(group="corelib.plugins") if ep.name == "cuda"]
-    assert len(eps) == 1, f"expected one 'cuda' entry point, found {eps}"
-    assert eps[0].value == "corelib_cuda.plugin"
-    assert eps[0].load() is plugin
-    assert eps[0].dist.name == "corelib-cuda"
+    assert_entry_point("cuda", plugin, "corelib-cuda")
 
 
 def test_backend_is_listed_and_available_exactly_when_the_probe_says_so():

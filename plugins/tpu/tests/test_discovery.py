@@ -6,23 +6,19 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from importlib.metadata import entry_points
 
 import pytest
 
 import corelib
 from corelib.registry import Registry
+from corelib.testing import assert_entry_point
 from corelib_tpu import plugin, probe as probe_module
 
 from tpu_support import XLA, needs_xla
 
 
 def test_entry_point_resolves_to_the_plugin_module():
-    eps = [ep for ep in entry_points(group="corelib.plugins") if ep.name == "tpu"]
-    assert len(eps) == 1, f"expected one 'tpu' entry point, found {eps}"
-    assert eps[0].value == "corelib_tpu.plugin"
-    assert eps[0].load() is plugin
-    assert eps[0].dist.name == "corelib-tpu"
+    assert_entry_point("tpu", plugin, "corelib-tpu")
 
 
 def test_backend_is_listed_exactly_as_the_probe_says():
