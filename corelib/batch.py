@@ -20,8 +20,8 @@ from .params import SamplingParams
 LOGPROBS_MODES = ("raw", "processed")
 _MIN_CAPACITY = 8
 # Rows, children and positions are int32 on the device (and in the seeded-draw recipe).
-MAX_ROWS = 2**31 - 1
 _INT32_MAX = 2**31 - 1
+MAX_ROWS = _INT32_MAX
 
 
 class UnknownRequestError(KeyError, ValueError):
@@ -94,6 +94,7 @@ class StepState:
     any_bad_words: bool = False
     max_top_k: int = 0                 # largest top_k among random rows (0: none uses it)
     any_top_p_without_top_k: bool = False  # a random row with top_p < 1 and top_k off
+    all_random_top_k: bool = False     # there are random rows and every one has a top_k
     num_logprobs: Optional[int] = None  # N = largest `logprobs` asked for, None if none asks
 
 
@@ -375,6 +376,7 @@ class SamplingBatch:
             any_bad_words=any(p.bad_words for p in params),
             max_top_k=max((p.effective_top_k for p in random), default=0),
             any_top_p_without_top_k=any(p.top_p < 1.0 and p.effective_top_k == 0 for p in random),
+            all_random_top_k=bool(random) and all(p.effective_top_k > 0 for p in random),
             num_logprobs=max(logprobs) if logprobs else None,
         )
 

@@ -2,16 +2,16 @@
 
 Sort-free top-k / top-p need a host-side bound on how many candidates a row can keep (the
 shape of ``torch.topk``), and FlashInfer's fast top-k path needs the largest top_k. Reading
-either from the device tensors would wait on the GPU, so they are computed from the requests'
-parameters on the host, once per change of the batch's membership.
+either from the device tensors would wait on the GPU, so they are derived from the core's host
+flags (``StepState.max_top_k``, ``any_top_p_without_top_k``, ``all_random_top_k``), which the
+core recomputes only when requests join or leave.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
-from corelib import SamplingBatch
+from corelib import SamplingBatch, StepState
 
 
 @dataclass(frozen=True)
@@ -28,33 +28,16 @@ class FilterBounds:
     max_top_k: int
     every_row_top_k: bool
 
+    @classmethod
+    def of(cls, s: StepState) -> "FilterBounds":
+        """The bounds of a step state's random rows (host flags only: no device read)."""
+        max_top_k = min(s.max_top_k, s.vocab_size)
+        candidates = s.vocab_size if s.any_top_p_without_top_k else max_top_k
+        return cls(candidates, max_top_k, s.all_random_top_k)
+
 
 class CudaBatch(SamplingBatch):
-    """``SamplingBatch`` with :meth:`filter_bounds` cached until requests join or leave."""
-
-    _bounds: Optional[FilterBounds] = None
+    """``SamplingBatch`` whose :meth:`filter_bounds` the cuda sampler uses to avoid sorting."""
 
     def filter_bounds(self) -> FilterBounds:
-        if self._bounds is None:
-            self._bounds = self._compute_bounds()
-        return self._bounds
-
-    def _compute_bounds(self) -> FilterBounds:
-        V = self.vocab_size
-        params = [self.params_of(rid) for rid in self.request_ids]
-        random = [p for p in params if not p.is_greedy]
-        candidates, max_top_k = 0, 0
-        for p in random:
-            k = min(p.effective_top_k, V)
-            max_top_k = max(max_top_k, k)
-            if k > 0:
-                candidates = max(candidates, k)
-            elif p.top_p < 1.0:
-                candidates = V
-        every_row_top_k = bool(random) and all(p.effective_top_k > 0 for p in random)
-        return FilterBounds(candidates, max_top_k, every_row_top_k)
-
-    def _changed(self) -> None:
-        # The core calls this whenever a request joins or leaves (its own caches reset here).
-        super()._changed()
-        self._bounds = None
+        return FilterBounds.of(self.step_state())

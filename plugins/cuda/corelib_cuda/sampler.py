@@ -216,5 +216,5 @@ def with_bounds(s: StepState, batch: SamplingBatch) -> StepState:
     ``CudaBatch`` gives None, and steps 12-13 then sort)."""
     if isinstance(s, CudaStepState):
         return s
-    bounds = batch.filter_bounds() if isinstance(batch, CudaBatch) else None
+    bounds = FilterBounds.of(s) if isinstance(batch, CudaBatch) else None
     return CudaStepState(**vars(s), bounds=bounds)
