@@ -276,6 +276,25 @@ class SamplingBatch:
         for request_id in list(self._requests):
             self.remove(request_id)
 
+    def swap_rows(self, a: int, b: int) -> None:
+        """Exchange rows ``a`` and ``b`` with all their state, so the batch's rows follow an
+        engine that reorders its own persistent batch (vLLM's ``swap_states``). Both requests
+        keep every counter, seed position and history; only their row numbers change."""
+        n = len(self._row_keys)
+        for name, row in (("a", a), ("b", b)):
+            if isinstance(row, bool) or not isinstance(row, int) or not 0 <= row < n:
+                raise ValueError(f"swap_rows: row {name}={row!r} is not a row of this batch "
+                                 f"(it has {n} rows)")
+        if a == b:
+            return
+        self._move_rows(torch.tensor([a, b], dtype=torch.long), torch.tensor([b, a], dtype=torch.long))
+        for rows in (self._row_keys, self._row_params, self._generated):
+            rows[a], rows[b] = rows[b], rows[a]
+        for row in (a, b):
+            rid, child = self._row_keys[row]
+            self._requests[rid].rows[child] = row
+        self._changed()
+
     # ------------------------------------------------------------------ append
     def append(self, token_ids: torch.Tensor | Sequence[int]) -> None:
         """Record one generated token per row (``[num_rows]`` ints, any device).
@@ -628,6 +647,10 @@ class SamplingBatch:
             t["recent"][sl] = recent.to(dev)
 
     def _move_rows(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy rows ``src`` to rows ``dst`` (int64 host tensors of equal length) in every
+        per-row tensor, as one permutation: every source row is read before any row is written,
+        so ``swap_rows`` passes ``[a, b] -> [b, a]``. Subclasses with state of their own
+        override this (and call it) to move that state too."""
         for tensor in self._tensors.values():
             s, d = src.to(tensor.device), dst.to(tensor.device)
             tensor.index_copy_(0, d, tensor.index_select(0, s))

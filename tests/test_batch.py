@@ -36,6 +36,24 @@ def test_remove_moves_last_rows_into_the_hole_and_keeps_their_state(batch):
     assert batch.step_state(8).temperature[3:].tolist() == [1.0] * 5  # freed rows are neutral
 
 
+def test_swap_rows_moves_every_piece_of_state(batch):
+    batch.add("a", SamplingParams(seed=1, temperature=0.5, frequency_penalty=0.5), [7, 8])
+    batch.add("b", SamplingParams(n=2, seed=2, top_k=4, bad_words=[[3, 4]]), [9])
+    batch.append([1, 3, 5])
+    before = {k: v.clone() for k, v in vars(batch.step_state()).items() if isinstance(v, torch.Tensor)}
+    keys = batch.rows
+    batch.swap_rows(0, 2)
+    assert batch.rows == [keys[2], keys[1], keys[0]]
+    assert batch.rows_of("a") == [2] and batch.rows_of("b") == [1, 0]
+    after = batch.step_state()
+    order = torch.tensor([2, 1, 0])
+    for name in ("temperature", "top_k", "seed_lo", "child", "position", "prompt_mask",
+                 "output_counts", "recent", "bad_prefix"):
+        assert torch.equal(getattr(after, name), before[name][order]), name
+    with pytest.raises(ValueError, match="row b=3"):
+        batch.swap_rows(0, 3)
+
+
 def test_duplicate_and_unknown_request_ids_are_errors(batch):
     batch.add("a", SamplingParams())
     with pytest.raises(ValueError, match="request 'a' is already in the batch"):

@@ -61,20 +61,11 @@ class CpuBatch(SamplingBatch):
 
     def remove(self, request_id: str) -> None:
         uses_penalties = self.params_of(request_id).uses_penalties
-        before = {key: row for row, key in enumerate(self.rows)}
         old_len = self.num_rows
-        # Slots grow only when a penalty row is written; moving rows needs them all.
+        super().remove(request_id)          # moves the slots of the rows it moves
         self._ensure_rows(old_len)
-        super().remove(request_id)
-        after = self.rows
-        moves = [(before[key], row) for row, key in enumerate(after) if before[key] != row]
-        if moves:
-            src = torch.tensor([m[0] for m in moves], dtype=torch.long)
-            dst = torch.tensor([m[1] for m in moves], dtype=torch.long)
-            for t in (self._slot_ids, self._slot_counts, self._slot_len, self._slot_rows):
-                t.index_copy_(0, dst, t.index_select(0, src))
-        self._slot_len[len(after):old_len] = 0
-        self._slot_rows[len(after):old_len] = False
+        self._slot_len[self.num_rows:old_len] = 0
+        self._slot_rows[self.num_rows:old_len] = False
         if uses_penalties:
             self._penalty_requests -= 1
 
@@ -87,6 +78,14 @@ class CpuBatch(SamplingBatch):
         self._count_tokens(ids, n)
 
     # ------------------------------------------------------------------ internals
+    def _move_rows(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """The core's row moves (``remove``, ``swap_rows``), applied to the slots as well."""
+        super()._move_rows(src, dst)
+        # Slots grow only when a penalty row is written; moving rows needs them all.
+        self._ensure_rows(int(torch.cat([src, dst]).max()) + 1)
+        for t in (self._slot_ids, self._slot_counts, self._slot_len, self._slot_rows):
+            t.index_copy_(0, dst, t.index_select(0, src))
+
     def _count_tokens(self, ids: torch.Tensor, n: int) -> None:
         """One generated token per row: bump its slot, or open a slot for a new token."""
         slot_ids, slot_counts, slot_len = self._slot_ids[:n], self._slot_counts[:n], self._slot_len[:n]

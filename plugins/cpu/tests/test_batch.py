@@ -53,6 +53,9 @@ def test_slots_follow_the_dense_state_through_churn():
                 batch.append(torch.randint(0, V, (batch.num_rows,), generator=g))
             batch.add("resumed", SamplingParams(frequency_penalty=1.0), [7] * 5,
                       list(range(200, 300)))
+        if step == 25:
+            batch.swap_rows(0, batch.num_rows - 1)  # an engine reordering its batch
+            assert slot_state(batch) == dense_state(batch)
         if step == 30:
             batch.remove("kids")
     assert slot_state(batch) == dense_state(batch)
