@@ -10,13 +10,18 @@ from .registry import (
     BackendSpec,
     BackendStatus,
     BackendUnavailableError,
+    StageStatus,
     available_backends,
+    available_stages,
     get_sampler,
 )
-from .sampler import Logprobs, Sampler, SamplerOutput
+from .sampler import Logprobs, Sampler, SamplerOutput, VerifyOutput
+from .stages import StageError, StageInputs, StageSpec, StageState
 
 __all__ = [
     "Availability", "BackendSpec", "BackendStatus", "BackendUnavailableError", "Logprobs",
-    "Sampler", "SamplerOutput", "SamplingBatch", "SamplingParams", "StepState",
-    "available_backends", "get_sampler", "hookimpl", "hookspec", "__version__",
+    "Sampler", "SamplerOutput", "SamplingBatch", "SamplingParams", "StageError", "StageInputs",
+    "StageSpec", "StageState", "StageStatus", "StepState", "VerifyOutput",
+    "available_backends", "available_stages", "get_sampler", "hookimpl", "hookspec",
+    "__version__",
 ]

@@ -14,8 +14,11 @@ from typing import Iterable, Optional, Sequence
 
 import torch
 
+from .bitmask import bitmask_width
+from .history import advance_matches, match_lengths, trailing_run
 from .noise import split_seed
 from .params import SamplingParams
+from .stages import StageError, StageInputs, StageSpec, describe_stage
 
 LOGPROBS_MODES = ("raw", "processed")
 _MIN_CAPACITY = 8
@@ -77,6 +80,25 @@ class StepState:
     bad_last: Optional[torch.Tensor] = None        # int64 [B, W], padding 0
     bad_valid: Optional[torch.Tensor] = None       # bool [B, W]
     recent: Optional[torch.Tensor] = None          # int64 [B, P] last P generated, -1 = none
+    # more samplers (stages 8a, 10a, 13a, 13b): per-row scalars, neutral values disable them
+    dry_multiplier: Optional[torch.Tensor] = None  # float32 [B], 0 = off
+    dry_base: Optional[torch.Tensor] = None        # float32 [B]
+    dry_allowed_length: Optional[torch.Tensor] = None  # int32 [B]
+    dry_range: Optional[torch.Tensor] = None       # int32 [B], 0 = whole history
+    top_n_sigma: Optional[torch.Tensor] = None     # float32 [B], 0 = off
+    typical_p: Optional[torch.Tensor] = None       # float32 [B], 1 = off
+    xtc_threshold: Optional[torch.Tensor] = None   # float32 [B]
+    xtc_probability: Optional[torch.Tensor] = None  # float32 [B], 0 = off
+    # DRY's history (corelib.history): present when a row uses DRY
+    dry_length: Optional[torch.Tensor] = None      # int32 [B]: history tokens (prompt + output)
+    dry_since_breaker: Optional[torch.Tensor] = None  # int32 [B]: trailing non-breaker tokens
+    dry_history: Optional[torch.Tensor] = None     # int64 [B, H], -1 past dry_length
+    dry_match: Optional[torch.Tensor] = None       # int32 [B, H]: repeat length before each token
+    dry_breakers: Optional[torch.Tensor] = None    # int64 [B, NB], -1 = none
+    # structured output (part of step 3): the caller's mask for this call
+    token_bitmask: Optional[torch.Tensor] = None   # int32 [B, ceil(V / 32)], -1 = unconstrained
+    # custom stages some row uses: (spec, inputs, plugin name), in registration order
+    stages: tuple = ()
     # host flags
     any_greedy: bool = False
     all_greedy: bool = False
@@ -92,10 +114,19 @@ class StepState:
     any_bias: bool = False
     any_min_tokens: bool = False
     any_bad_words: bool = False
+    any_bitmask: bool = False
+    any_dry: bool = False
+    any_top_n_sigma: bool = False      # random rows only (greedy rows skip 10-13b)
+    any_typical_p: bool = False
+    any_xtc: bool = False
     max_top_k: int = 0                 # largest top_k among random rows (0: none uses it)
     any_top_p_without_top_k: bool = False  # a random row with top_p < 1 and top_k off
     all_random_top_k: bool = False     # there are random rows and every one has a top_k
     num_logprobs: Optional[int] = None  # N = largest `logprobs` asked for, None if none asks
+
+    def stages_at(self, slot: str) -> list[tuple[StageSpec, StageInputs, Optional[str]]]:
+        """The custom stages some row uses at ``slot`` (``corelib.stages.SLOTS``)."""
+        return [entry for entry in self.stages if entry[0].slot == slot]
 
 
 # Per-row scalar tensors: name -> (dtype, neutral value used for padding rows).
@@ -114,6 +145,16 @@ _SCALARS: dict[str, tuple[torch.dtype, float]] = {
     "min_tokens": (torch.int32, 0),
     "seeded": (torch.bool, False),
     "greedy": (torch.bool, False),
+    "dry_multiplier": (torch.float32, 0.0),
+    "dry_base": (torch.float32, 1.75),
+    "dry_allowed_length": (torch.int32, 2),
+    "dry_range": (torch.int32, 0),
+    "top_n_sigma": (torch.float32, 0.0),
+    "typical_p": (torch.float32, 1.0),
+    "xtc_threshold": (torch.float32, 0.1),
+    "xtc_probability": (torch.float32, 0.0),
+    "dry_length": (torch.int32, 0),
+    "dry_since_breaker": (torch.int32, 0),
 }
 
 
@@ -149,6 +190,11 @@ class SamplingBatch:
         self._request_index: Optional[torch.Tensor] = None
         self._flags: Optional[dict] = None
         self._min_rows: Optional[list[int]] = None
+        self._neutral = dict(_OPTIONAL_NEUTRAL)       # grows with custom stages' tensors
+        self._stage_specs: Optional[dict] = None
+        self._used_stages: Optional[list] = None
+        self._stale_generated = False                 # device appends of [rows, K+1] ids
+        self._history_bound = 0                       # upper bound of DRY rows' history length
         self._ensure_capacity(_MIN_CAPACITY)
 
     # ------------------------------------------------------------------ public views
@@ -186,8 +232,19 @@ class SamplingBatch:
         return list(self._lookup(request_id).rows)
 
     def generated_counts(self) -> list[int]:
-        """Tokens generated so far, per row (host mirror of the device positions)."""
+        """Tokens generated so far, per row (host mirror of the device positions; after an
+        ``append`` of ``[rows, K+1]`` ids on an accelerator it is read back from the device,
+        which waits for it)."""
+        self._refresh_generated()
         return list(self._generated)
+
+    def stage_specs(self) -> dict[str, tuple[StageSpec, Optional[str]]]:
+        """Custom stages a request may name in ``stage_args``: name -> (spec, plugin name),
+        from the plugin registry (loaded on first use)."""
+        if self._stage_specs is None:
+            from .registry import default_registry
+            self._stage_specs = default_registry().stages()
+        return self._stage_specs
 
     # ------------------------------------------------------------------ add / remove
     def add(self, request_id: str, params: SamplingParams,
@@ -221,6 +278,7 @@ class SamplingBatch:
                 f"request {request_id!r}: token id {top} in its parameters is out of range "
                 f"for vocab_size={self.vocab_size}"
             )
+        self._stage_arguments(request_id, params)   # unknown stages or bad arguments raise here
 
         first = len(self._row_keys)
         rows = list(range(first, first + params.n))
@@ -229,7 +287,7 @@ class SamplingBatch:
         saved_tensors, saved_capacity = dict(self._tensors), self._capacity
         try:
             self._ensure_capacity(first + params.n)
-            self._allocate_optional_state(params)
+            self._allocate_optional_state(params, prompt, outputs)
             self._write_rows(rows, params, prompt, outputs)
         except BaseException:
             self._tensors, self._capacity = saved_tensors, saved_capacity
@@ -296,36 +354,102 @@ class SamplingBatch:
         self._changed()
 
     # ------------------------------------------------------------------ append
-    def append(self, token_ids: torch.Tensor | Sequence[int]) -> None:
-        """Record one generated token per row (``[num_rows]`` ints, any device).
+    def append(self, token_ids: torch.Tensor | Sequence[int] | Sequence[Sequence[int]]) -> None:
+        """Record the tokens each row generated: ``[num_rows]`` ids (one per row, from
+        ``sample``) or ``[num_rows, K+1]`` (from ``verify``: each row's emitted tokens, then -1
+        padding), any device.
 
-        Updates positions, running output counts and the recent-token window; never reads
-        the history. Ids outside ``[0, vocab_size)`` (such as the -1 of a flagged row) raise
-        when they can be checked without waiting on the device (a list or a CPU tensor);
-        on an accelerator they are counted nowhere and only advance the position.
+        Updates positions, running output counts, the recent-token window, DRY histories and
+        custom stages' state; never reads a history. With one id per row, ids outside
+        ``[0, vocab_size)`` (such as the -1 of a flagged row) raise when they can be checked
+        without waiting on the device (a list or a CPU tensor); on an accelerator they are
+        counted nowhere and only advance the position. If a custom stage's state update fails,
+        ``StageError`` is raised and nothing changes.
         """
         ids = self.check_token_ids(token_ids)
         n = ids.shape[0]
         if n == 0:
             return
         ids = ids.to(self.device, torch.long, non_blocking=True)
-        in_range = (ids >= 0) & (ids < self.vocab_size)
-        safe = torch.where(in_range, ids, torch.zeros_like(ids))
-        t = self._tensors
-        t["position"][:n] += 1
-        if "output_counts" in t:
-            t["output_counts"][:n].scatter_add_(1, safe[:, None], in_range[:, None].to(torch.int32))
-        if "recent" in t and t["recent"].shape[1] > 0:
-            recent = t["recent"][:n]
-            recent.copy_(torch.cat([recent[:, 1:], torch.where(in_range, ids, -1)[:, None]], dim=1))
-        for i in range(n):
-            self._generated[i] += 1
+        if ids.dim() == 1:
+            columns = [(ids, torch.ones_like(ids, dtype=torch.bool))]
+        else:
+            live = torch.cumprod((ids >= 0).to(torch.int32), dim=1).to(torch.bool)
+            columns = [(ids[:, j], live[:, j]) for j in range(ids.shape[1])]
+        self._ensure_history_room(len(columns))
+        t = {name: tensor[:n] for name, tensor in self._tensors.items()}
+        self._advance(t, columns)
+        if ids.dim() == 1:
+            for i in range(n):
+                self._generated[i] += 1
+        elif ids.device.type == "cpu":
+            for i, count in enumerate(live.sum(dim=1).tolist()):
+                self._generated[i] += count
+        else:
+            self._stale_generated = True     # counting would wait on the device
 
-    def check_token_ids(self, token_ids: torch.Tensor | Sequence[int]) -> torch.Tensor:
-        """``append``'s argument checks: one integer id per row; ids outside
-        ``[0, vocab_size)`` raise when the ids are on the host (a list or a CPU tensor), since
-        checking device ids would wait on the device. Returns them as a tensor (not copied to
-        the batch's device)."""
+    def _advance(self, t: dict[str, torch.Tensor],
+                 columns: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Advance row state ``t`` (name -> tensor ``[n, ...]``, updated in place) by one token
+        per column: ``columns`` holds (int64 ids ``[n]``, bool advance ``[n]``) pairs, applied in
+        order. A row advances its position where ``advance`` holds; in-range ids are counted,
+        enter the recent window and the DRY history, and update custom stages' state. Custom
+        stages run first, on new tensors, so a failing one leaves ``t`` unchanged."""
+        staged = self._advanced_stage_state(t, columns)
+        for ids, advance in columns:
+            self._advance_builtin(t, ids, advance)
+        for name, value in staged.items():
+            t[name].copy_(value)
+
+    def _advance_builtin(self, t: dict[str, torch.Tensor], ids: torch.Tensor,
+                         advance: torch.Tensor) -> None:
+        in_range = (ids >= 0) & (ids < self.vocab_size)
+        counted = in_range & advance
+        safe = torch.where(in_range, ids, torch.zeros_like(ids))
+        t["position"] += advance.to(torch.int32)
+        if "output_counts" in t:
+            t["output_counts"].scatter_add_(1, safe[:, None], counted[:, None].to(torch.int32))
+        if "recent" in t and t["recent"].shape[1] > 0:
+            recent = t["recent"]
+            shifted = torch.cat([recent[:, 1:], torch.where(in_range, ids, -1)[:, None]], dim=1)
+            recent.copy_(torch.where(advance[:, None], shifted, recent))
+        if "dry_history" in t:
+            live = counted & (t["dry_multiplier"] > 0)
+            updated = advance_matches(t["dry_history"], t["dry_match"], t["dry_length"],
+                                      t["dry_since_breaker"], t["dry_breakers"], safe, live)
+            for name, value in zip(("dry_history", "dry_match", "dry_length", "dry_since_breaker"), updated):
+                t[name].copy_(value)
+
+    def _advanced_stage_state(self, t: dict[str, torch.Tensor],
+                              columns: list[tuple[torch.Tensor, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        """Custom stages' state after ``columns`` (see ``_advance``), as new tensors."""
+        staged: dict[str, torch.Tensor] = {}
+        for spec, plugin in self._stages_in_use():
+            active = t[_stage_key(spec.name, "active")]
+            for state in spec.state:
+                key = _stage_key(spec.name, "state", state.name)
+                value = t[key]
+                for ids, advance in columns:
+                    live = advance & active & (ids >= 0) & (ids < self.vocab_size)
+                    safe = torch.where(live, ids, torch.zeros_like(ids))
+                    try:
+                        new = state.update(value, safe, live)
+                    except Exception as exc:
+                        raise StageError(f"{describe_stage(spec, plugin)}: state {state.name!r} "
+                                         f"update failed: {type(exc).__name__}: {exc}") from exc
+                    if not isinstance(new, torch.Tensor) or new.shape != value.shape:
+                        raise StageError(f"{describe_stage(spec, plugin)}: state {state.name!r} "
+                                         f"update returned the wrong shape")
+                    value = torch.where(live.view(-1, *([1] * (value.dim() - 1))), new.to(value.dtype), value)
+                staged[key] = value
+        return staged
+
+    def check_token_ids(self, token_ids) -> torch.Tensor:
+        """``append``'s argument checks: one integer id per row (``[rows]``), or each row's
+        emitted tokens (``[rows, K+1]``, -1 padding after them); ids outside
+        ``[0, vocab_size)`` (other than that padding) raise when the ids are on the host (a list
+        or a CPU tensor), since checking device ids would wait on the device. Returns them as a
+        tensor (not copied to the batch's device)."""
         n = len(self._row_keys)
         try:
             ids = torch.as_tensor(token_ids)
@@ -333,12 +457,17 @@ class SamplingBatch:
             kind = ValueError if isinstance(exc, ValueError) else TypeError
             raise kind(f"append needs one integer token id per row, got "
                        f"{type(token_ids).__name__}: {exc}") from None
-        if ids.dim() != 1 or ids.shape[0] != n:
+        if ids.dim() not in (1, 2) or ids.shape[0] != n:
             raise ValueError(
-                f"append needs one token id per row: expected shape [{n}], got {list(ids.shape)}"
+                f"append needs one token id per row: expected shape [{n}] (or [{n}, K+1] "
+                f"from verify), got {list(ids.shape)}"
             )
         if ids.dtype.is_floating_point or ids.dtype == torch.bool or ids.is_complex():
             raise TypeError(f"append needs integer token ids, got dtype {ids.dtype}")
+        if ids.dim() == 2:
+            if n and ids.device.type == "cpu":
+                self._check_emitted(ids)
+            return ids
         if n and ids.device.type == "cpu":
             bad = ((ids < 0) | (ids >= self.vocab_size)).nonzero()
             if bad.numel():
@@ -348,6 +477,28 @@ class SamplingBatch:
                     f"{self._row_keys[row][0]!r}) is out of range for vocab_size={self.vocab_size}"
                 )
         return ids
+
+    def _check_emitted(self, ids: torch.Tensor) -> None:
+        """Host ``[rows, K+1]`` ids: in range, with -1 only as trailing padding."""
+        bad = ((ids < -1) | (ids >= self.vocab_size)).nonzero()
+        if bad.numel():
+            row, col = bad[0].tolist()
+            raise ValueError(
+                f"append: token id {int(ids[row, col])} at row {row}, slot {col} (request "
+                f"{self._row_keys[row][0]!r}) is out of range for vocab_size={self.vocab_size}")
+        pad = ids < 0
+        gap = (pad[:, :-1] & ~pad[:, 1:]).nonzero()
+        if gap.numel():
+            row = int(gap[0, 0])
+            raise ValueError(
+                f"append: row {row} (request {self._row_keys[row][0]!r}) has a token after -1 "
+                f"padding: {ids[row].tolist()}; -1 may only pad the end of a row")
+
+    def _refresh_generated(self) -> None:
+        if self._stale_generated:
+            position = self._tensors["position"][: len(self._row_keys)].tolist()
+            self._generated = [int(p) for p in position]
+            self._stale_generated = False
 
     # ------------------------------------------------------------------ step state
     def step_state(self, num_rows: Optional[int] = None) -> StepState:
@@ -359,20 +510,86 @@ class SamplingBatch:
         n = len(self._row_keys) if num_rows is None else num_rows
         if n > self._capacity:
             self._ensure_capacity(n)
-        t = {name: tensor[:n] for name, tensor in self._tensors.items() if name in _STATE_FIELDS}
+        t = {name: tensor[:n] for name, tensor in self._tensors.items()}
+        return self._state_of(t, n)
+
+    def speculative_state(self, draft_token_ids: torch.Tensor) -> StepState:
+        """The step state of ``verify``: ``rows * (K + 1)`` virtual rows, row ``r``'s slot ``j``
+        at ``r * (K + 1) + j``, each with the row's state as if its first ``j`` drafts had been
+        appended (position, penalty counts, recent window for bad words and min_tokens, DRY
+        history, custom stages' state).
+
+        draft_token_ids: int64 ``[rows, K]`` on the batch's device, -1 = no draft (a suffix).
+        The batch itself is not changed. Costs ``K + 1`` copies of the per-row state."""
+        n = len(self._row_keys)
+        K = draft_token_ids.shape[1]
+        S = K + 1
+        t = {name: tensor[:n].repeat_interleave(S, dim=0) for name, tensor in self._tensors.items()}
+        if "dry_history" in t and K:
+            t["dry_history"] = _pad_columns(t["dry_history"], K, -1)
+            t["dry_match"] = _pad_columns(t["dry_match"], K, 0)
+        slot = torch.arange(S, device=self.device).repeat(n)                       # (n*S,)
+        drafts = draft_token_ids.to(self.device, torch.long).repeat_interleave(S, dim=0)
+        columns = [(drafts[:, j], (slot > j) & (drafts[:, j] >= 0)) for j in range(K)]
+        self._advance(t, columns)
+        return self._state_of(t, n * S)
+
+    def _state_of(self, t: dict[str, torch.Tensor], num_rows: int) -> StepState:
+        """A StepState over the row tensors ``t`` (the batch's rows, or expanded copies)."""
         if self._flags is None:
             self._flags = self._compute_flags()
-        min_tokens_pending = any(
-            self._generated[row] < self._row_params[row].min_tokens for row in self._min_token_rows()
-        )
+        if self._stale_generated:   # positions only grow: a request that was pending may not be
+            min_tokens_pending = bool(self._min_token_rows())
+        else:
+            min_tokens_pending = any(
+                self._generated[row] < self._row_params[row].min_tokens for row in self._min_token_rows()
+            )
+        fields = {name: tensor for name, tensor in t.items() if name in _STATE_FIELDS}
         return StepState(
-            num_rows=n,
+            num_rows=num_rows,
             vocab_size=self.vocab_size,
             logprobs_mode=self.logprobs_mode,
             any_min_tokens=min_tokens_pending,
+            stages=self._stage_inputs(t),
             **self._flags,
-            **t,
+            **fields,
         )
+
+    def _stage_inputs(self, t: dict[str, torch.Tensor]) -> tuple:
+        entries = []
+        for spec, plugin in self._stages_in_use():
+            args = {field: t[_stage_key(spec.name, "arg", field)] for field in spec.arg_fields()}
+            state = {st.name: t[_stage_key(spec.name, "state", st.name)] for st in spec.state}
+            inputs = StageInputs(t[_stage_key(spec.name, "active")], args, state, t["position"])
+            entries.append((spec, inputs, plugin))
+        return tuple(entries)
+
+    def _stages_in_use(self) -> list[tuple[StageSpec, Optional[str]]]:
+        """Custom stages some live request uses, in registration order (cached)."""
+        if self._used_stages is None:
+            named = {name for p in self._row_params for name in p.stage_args}
+            specs = self._stage_specs or {}
+            self._used_stages = [specs[name] for name in specs if name in named]
+        return self._used_stages
+
+    def _stage_arguments(self, request_id: str, params: SamplingParams) -> dict:
+        """``params.stage_args`` checked against the stages' models: name -> (spec, validated
+        arguments). Raises ValueError naming the request and the stage."""
+        if not params.stage_args:
+            return {}
+        specs = self.stage_specs()
+        checked = {}
+        for name, raw in params.stage_args.items():
+            if name not in specs:
+                known = ", ".join(sorted(specs)) or "none"
+                raise ValueError(f"request {request_id!r}: stage_args names unknown stage {name!r} "
+                                 f"(known stages: {known})")
+            spec, _ = specs[name]
+            try:
+                checked[name] = (spec, spec.args.model_validate(raw))
+            except ValueError as exc:
+                raise ValueError(f"request {request_id!r}: stage_args[{name!r}] is invalid: {exc}") from exc
+        return checked
 
     def _compute_flags(self) -> dict:
         """Host flags that change only when requests join or leave."""
@@ -393,6 +610,10 @@ class SamplingBatch:
             any_allowed=any(p.allowed_token_ids is not None for p in params),
             any_bias=any(p.logit_bias for p in params),
             any_bad_words=any(p.bad_words for p in params),
+            any_dry=any(p.uses_dry for p in params),
+            any_top_n_sigma=any(p.top_n_sigma > 0.0 for p in random),
+            any_typical_p=any(p.typical_p < 1.0 for p in random),
+            any_xtc=any(p.uses_xtc for p in random),
             max_top_k=max((p.effective_top_k for p in random), default=0),
             any_top_p_without_top_k=any(p.top_p < 1.0 and p.effective_top_k == 0 for p in random),
             all_random_top_k=bool(random) and all(p.effective_top_k > 0 for p in random),
@@ -431,11 +652,35 @@ class SamplingBatch:
                 f"logits are on {logits.device} but this batch lives on {self.device}"
             )
 
+    def check_token_bitmask(self, token_bitmask: torch.Tensor, slots: Optional[int] = None) -> torch.Tensor:
+        """A caller's token bitmask checked and on the batch's device: int32
+        ``[rows, ceil(V / 32)]`` (or ``[rows, slots, ceil(V / 32)]`` for ``verify``), on the host
+        or this device; returned as ``[rows * slots, ceil(V / 32)]``. The copy does not block.
+        Another dtype (a float or bool tensor included), shape, row count or device raises
+        ValueError naming it."""
+        if not isinstance(token_bitmask, torch.Tensor):
+            raise TypeError(f"token_bitmask must be an int32 torch.Tensor, got {type(token_bitmask).__name__}")
+        rows, width = self.num_rows, bitmask_width(self.vocab_size)
+        expected = [rows, width] if slots is None else [rows, slots, width]
+        if token_bitmask.dtype != torch.int32:
+            raise ValueError(f"token_bitmask must be int32 (packed bits, as xgrammar and llguidance "
+                             f"fill it), got dtype {token_bitmask.dtype}")
+        if list(token_bitmask.shape) != expected:
+            what = ("one row of ceil(V / 32) words per batch row" if slots is None else
+                    "one row of ceil(V / 32) words per batch row and slot")
+            raise ValueError(f"token_bitmask must be {expected} ({what}; vocab_size="
+                             f"{self.vocab_size}, {rows} rows), got {list(token_bitmask.shape)}")
+        if token_bitmask.device.type not in ("cpu", self.device.type):
+            raise ValueError(f"token_bitmask is on {token_bitmask.device}; pass it on the host or "
+                             f"on the batch's device {self.device}")
+        return token_bitmask.reshape(-1, width).to(self.device, non_blocking=True)
+
     # ------------------------------------------------------------------ internals
     def _changed(self) -> None:
         self._request_index = None
         self._flags = None
         self._min_rows = None
+        self._used_stages = None
 
     def _lookup(self, request_id: str) -> _Request:
         try:
@@ -485,7 +730,7 @@ class SamplingBatch:
             if name in _SCALARS:
                 continue
             self._grow(name, capacity, lambda c, t=tensor: torch.full(
-                (c, *t.shape[1:]), _OPTIONAL_NEUTRAL[name], dtype=t.dtype, device=self.device))
+                (c, *t.shape[1:]), self._neutral[name], dtype=t.dtype, device=self.device))
         self._capacity = capacity
 
     def _grow(self, name, capacity, make):
@@ -496,7 +741,7 @@ class SamplingBatch:
         self._tensors[name] = fresh
 
     def _new_optional(self, name: str, width: int, dtype: torch.dtype, *extra: int) -> torch.Tensor:
-        tensor = torch.full((self._capacity, width, *extra), _OPTIONAL_NEUTRAL[name],
+        tensor = torch.full((self._capacity, width, *extra), self._neutral[name],
                             dtype=dtype, device=self.device)
         self._tensors[name] = tensor
         return tensor
@@ -508,7 +753,7 @@ class SamplingBatch:
             return
         shape = list(old.shape)
         shape[dim] = max(width, 2 * old.shape[dim])
-        fresh = torch.full(shape, _OPTIONAL_NEUTRAL[name], dtype=old.dtype, device=self.device)
+        fresh = torch.full(shape, self._neutral[name], dtype=old.dtype, device=self.device)
         # Only the token-position dimension (the last) is right-aligned; widening bad_prefix
         # along its word dimension must keep each word in the slot bad_last/bad_valid use.
         if name in _RIGHT_ALIGNED and dim == old.dim() - 1:
@@ -517,9 +762,22 @@ class SamplingBatch:
             fresh.narrow(dim, 0, old.shape[dim]).copy_(old)
         self._tensors[name] = fresh
 
-    def _allocate_optional_state(self, params: SamplingParams) -> None:
+    def _allocate_optional_state(self, params: SamplingParams, prompt: list[int],
+                                 outputs: list[list[int]]) -> None:
         """Create (or widen) the optional tensors this request needs."""
         V, t = self.vocab_size, self._tensors
+        if params.uses_dry:
+            longest = len(prompt) + max(len(out) for out in outputs)
+            self._history_bound = max(self._history_bound, longest)
+            breakers = max(len(params.dry_sequence_breakers), 1)
+            if "dry_history" not in t:
+                self._new_optional("dry_history", _MIN_HISTORY, torch.long)
+                self._new_optional("dry_match", _MIN_HISTORY, torch.int32)
+                self._new_optional("dry_breakers", breakers, torch.long)
+            self._widen("dry_breakers", breakers)
+            self._ensure_history_room(1)
+        for name, (spec, args) in self._stage_arguments("", params).items():
+            self._allocate_stage(spec)
         if params.uses_penalties and "output_counts" not in t:
             self._new_optional("prompt_mask", V, torch.bool)
             # Rows added before this point start counting now: they do not use penalties
@@ -559,6 +817,28 @@ class SamplingBatch:
                 # Older rows' words are shorter than the old window: their prefixes are
                 # padded with wildcards on the left, so the new empty slots are never read.
                 self._widen("recent", prefix)
+
+    def _allocate_stage(self, spec: StageSpec) -> None:
+        key = _stage_key(spec.name, "active")
+        if key in self._tensors:
+            return
+        tensors = {key: (torch.bool, False, ())}
+        for field, (dtype, default) in spec.arg_fields().items():
+            tensors[_stage_key(spec.name, "arg", field)] = (dtype, default, ())
+        for state in spec.state:
+            tensors[_stage_key(spec.name, "state", state.name)] = (state.dtype, 0, tuple(state.shape(self.vocab_size)))
+        for name, (dtype, neutral, shape) in tensors.items():
+            self._neutral[name] = neutral
+            self._tensors[name] = torch.full((self._capacity, *shape), neutral, dtype=dtype, device=self.device)
+
+    def _ensure_history_room(self, tokens: int) -> None:
+        """Widen the DRY history so every row can take ``tokens`` more (host bound, no sync)."""
+        if "dry_history" not in self._tensors:
+            return
+        self._history_bound += tokens
+        if self._history_bound > self._tensors["dry_history"].shape[1]:
+            self._widen("dry_history", self._history_bound)
+            self._widen("dry_match", self._history_bound)
 
     def _eos_set(self) -> set[int]:
         return set() if self.eos_token_id is None else {self.eos_token_id}
@@ -645,6 +925,55 @@ class SamplingBatch:
                 if tail:
                     recent[c, recent.shape[1] - len(tail):] = torch.tensor(tail, dtype=torch.long)
             t["recent"][sl] = recent.to(dev)
+        if "dry_history" in t:
+            self._write_history(sl, params, prompt, outputs)
+        for name, (spec, args) in self._stage_arguments("", params).items():
+            self._write_stage(sl, spec, args, prompt, outputs)
+
+    def _write_history(self, sl: slice, params: SamplingParams, prompt: list[int],
+                       outputs: list[list[int]]) -> None:
+        """DRY's history, repeat lengths and breakers for the rows ``sl`` (one per child)."""
+        t, n = self._tensors, len(outputs)
+        width, nb = t["dry_history"].shape[1], t["dry_breakers"].shape[1]
+        history = torch.full((n, width), -1, dtype=torch.long)
+        match = torch.zeros((n, width), dtype=torch.int32)
+        length = torch.zeros(n, dtype=torch.int32)
+        since = torch.zeros(n, dtype=torch.int32)
+        breakers = torch.full((nb,), -1, dtype=torch.long)
+        if params.uses_dry:
+            stops = params.dry_sequence_breakers
+            breakers[: len(stops)] = torch.tensor(stops, dtype=torch.long)
+            for c, out in enumerate(outputs):
+                h = prompt + out
+                if h:
+                    history[c, : len(h)] = torch.tensor(h, dtype=torch.long)
+                    match[c, : len(h)] = torch.tensor(match_lengths(h), dtype=torch.int32)
+                length[c], since[c] = len(h), trailing_run(h, stops)
+        t["dry_history"][sl] = history.to(self.device)
+        t["dry_match"][sl] = match.to(self.device)
+        t["dry_length"][sl] = length.to(self.device)
+        t["dry_since_breaker"][sl] = since.to(self.device)
+        t["dry_breakers"][sl] = breakers.to(self.device)
+
+    def _write_stage(self, sl: slice, spec: StageSpec, args, prompt: list[int],
+                     outputs: list[list[int]]) -> None:
+        """A custom stage's switch, arguments and initial state for the rows ``sl``."""
+        t = self._tensors
+        t[_stage_key(spec.name, "active")][sl] = True
+        for field in spec.arg_fields():
+            t[_stage_key(spec.name, "arg", field)][sl] = getattr(args, field)
+        for state in spec.state:
+            key = _stage_key(spec.name, "state", state.name)
+            for c, out in enumerate(outputs):
+                try:
+                    value = torch.as_tensor(state.init(list(prompt), list(out), args, self.vocab_size))
+                except Exception as exc:
+                    raise StageError(f"{describe_stage(spec)}: state {state.name!r} init failed: "
+                                     f"{type(exc).__name__}: {exc}") from exc
+                if tuple(value.shape) != tuple(t[key].shape[1:]):
+                    raise StageError(f"{describe_stage(spec)}: state {state.name!r} init returned "
+                                     f"shape {list(value.shape)}, expected {list(t[key].shape[1:])}")
+                t[key][sl.start + c] = value.to(self.device, t[key].dtype)
 
     def _move_rows(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Copy rows ``src`` to rows ``dst`` (int64 host tensors of equal length) in every
@@ -660,7 +989,7 @@ class SamplingBatch:
             return
         sl = slice(rows[0], rows[-1] + 1)
         for name, tensor in self._tensors.items():
-            neutral = _SCALARS[name][1] if name in _SCALARS else _OPTIONAL_NEUTRAL[name]
+            neutral = _SCALARS[name][1] if name in _SCALARS else self._neutral[name]
             tensor[sl] = neutral
 
     def request_index(self, num_rows: Optional[int] = None) -> torch.Tensor:
@@ -690,6 +1019,20 @@ _OPTIONAL_NEUTRAL = {
     "bad_last": 0,
     "bad_valid": False,
     "recent": -1,
+    "dry_history": -1,
+    "dry_match": 0,
+    "dry_breakers": -1,
 }
 _RIGHT_ALIGNED = {"bad_prefix", "recent"}
+_MIN_HISTORY = 64
+
+
+def _stage_key(stage: str, kind: str, name: str = "") -> str:
+    """Name of a custom stage's tensor in the batch: its switch, an argument or a state."""
+    return f"stage:{stage}:{kind}" + (f":{name}" if name else "")
+
+
+def _pad_columns(x: torch.Tensor, extra: int, value) -> torch.Tensor:
+    """x ``[n, C]`` with ``extra`` more columns of ``value`` on the right (new tensor)."""
+    return torch.cat([x, torch.full((x.shape[0], extra), value, dtype=x.dtype, device=x.device)], dim=1)
 _STATE_FIELDS = set(_SCALARS) | set(_OPTIONAL_NEUTRAL)

@@ -67,10 +67,12 @@ def cmd_info(args) -> int:
         selected_name = selected.name
     except (BackendUnavailableError, ValueError) as exc:
         selected_name, error = None, str(exc)
+    stages = registry.stage_statuses()
     if args.json:
         rows = [{**s.as_dict(), "selected": s.name == selected_name} for s in statuses]
         print(json.dumps({"corelib": __version__, "torch": torch.__version__,
-                          "selected": selected_name, "backends": rows}, indent=2))
+                          "selected": selected_name, "backends": rows,
+                          "stages": [s.as_dict() for s in stages]}, indent=2))
         return 0
     head = ["backend", "plugin", "distribution", "priority", "available", "auto-selected", "details"]
     body = []
@@ -80,15 +82,26 @@ def cmd_info(args) -> int:
         body.append([s.name, s.plugin, dist, "-" if s.priority is None else str(s.priority),
                      "yes" if s.available else "no", "<- selected" if s.name == selected_name else "",
                      details])
-    widths = [max(len(h), *(len(r[i]) for r in body)) for i, h in enumerate(head[:-1])]
-    print("  ".join(h.ljust(w) for h, w in zip(head, widths)) + "  " + head[-1])
-    for row in body:
-        print("  ".join(c.ljust(w) for c, w in zip(row, widths)) + "  " + row[-1])
+    _print_table(head, body)
     if selected_name is None:
         print(f"\nno backend is available: {error}")
     else:
         print(f"\ncorelib.get_sampler() -> {selected_name!r}")
+    if stages:
+        print()
+        _print_table(["stage", "plugin", "distribution", "slot", "usable", "details"],
+                     [[s.name, s.plugin, f"{s.distribution or '?'} {s.version or ''}".strip(),
+                       s.slot or "-", "yes" if s.available else "no", s.reason or s.description]
+                      for s in stages])
     return 0
+
+
+def _print_table(head: list[str], body: list[list[str]]) -> None:
+    """Columns padded to their widest cell; the last column is left ragged."""
+    widths = [max(len(h), *(len(r[i]) for r in body)) for i, h in enumerate(head[:-1])]
+    print("  ".join(h.ljust(w) for h, w in zip(head, widths)) + "  " + head[-1])
+    for row in body:
+        print("  ".join(c.ljust(w) for c, w in zip(row, widths)) + "  " + row[-1])
 
 
 def cmd_bench(args) -> int:

@@ -26,3 +26,16 @@ def corelib_backends():
 
     :return: a list of :class:`corelib.BackendSpec` (or a single one).
     """
+
+
+@hookspec
+def corelib_stages():
+    """Describe the custom stages this plugin provides (optional: a plugin may provide backends,
+    stages or both).
+
+    Called once per plugin when the registry first lists stages (the first ``batch.add`` that
+    names a stage in ``SamplingParams.stage_args``, or ``corelib info``). Must be cheap: return
+    descriptions only.
+
+    :return: a list of :class:`corelib.StageSpec` (or a single one).
+    """

@@ -79,3 +79,16 @@ def gumbel_from_uniform(u: torch.Tensor) -> torch.Tensor:
 def seeded_gumbel(keys: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
     """Gumbel noise of the seeded draw for (row key, token id) pairs; shapes as uniform_noise."""
     return gumbel_from_uniform(uniform_noise(keys, token_ids))
+
+
+# Salts of the row-uniform streams (fractional digits of e and of sqrt(2), as signed int32):
+# each stream gives one uniform per (seed, child, position), independent of the draw's noise.
+STREAM_ACCEPT = 0xB7E15162 - (1 << 32)   # speculative verification: the ratio test's uniform
+STREAM_XTC = 0x6A09E667                  # stage 13b: XTC's coin
+
+
+def stream_uniform(keys: torch.Tensor, stream: int) -> torch.Tensor:
+    """One uniform in (0, 1) per row key on a stream of its own: ``uniform_noise`` of
+    ``mix32(key ^ stream)`` at token 0. keys int32 ``[B]`` (``row_keys``); returns float32
+    ``[B]``. Not in place."""
+    return uniform_noise(mix32(keys ^ stream), torch.zeros_like(keys))

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Optional
+from typing import Annotated, Any, Optional
 
 from pydantic import (
     BaseModel,
@@ -35,7 +35,20 @@ _RANGES = {
     "min_tokens": (lambda v: v >= 0, "must be >= 0"),
     "seed": (lambda v: 0 <= v < MAX_SEED, "must be in [0, 2**63)"),
     "logprobs": (lambda v: 0 <= v <= MAX_LOGPROBS, f"must be in [0, {MAX_LOGPROBS}]"),
+    "dry_multiplier": (lambda v: 0.0 <= v <= 100.0, "must be in [0, 100]"),
+    "dry_base": (lambda v: 1.0 < v <= 10.0, "must be in (1, 10]"),
+    "dry_allowed_length": (lambda v: v >= 1, "must be >= 1"),
+    "dry_range": (lambda v: v >= 0, "must be >= 0 (0 = the whole history)"),
+    "top_n_sigma": (lambda v: v >= 0.0, "must be >= 0 (0 disables it)"),
+    "typical_p": (lambda v: 0.0 < v <= 1.0, "must be in (0, 1]"),
+    "xtc_threshold": (lambda v: 0.0 <= v <= 1.0, "must be in [0, 1]"),
+    "xtc_probability": (lambda v: 0.0 <= v <= 1.0, "must be in [0, 1]"),
 }
+_FLOAT_FIELDS = (
+    "temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
+    "repetition_penalty", "dry_multiplier", "dry_base", "top_n_sigma", "typical_p",
+    "xtc_threshold", "xtc_probability",
+)
 
 
 def _ensure_not_bool(value, field):
@@ -71,11 +84,20 @@ class SamplingParams(BaseModel):
     bad_words: list[list[TokenId]] = Field(default_factory=list)
     seed: Optional[StrictInt] = None
     logprobs: Optional[StrictInt] = None
+    # More samplers (contract stages 8a, 10a, 13a, 13b); every default disables its stage.
+    dry_multiplier: Float = 0.0
+    dry_base: Float = 1.75
+    dry_allowed_length: StrictInt = 2
+    dry_range: StrictInt = 0
+    dry_sequence_breakers: list[TokenId] = Field(default_factory=list)
+    top_n_sigma: Float = 0.0
+    typical_p: Float = 1.0
+    xtc_threshold: Float = 0.1
+    xtc_probability: Float = 0.0
+    # Custom stages from plugins: stage name -> its arguments (checked at ``batch.add``).
+    stage_args: dict[str, dict[str, Any]] = Field(default_factory=dict)
 
-    @field_validator(
-        "temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
-        "repetition_penalty", mode="before",
-    )
+    @field_validator(*_FLOAT_FIELDS, mode="before")
     @classmethod
     def _floats_reject_bools(cls, value, info):
         _ensure_not_bool(value, info.field_name)
@@ -109,6 +131,18 @@ class SamplingParams(BaseModel):
             if not -100.0 <= bias <= 100.0:
                 raise ValueError(f"logit_bias[{token}] must be in [-100, 100], got {bias}")
         return v
+
+    @field_validator("stage_args", mode="before")
+    @classmethod
+    def _check_stage_names(cls, value):
+        if isinstance(value, dict):
+            for name, args in value.items():
+                if not isinstance(name, str) or not name:
+                    raise ValueError(f"stage_args keys must be stage names (non-empty str), got {name!r}")
+                if not isinstance(args, dict):
+                    raise ValueError(f"stage_args[{name!r}] must be a dict of the stage's "
+                                     f"arguments, got {type(args).__name__}")
+        return value
 
     @field_validator("allowed_token_ids")
     @classmethod
@@ -145,6 +179,14 @@ class SamplingParams(BaseModel):
         return max(self.top_k, 0)
 
     @property
+    def uses_dry(self) -> bool:
+        return self.dry_multiplier > 0.0
+
+    @property
+    def uses_xtc(self) -> bool:
+        return self.xtc_probability > 0.0
+
+    @property
     def uses_penalties(self) -> bool:
         return (
             self.repetition_penalty != 1.0
@@ -155,5 +197,5 @@ class SamplingParams(BaseModel):
     def max_token_id(self) -> Optional[int]:
         """The largest token id named anywhere in the parameters, or None."""
         ids = list(self.logit_bias) + list(self.stop_token_ids) + list(self.allowed_token_ids or [])
-        ids += [t for word in self.bad_words for t in word]
+        ids += [t for word in self.bad_words for t in word] + list(self.dry_sequence_breakers)
         return max(ids) if ids else None

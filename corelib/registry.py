@@ -13,6 +13,7 @@ import torch
 
 from . import hookspecs
 from .sampler import Sampler
+from .stages import StageSpec, check_stage_spec
 
 ENV_DEVICE = "CORELIB_DEVICE"
 ENV_PLUGINS = "CORELIB_PLUGINS"
@@ -71,6 +72,30 @@ class BackendStatus:
         }
 
 
+@dataclass
+class StageStatus:
+    """One line of ``available_stages()``: a custom stage (or a plugin whose stages could not
+    be read), the plugin and distribution providing it, and whether requests may use it."""
+
+    name: str
+    plugin: str
+    distribution: Optional[str]
+    version: Optional[str]
+    slot: Optional[str]
+    available: bool
+    reason: str = ""
+    description: str = ""
+    error: Optional[BaseException] = field(default=None, repr=False)
+    spec: Optional[StageSpec] = field(default=None, repr=False)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name, "plugin": self.plugin, "distribution": self.distribution,
+            "version": self.version, "slot": self.slot, "available": self.available,
+            "reason": self.reason, "description": self.description,
+        }
+
+
 class BackendUnavailableError(RuntimeError):
     """A backend was asked for by name but cannot run here; ``reason`` says why."""
 
@@ -93,6 +118,7 @@ class Registry:
         self._allow = allow
         self._plugins: dict[str, _PluginRecord] = {}
         self._statuses: Optional[list[BackendStatus]] = None
+        self._stage_statuses: Optional[list[StageStatus]] = None
         self._lock = threading.Lock()
         from . import builtin
         self.register(builtin, name="reference", distribution="corelib")
@@ -106,6 +132,7 @@ class Registry:
         self.pm.register(plugin, name=name)
         self._plugins[name] = _PluginRecord(name, distribution, version)
         self._statuses = None
+        self._stage_statuses = None
 
     def unregister(self, name: str) -> None:
         plugin = self.pm.get_plugin(name)
@@ -113,6 +140,7 @@ class Registry:
             self.pm.unregister(plugin, name=name)
         self._plugins.pop(name, None)
         self._statuses = None
+        self._stage_statuses = None
 
     def _load_plugins(self) -> None:
         if not self._load_entry_points:
@@ -166,6 +194,50 @@ class Registry:
             for spec in specs:
                 statuses.append(self._probe(record, spec))
         return _mark_conflicts(statuses)
+
+    def stage_statuses(self, refresh: bool = False) -> list[StageStatus]:
+        """Every custom stage the plugins describe (and every plugin whose stages could not be
+        read: a failed import, a failing hook, a malformed description), cached."""
+        with self._lock:
+            if self._stage_statuses is None or refresh:
+                self._load_plugins()
+                self._stage_statuses = self._describe_stages()
+            return list(self._stage_statuses)
+
+    def stages(self) -> dict[str, tuple[StageSpec, str]]:
+        """The usable custom stages: name -> (spec, plugin name), in discovery order."""
+        return {s.name: (s.spec, s.plugin) for s in self.stage_statuses() if s.available}
+
+    def _describe_stages(self) -> list[StageStatus]:
+        statuses: list[StageStatus] = []
+        for record in self._plugins.values():
+            if record.error is not None:
+                statuses.append(_broken_stage(record, f"plugin failed to import: {_describe_error(record.error)}",
+                                              record.error))
+        for impl in self.pm.hook.corelib_stages.get_hookimpls():
+            record = self._plugins.get(impl.plugin_name, _PluginRecord(impl.plugin_name))
+            try:
+                specs = impl.function()
+                specs = [specs] if isinstance(specs, StageSpec) else list(specs or [])
+                specs = [check_stage_spec(spec, impl.plugin_name) for spec in specs]
+            except Exception as exc:
+                statuses.append(_broken_stage(record, f"plugin hook corelib_stages failed: "
+                                                      f"{_describe_error(exc)}", exc))
+                continue
+            for spec in specs:
+                statuses.append(StageStatus(spec.name, record.name, record.distribution, record.version,
+                                            spec.slot, True, description=spec.description, spec=spec))
+        by_name: dict[str, list[StageStatus]] = {}
+        for status in statuses:
+            if status.spec is not None:
+                by_name.setdefault(status.name, []).append(status)
+        for name, claims in by_name.items():
+            if len(claims) > 1:
+                plugins = ", ".join(repr(c.plugin) for c in claims)
+                for claim in claims:
+                    claim.available = False
+                    claim.reason = f"stage name {name!r} is claimed by several plugins: {plugins}"
+        return statuses
 
     @staticmethod
     def _broken(record: _PluginRecord, name: str, reason: str, exc: BaseException) -> BackendStatus:
@@ -234,6 +306,11 @@ class Registry:
                 f"backend {status.name!r} factory returned {type(sampler).__name__}, not a corelib.Sampler"
             )
         return sampler
+
+
+def _broken_stage(record: _PluginRecord, reason: str, exc: BaseException) -> StageStatus:
+    return StageStatus(name=record.name, plugin=record.name, distribution=record.distribution,
+                       version=record.version, slot=None, available=False, reason=reason, error=exc)
 
 
 def _check_specs(specs, plugin_name: str) -> list[BackendSpec]:
@@ -349,3 +426,9 @@ def get_sampler(device: str | torch.device | None = None) -> Sampler:
 def available_backends() -> list[BackendStatus]:
     """Every discovered backend, available or not (with the reason), and every broken plugin."""
     return default_registry().statuses()
+
+
+def available_stages() -> list[StageStatus]:
+    """Every custom stage the plugins describe, usable or not (with the reason), and every
+    plugin whose stages could not be read."""
+    return default_registry().stage_statuses()

@@ -10,13 +10,23 @@ Shapes: ``B`` rows, ``V`` vocabulary. Reference stages never modify their input 
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
 from .batch import SamplingBatch, StepState
-from .noise import gumbel_from_uniform, row_keys, seeded_gumbel
+from .bitmask import unpack_bitmask
+from .noise import (
+    STREAM_ACCEPT,
+    STREAM_XTC,
+    gumbel_from_uniform,
+    row_keys,
+    seeded_gumbel,
+    stream_uniform,
+)
+from .stages import StageInputs, StageSpec, run_stage
 
 NEG_INF = float("-inf")
 INVALID_TOKEN = -1
@@ -58,6 +68,53 @@ class SamplerOutput:
             )
 
 
+@dataclass
+class VerifyOutput:
+    """What ``Sampler.verify`` returns for ``B`` rows and ``K`` draft slots.
+
+    ``token_ids`` int64 ``[B, K + 1]``: each row's emitted tokens first (accepted drafts, then
+    the token of the slot where it stopped), -1 after; pass it to ``batch.append`` as it is.
+    ``num_emitted`` int64 ``[B]``: 1 to k + 1, 0 for a flagged row. ``valid`` bool ``[B]``:
+    False when slot 0 had no token (NaN/+inf logits, every token masked) or the row's drafts
+    were unusable (ids out of range on an accelerator, negative or NaN draft probabilities).
+    ``logprobs``: ``token_ids`` and ``logprobs`` ``[B, K + 1, N + 1]``, ``ranks`` ``[B, K + 1]``;
+    column 0 is the token emitted at that slot (id -1, logprob NaN and rank 0 at slots that
+    emitted nothing), columns 1..N the slot's top-N.
+    """
+
+    token_ids: torch.Tensor
+    num_emitted: torch.Tensor
+    valid: torch.Tensor
+    logprobs: Optional[Logprobs] = None
+
+    def raise_on_invalid(self, batch: SamplingBatch) -> None:
+        """Raise ValueError naming the first flagged row's request (waits on the device)."""
+        bad = (~self.valid).nonzero()
+        if bad.numel():
+            row = int(bad[0, 0])
+            rid, child = batch.rows[row]
+            raise ValueError(
+                f"row {row} (request {rid!r}, child {child}) emitted no token: its first slot's "
+                f"logits are NaN/+inf or fully masked, or its drafts are unusable (ids out of "
+                f"range, negative or NaN draft probabilities)"
+            )
+
+
+@dataclass
+class Drafts:
+    """``verify``'s draft arguments, checked and on the sampler's device (``B`` rows, ``K``
+    slots)."""
+
+    token_ids: torch.Tensor        # int64 [B, K], -1 = no draft (a suffix)
+    count: torch.Tensor            # int64 [B]: k, the row's real drafts
+    probs: Optional[torch.Tensor]  # float32 [B, K, V] or None
+    usable: torch.Tensor           # bool [B]: ids in range, probabilities finite and >= 0
+
+    @property
+    def slots(self) -> int:
+        return self.token_ids.shape[1] + 1
+
+
 def nucleus_keep(probs: torch.Tensor, ordered: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     """Step 13's kept set: bool [B, V], True for tokens in the nucleus (ties at its edge kept).
 
@@ -94,34 +151,89 @@ class Sampler:
                   logprobs_mode: str = "raw") -> SamplingBatch:
         return self.batch_class(vocab_size, self.device, eos_token_id, logprobs_mode)
 
-    def sample(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
+    def sample(self, logits: torch.Tensor, batch: SamplingBatch,
+               token_bitmask: Optional[torch.Tensor] = None) -> SamplerOutput:
         """Sample one token per row. logits: ``[B, V]`` or ``[num_requests, V]``, any float dtype.
 
-        The caller's tensor is never modified.
+        ``token_bitmask``: None, or int32 ``[B, ceil(V / 32)]`` on the host or the sampler's
+        device (structured output, part of step 3; ``corelib.bitmask``). The caller's tensors
+        are never modified.
         """
-        s = self.step_state(logits, batch)
+        s = self.with_bitmask(self.step_state(logits, batch), batch, token_bitmask)
         if s.num_rows == 0:
             return self.empty_output(s)
         return self.sample_state(logits, batch, s)
 
     def sample_state(self, logits: torch.Tensor, batch: SamplingBatch, s: StepState) -> SamplerOutput:
-        """Steps 1-15 for a given step state: the contract's stage order, in one place.
+        """Steps 1-15 for a given step state: the contract's stage order, in one place
+        (``prepare``, ``choose_tokens`` and ``filter`` hold the stages; ``verify_state`` runs
+        the same parts at every draft slot).
 
         Split from ``sample`` so a backend can capture it (CUDA graphs) or trace it (XLA)."""
-        x, raw, valid = self.prepare(logits, batch, s)                     # steps 1-8
+        x, raw, valid = self.prepare(logits, batch, s)                     # steps 1-8a
+        token_ids, final = self.choose_tokens(x, s)                        # steps 9-14
+        valid = valid & self.drawn_is_finite(x, final, token_ids, s)
+        logprobs = self.step_logprobs(raw, x, final, token_ids, s)         # step 15
+        token_ids = torch.where(valid, token_ids, torch.full_like(token_ids, INVALID_TOKEN))
+        return SamplerOutput(token_ids, valid, logprobs)
+
+    def verify(self, logits: torch.Tensor, batch: SamplingBatch, draft_token_ids: torch.Tensor,
+               draft_probs: Optional[torch.Tensor] = None,
+               token_bitmask: Optional[torch.Tensor] = None) -> VerifyOutput:
+        """Verify speculative drafts (the contract's "Speculative decoding: verification").
+
+        logits: the target model's ``[B, K + 1, V]`` (slot j scores the token after the row's
+        tokens plus its first j drafts), any float dtype. draft_token_ids: int64 ``[B, K]``, -1
+        padding a row's tail. draft_probs: None, or float32 ``[B, K, V]``, the distributions
+        the drafts were drawn from (then random rows use rejection sampling). token_bitmask:
+        None, or int32 ``[B, K + 1, ceil(V / 32)]``. With K = 0 this equals ``sample``.
+        Returns a :class:`VerifyOutput`; ``batch.append(out.token_ids)`` records it. Nothing
+        waits on the host when the tensors are on an accelerator; the caller's tensors are
+        never modified.
+        """
+        drafts = self.check_drafts(logits, batch, draft_token_ids, draft_probs)
+        B, S, V = logits.shape
+        s = batch.speculative_state(drafts.token_ids)
+        s = self.with_bitmask(s, batch, token_bitmask, slots=S)
+        if B == 0:
+            return self.empty_verify_output(s, S)
+        return self.verify_state(logits.reshape(B * S, V), batch, s, drafts)
+
+    def verify_state(self, logits: torch.Tensor, batch: SamplingBatch, s: StepState,
+                     drafts: Drafts) -> VerifyOutput:
+        """``verify`` for a given speculative step state (``batch.speculative_state``): steps
+        1-14 at every slot through the same template parts as ``sample_state``, then the draft
+        judgement, the emitted tokens and step 15 with a slot axis. logits float ``[B (K+1),
+        V]``, slot-major per row."""
+        x, raw, valid = self.prepare(logits, batch, s)                     # steps 1-8a
+        token_ids, final = self.choose_tokens(x, s)                        # steps 9-14
+        valid = valid & self.drawn_is_finite(x, final, token_ids, s)
+        accepted, tokens = self.judge_drafts(final, token_ids, s, drafts)  # verification
+        emitted, num_emitted = self.emit_tokens(tokens, accepted, valid, drafts)
+        logprobs = self.step_logprobs(raw, x, final, emitted.flatten(), s)  # step 15
+        if logprobs is not None:
+            logprobs = slot_logprobs(logprobs, emitted)
+        return VerifyOutput(emitted, num_emitted, num_emitted > 0, logprobs)
+
+    def choose_tokens(self, x: torch.Tensor, s: StepState) -> tuple[torch.Tensor, torch.Tensor]:
+        """Steps 9-14: (int64 [B] token ids, float32 [B, V] final logits) from x float32 [B, V]
+        after step 8a; greedy rows take the argmax and keep x as their final logits."""
         greedy_ids = self.argmax(x) if s.any_greedy else None              # step 9
         final, token_ids = x, greedy_ids
         if s.any_random:
             token_ids, final = self.sample_random(x, s)                    # steps 10-14
             if greedy_ids is not None:
                 token_ids = torch.where(s.greedy, greedy_ids, token_ids)
-        valid = valid & self.drawn_is_finite(x, final, token_ids, s)
-        logprobs = None
-        if s.num_logprobs is not None:                                     # step 15
-            source = raw if s.logprobs_mode == "raw" else self.processed_source(x, final, s)
-            logprobs = self.gather_logprobs(source, token_ids, s.num_logprobs)
-        token_ids = torch.where(valid, token_ids, torch.full_like(token_ids, INVALID_TOKEN))
-        return SamplerOutput(token_ids, valid, logprobs)
+        return token_ids, final
+
+    def step_logprobs(self, raw: Optional[torch.Tensor], x: torch.Tensor, final: torch.Tensor,
+                      token_ids: torch.Tensor, s: StepState) -> Optional[Logprobs]:
+        """Step 15 (None when no row asks): from the raw logprobs of step 1 or from the final
+        distribution (``processed_source``)."""
+        if s.num_logprobs is None:
+            return None
+        source = raw if s.logprobs_mode == "raw" else self.processed_source(x, final, s)
+        return self.gather_logprobs(source, token_ids, s.num_logprobs)
 
     def sample_random(self, x: torch.Tensor, s: StepState) -> tuple[torch.Tensor, torch.Tensor]:
         """Steps 10-14 for every row (greedy rows' results are replaced by the caller).
@@ -139,10 +251,11 @@ class Sampler:
         batch.append(out.token_ids)
         return out
 
-    def processed_logits(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-        """float32 ``[B, V]``: the final distribution's logits (steps 2-13; greedy rows stop
-        after step 8); dropped tokens are -inf. Its log_softmax is the processed logprobs."""
-        s = self.step_state(logits, batch)
+    def processed_logits(self, logits: torch.Tensor, batch: SamplingBatch,
+                         token_bitmask: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """float32 ``[B, V]``: the final distribution's logits (steps 2-13b; greedy rows stop
+        after step 8a); dropped tokens are -inf. Its log_softmax is the processed logprobs."""
+        s = self.with_bitmask(self.step_state(logits, batch), batch, token_bitmask)
         x, _, _ = self.prepare(logits, batch, s)
         final = self.filter(x, s) if s.any_random else x
         return self.processed_source(x, final, s, normalise=False)
@@ -154,10 +267,64 @@ class Sampler:
             raise ValueError(f"batch lives on {batch.device}, but sampler {self.name!r} runs on {self.device}")
         return batch.step_state()
 
+    def with_bitmask(self, s: StepState, batch: SamplingBatch,
+                     token_bitmask: Optional[torch.Tensor], slots: Optional[int] = None) -> StepState:
+        """``s`` with the caller's token bitmask checked and on the device (unchanged for None).
+        ``slots``: the verification slots per row (the mask is ``[B, slots, W]``)."""
+        if token_bitmask is None:
+            return s
+        mask = batch.check_token_bitmask(token_bitmask, slots)
+        return dataclasses.replace(s, token_bitmask=mask, any_bitmask=True)
+
+    def check_drafts(self, logits: torch.Tensor, batch: SamplingBatch,
+                     draft_token_ids: torch.Tensor, draft_probs: Optional[torch.Tensor]) -> Drafts:
+        """``verify``'s argument checks. Shapes, dtypes and K mismatches raise ValueError naming
+        the argument; draft ids out of range (or -1 padding that is not a suffix) raise when the
+        ids are on the host, and flag the row on an accelerator (checking would wait on it);
+        negative or NaN draft probabilities flag the row."""
+        if self.device.type != batch.device.type:
+            raise ValueError(f"batch lives on {batch.device}, but sampler {self.name!r} runs on {self.device}")
+        if not isinstance(logits, torch.Tensor) or logits.dim() != 3:
+            shape = list(logits.shape) if isinstance(logits, torch.Tensor) else type(logits).__name__
+            raise ValueError(f"verify: logits must be [rows, K + 1, vocab], got {shape}")
+        B, S, V = logits.shape
+        if S < 1:
+            raise ValueError("verify: logits need at least one slot ([rows, K + 1, vocab] with K >= 0)")
+        if B != batch.num_rows:
+            raise ValueError(f"verify: logits have {B} rows; the batch has {batch.num_rows} rows "
+                             f"(verify takes one row per batch row, not per request)")
+        batch.check_logits(logits[:, 0])
+        K = S - 1
+        ids = _as_tensor("draft_token_ids", draft_token_ids)
+        if ids.dtype.is_floating_point or ids.dtype == torch.bool or ids.is_complex():
+            raise ValueError(f"verify: draft_token_ids must hold integer ids, got dtype {ids.dtype}")
+        if ids.dim() != 2 or tuple(ids.shape) != (B, K):
+            raise ValueError(f"verify: draft_token_ids must be [rows, K] = [{B}, {K}] for logits "
+                             f"{list(logits.shape)}, got {list(ids.shape)}")
+        if ids.device.type == "cpu" and B and K:
+            _check_draft_ids(ids, V, batch)
+        ids = ids.to(self.device, torch.long, non_blocking=True)
+        present = ids >= 0
+        count = torch.cumprod(present.to(torch.int32), dim=1).sum(dim=1).to(torch.long)
+        usable = ((ids >= -1) & (ids < V)).all(dim=1) & (present.sum(dim=1) == count)
+        probs = None
+        if draft_probs is not None:
+            probs = _as_tensor("draft_probs", draft_probs)
+            if not probs.dtype.is_floating_point:
+                raise ValueError(f"verify: draft_probs must be a float tensor, got dtype {probs.dtype}")
+            if tuple(probs.shape) != (B, K, V):
+                raise ValueError(f"verify: draft_probs must be [rows, K, vocab] = [{B}, {K}, {V}], "
+                                 f"got {list(probs.shape)}")
+            probs = probs.to(self.device, torch.float32, non_blocking=True)
+            real = torch.arange(K, device=self.device)[None, :] < count[:, None]
+            sane = (torch.isfinite(probs) & (probs >= 0)).all(dim=-1) | ~real
+            usable = usable & sane.all(dim=1)
+        return Drafts(ids, count, probs, usable)
+
     def prepare(self, logits: torch.Tensor, batch: SamplingBatch, s: StepState):
-        """Steps 1-8. Returns (float32 [B, V] logits after penalties, raw logprobs or None,
-        bool [B] valid rows). Invalid rows are replaced by zeros so they cannot poison
-        shared reductions; their results are flagged, not used."""
+        """Steps 1-8a and the custom stages after them. Returns (float32 [B, V] logits, raw
+        logprobs or None, bool [B] valid rows). Invalid rows are replaced by zeros so they
+        cannot poison shared reductions; their results are flagged, not used."""
         x = self.working_copy(logits, batch, s)                            # step 2
         raw = None
         if s.num_logprobs is not None and s.logprobs_mode == "raw":
@@ -165,6 +332,8 @@ class Sampler:
         finite = self.finite_rows(x)
         if s.any_allowed:
             x = self.apply_allowed_ids(x, s)                               # step 3
+        if s.any_bitmask:
+            x = self.apply_token_bitmask(x, s)                             # step 3 (grammar)
         if s.any_bad_words:
             x = self.apply_bad_words(x, s)                                 # step 4
         if s.any_min_tokens:
@@ -175,16 +344,29 @@ class Sampler:
             x = self.apply_logit_bias(x, s)                                # step 6
         if s.any_penalties:
             x = self.apply_penalties(x, s)                                 # steps 7-8
+        if s.any_dry:
+            x = self.apply_dry(x, s)                                       # step 8a
+        if s.stages:
+            x = self.apply_custom_stages(x, s, "after_penalties")
         return x, raw, valid
 
     def filter(self, x: torch.Tensor, s: StepState) -> torch.Tensor:
-        """Steps 10-13 for every row (greedy rows' results are ignored by the caller)."""
+        """Steps 10-13b and the custom stages after them, for every row (greedy rows' results
+        are ignored by the caller)."""
         if s.any_temperature:
             x = self.apply_temperature(x, s)                               # step 10
+        if s.any_top_n_sigma:
+            x = self.apply_top_n_sigma(x, s)                               # step 10a
         if s.any_min_p:
             x = self.apply_min_p(x, s)                                     # step 11
         if s.any_top_k or s.any_top_p:
             x = self.apply_top_k_top_p(x, s)                               # steps 12-13
+        if s.any_typical_p:
+            x = self.apply_typical_p(x, s)                                 # step 13a
+        if s.any_xtc:
+            x = self.apply_xtc(x, s)                                       # step 13b
+        if s.stages:
+            x = self.apply_custom_stages(x, s, "after_filters")
         return x
 
     def processed_source(self, x: torch.Tensor, final: torch.Tensor, s: StepState,
@@ -208,6 +390,95 @@ class Sampler:
         if s.any_greedy and final is not x:
             picked = torch.where(s.greedy[:, None], x.gather(1, safe), picked)
         return in_range & torch.isfinite(picked[:, 0])
+
+    def judge_drafts(self, final: torch.Tensor, token_ids: torch.Tensor, s: StepState,
+                     drafts: Drafts) -> tuple[torch.Tensor, torch.Tensor]:
+        """Which drafts the target accepts, and the token each slot emits when the row stops
+        there. final float32 ``[B S, V]``, token_ids int64 ``[B S]`` (steps 9-14 at every
+        slot). Returns (bool ``[B, K]`` accepted, int64 ``[B, S]`` tokens).
+
+        Greedy rows, and random rows without draft probabilities, accept a draft when it
+        equals the slot's token (argmax, or the draw that ``sample`` would make there). Random
+        rows with draft probabilities take the ratio test and, at a rejection, the residual
+        draw (``rejection_sample``)."""
+        B, K = drafts.token_ids.shape
+        tokens = token_ids.view(B, K + 1)
+        accepted = drafts.token_ids == tokens[:, :K]
+        if drafts.probs is not None and s.any_random and K:
+            passed, recovered = self.rejection_sample(final, s, drafts)
+            random = ~s.greedy.view(B, K + 1)[:, :K]
+            accepted = torch.where(random, passed, accepted)
+            tokens = torch.cat([torch.where(random, recovered, tokens[:, :K]), tokens[:, K:]], dim=1)
+        return accepted, tokens
+
+    def rejection_sample(self, final: torch.Tensor, s: StepState,
+                         drafts: Drafts) -> tuple[torch.Tensor, torch.Tensor]:
+        """Lossless speculative sampling at the draft slots. final float32 ``[B S, V]`` (the
+        target's final logits, p = their softmax), drafts with probs q float32 ``[B, K, V]``.
+
+        Draft d at slot j passes when ``u * q(d) < p(d)`` (probability min(1, p/q); u from
+        ``acceptance_uniforms``). The recovered token is drawn from max(p - q, 0) renormalised
+        (p itself if that is all zero) with step 14's own noise at the slot, so seeded rows
+        stay reproducible. Returns (bool ``[B, K]`` passed, int64 ``[B, K]`` recovered).
+        Not in place."""
+        B, K = drafts.token_ids.shape
+        S, V = K + 1, final.shape[-1]
+        p = torch.softmax(final, dim=-1).view(B, S, V)
+        q = drafts.probs
+        d = drafts.token_ids.clamp(min=0)[..., None]
+        u = self.acceptance_uniforms(s).view(B, S)[:, :K]
+        passed = u * q.gather(2, d)[..., 0] < p[:, :K].gather(2, d)[..., 0]
+        residual = (p[:, :K] - q).clamp(min=0.0)
+        residual = torch.where(residual.sum(dim=-1, keepdim=True) > 0, residual, p[:, :K])
+        residual_logits = torch.cat([residual.log(), final.view(B, S, V)[:, K:]], dim=1)
+        recovered = self.draw(residual_logits.view(B * S, V), s).view(B, S)[:, :K]
+        return passed, recovered
+
+    def acceptance_uniforms(self, s: StepState) -> torch.Tensor:
+        """float32 ``[B]`` uniforms in (0, 1) of the ratio test: seeded rows from the contract's
+        noise on the acceptance stream (``corelib.noise.STREAM_ACCEPT`` at the slot's
+        position), others from this sampler's generator."""
+        return self.row_uniforms(s, STREAM_ACCEPT)
+
+    def row_uniforms(self, s: StepState, stream: int) -> torch.Tensor:
+        """float32 ``[B]`` uniforms in (0, 1), one per row: seeded rows from ``stream`` of the
+        contract's noise at (seed, child, position), others from this sampler's generator."""
+        u = torch.rand(s.num_rows, generator=self.generator, device=s.position.device)
+        if s.any_seeded:
+            keys = row_keys(s.seed_lo, s.seed_hi, s.child, s.position)
+            u = torch.where(s.seeded, stream_uniform(keys, stream), u)
+        return u
+
+    def emit_tokens(self, tokens: torch.Tensor, accepted: torch.Tensor, valid: torch.Tensor,
+                    drafts: Drafts) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each row's emitted tokens: its leading accepted drafts, then the token of the slot
+        where it stopped, unless that slot has no token (the row then stops before it).
+        tokens int64 ``[B, S]``, accepted bool ``[B, K]``, valid bool ``[B S]`` (a token at the
+        slot). Returns (int64 ``[B, S]`` emitted, -1 after; int64 ``[B]`` their count, 0 for
+        a flagged row)."""
+        B, S = tokens.shape
+        K = S - 1
+        valid = valid.view(B, S)
+        real = torch.arange(K, device=tokens.device)[None, :] < drafts.count[:, None]
+        ok = (accepted & real & valid[:, :K]).to(torch.int32)
+        taken = torch.cumprod(ok, dim=1).sum(dim=1).to(torch.long)              # (B,)
+        stops_with_token = valid.gather(1, taken[:, None])[:, 0]
+        num_emitted = torch.where(drafts.usable, taken + stops_with_token.to(torch.long), 0)
+        last = tokens.gather(1, taken[:, None])                                  # (B, 1)
+        padded = torch.cat([drafts.token_ids, torch.full_like(last, INVALID_TOKEN)], dim=1)
+        column = torch.arange(S, device=tokens.device)[None, :]
+        emitted = torch.where(column < taken[:, None], padded, last)
+        emitted = torch.where(column < num_emitted[:, None], emitted, INVALID_TOKEN)
+        return emitted, num_emitted
+
+    def empty_verify_output(self, s: StepState, slots: int) -> VerifyOutput:
+        out = self.empty_output(s)
+        lp = out.logprobs
+        if lp is not None:
+            lp = Logprobs(lp.token_ids.view(0, slots, -1), lp.logprobs.view(0, slots, -1),
+                          lp.ranks.view(0, slots))
+        ids = torch.empty((0, slots), dtype=torch.long, device=self.device)
+        return VerifyOutput(ids, out.token_ids, out.valid, lp)
 
     def empty_output(self, s: StepState) -> SamplerOutput:
         ids = torch.empty(0, dtype=torch.long, device=self.device)
@@ -249,6 +520,12 @@ class Sampler:
         (all True for rows without the option). Not in place."""
         return x.masked_fill(~s.allowed_mask, NEG_INF)
 
+    def apply_token_bitmask(self, x: torch.Tensor, s: StepState) -> torch.Tensor:
+        """Step 3, structured output: tokens whose bit is 0 in ``s.token_bitmask`` (int32
+        [B, ceil(V / 32)], bit j % 32 of word j // 32; a row of -1 words is unconstrained)
+        -> -inf. Not in place (the reference unpacks a bool [B, V] mask)."""
+        return x.masked_fill(~unpack_bitmask(s.token_bitmask, x.shape[-1]), NEG_INF)
+
     def apply_bad_words(self, x: torch.Tensor, s: StepState) -> torch.Tensor:
         """Step 4: ban each bad word's last token when the row's generated tokens end with the
         rest of the word. ``bad_prefix`` int64 [B, W, P] (right-aligned, -2 matches anything),
@@ -280,6 +557,47 @@ class Sampler:
         return (x - s.frequency_penalty[:, None] * counts.to(torch.float32)
                 - s.presence_penalty[:, None] * occurred)                    # step 8
 
+    def apply_dry(self, x: torch.Tensor, s: StepState) -> torch.Tensor:
+        """Step 8a, DRY: a token that would extend a repeat of length L >= dry_allowed_length
+        gets ``logit -= dry_multiplier * dry_base ** min(L - dry_allowed_length, 30)``.
+
+        From the batch's history (``corelib.history``): ``dry_history`` int64 [B, H],
+        ``dry_match`` int32 [B, H] (repeat length before each token), ``dry_length`` and
+        ``dry_since_breaker`` int32 [B], ``dry_breakers`` int64 [B, NB]; per-row
+        ``dry_multiplier`` (0 = off), ``dry_base``, ``dry_allowed_length``, ``dry_range`` (0 =
+        whole history). Costs O(B H): only tokens of the history can be penalised, so the
+        penalty is scattered onto them, never computed over the vocabulary. Not in place."""
+        history, H = s.dry_history, s.dry_history.shape[1]
+        column = torch.arange(H, device=x.device)[None, :]
+        length = s.dry_length.to(torch.long)[:, None]
+        window = s.dry_range.to(torch.long)[:, None]
+        start = torch.where(window > 0, (length - window).clamp(min=0), 0)            # (B, 1)
+        in_window = (column >= start) & (column < length)
+        breaker = (history[:, :, None] == s.dry_breakers[:, None, :]).any(dim=-1)     # (B, H)
+        repeat = torch.minimum(s.dry_match.to(torch.long), column - start)
+        repeat = torch.minimum(repeat, s.dry_since_breaker.to(torch.long)[:, None])
+        allowed = s.dry_allowed_length.to(torch.long)[:, None]
+        penalised = in_window & ~breaker & (repeat >= allowed) & (s.dry_multiplier > 0)[:, None]
+        exponent = (repeat - allowed).clamp(min=0, max=30).to(torch.float32)
+        penalty = s.dry_multiplier[:, None] * torch.pow(s.dry_base[:, None], exponent)
+        penalty = torch.where(penalised, penalty, 0.0)
+        tokens = torch.where(in_window, history, 0)
+        # x[t] - (the largest penalty on t): an amin over the history's entries for t.
+        return x.scatter_reduce(1, tokens, x.gather(1, tokens) - penalty, reduce="amin")
+
+    def apply_custom_stages(self, x: torch.Tensor, s: StepState, slot: str) -> torch.Tensor:
+        """The plugins' stages at ``slot`` ("after_penalties" after step 8a, "after_filters"
+        after step 13b), in registration order; rows that do not use a stage keep their
+        logits. x float32 [B, V]; not in place. A failing stage raises ``StageError``."""
+        for spec, inputs, plugin in s.stages_at(slot):
+            x = run_stage(spec, self.stage_implementation(spec), x, inputs, plugin)
+        return x
+
+    def stage_implementation(self, spec: StageSpec) -> Callable[[torch.Tensor, StageInputs], torch.Tensor]:
+        """The function this backend runs for a custom stage: its own faster one when the
+        stage's plugin registered one under this backend's name, else the plain-torch one."""
+        return spec.implementations.get(self.name, spec.apply)
+
     def argmax(self, x: torch.Tensor) -> torch.Tensor:
         """Step 9: int64 [B], the lowest id among the row's maxima."""
         return torch.argmax(x, dim=-1)
@@ -288,6 +606,17 @@ class Sampler:
         """Step 10: ``x / temperature`` per row (greedy rows divide by 1). Not in place."""
         t = torch.where(s.greedy, torch.ones_like(s.temperature), s.temperature)
         return x / t[:, None]
+
+    def apply_top_n_sigma(self, x: torch.Tensor, s: StepState) -> torch.Tensor:
+        """Step 10a: over each row's finite logits, drop those below max - n * sigma (sigma their
+        population standard deviation). ``top_n_sigma`` float32 [B], 0 = off. Not in place."""
+        finite = torch.isfinite(x)
+        count = finite.sum(dim=-1, keepdim=True).clamp(min=1).to(torch.float32)
+        mean = torch.where(finite, x, 0.0).sum(dim=-1, keepdim=True) / count
+        variance = torch.where(finite, (x - mean) ** 2, 0.0).sum(dim=-1, keepdim=True) / count
+        threshold = x.amax(dim=-1, keepdim=True) - s.top_n_sigma[:, None] * variance.sqrt()
+        keep = (x >= threshold) | (s.top_n_sigma <= 0.0)[:, None]
+        return x.masked_fill(~keep, NEG_INF)
 
     def apply_min_p(self, x: torch.Tensor, s: StepState) -> torch.Tensor:
         """Step 11: drop tokens with prob < min_p * max prob (min_p 0 keeps all). Not in place."""
@@ -321,6 +650,36 @@ class Sampler:
         probs = torch.softmax(x, dim=-1)
         ordered = torch.sort(probs, dim=-1, descending=True).values
         return x.masked_fill(~nucleus_keep(probs, ordered, s.top_p), NEG_INF)
+
+    def apply_typical_p(self, x: torch.Tensor, s: StepState) -> torch.Tensor:
+        """Step 13a: over the probabilities left, H = -sum p log p and score = |-log p - H|;
+        keep the smallest set of lowest-score tokens whose mass >= typical_p (ties at the
+        boundary kept, never fewer than one token). ``typical_p`` float32 [B], 1 = off. Mass
+        summed in float64, by a full sort (the reference). Not in place."""
+        logp = torch.log_softmax(x, dim=-1)
+        p = logp.exp()
+        entropy = -torch.where(p > 0, p * logp, 0.0).sum(dim=-1, keepdim=True)
+        score = torch.where(p > 0, (-logp - entropy).abs(), float("inf"))
+        order = torch.argsort(score, dim=-1, stable=True)
+        ordered_p = p.gather(1, order).double()
+        mass_before = ordered_p.cumsum(dim=-1) - ordered_p
+        inside = mass_before < s.typical_p.double()[:, None]
+        last = inside.sum(dim=-1, keepdim=True).clamp(min=1) - 1
+        threshold = score.gather(1, order.gather(1, last))
+        keep = (score <= threshold) | (s.typical_p >= 1.0)[:, None]
+        return x.masked_fill(~keep, NEG_INF)
+
+    def apply_xtc(self, x: torch.Tensor, s: StepState) -> torch.Tensor:
+        """Step 13b, XTC: with probability ``xtc_probability`` (float32 [B], 0 = off; the coin
+        from ``row_uniforms`` on the XTC stream), when two or more kept tokens have probability
+        >= ``xtc_threshold``, drop all of them but those with the smallest such probability.
+        Not in place."""
+        p = torch.softmax(x, dim=-1)
+        above = (x > NEG_INF) & (p >= s.xtc_threshold[:, None])
+        smallest = torch.where(above, p, float("inf")).amin(dim=-1, keepdim=True)
+        coin = self.row_uniforms(s, STREAM_XTC) < s.xtc_probability
+        act = (above.sum(dim=-1) >= 2) & coin
+        return x.masked_fill(above & (p > smallest) & act[:, None], NEG_INF)
 
     def draw(self, x: torch.Tensor, s: StepState) -> torch.Tensor:
         """Step 14: int64 [B] by the Gumbel-max race ``argmax(x + gumbel)`` over kept tokens
@@ -367,3 +726,43 @@ class Sampler:
         """Set ``x[row, ids[row, j]]`` to -inf where ``banned[row, j]``; returns a new tensor."""
         penalty = torch.where(banned, NEG_INF, 0.0).to(x.dtype)
         return x.scatter_add(1, ids, penalty)
+
+
+def slot_logprobs(logprobs: Logprobs, emitted: torch.Tensor) -> Logprobs:
+    """Step 15 of ``verify``: flat ``[B S, ...]`` logprobs given a slot axis; column 0 at
+    slots that emitted nothing becomes id -1, logprob NaN, rank 0."""
+    B, S = emitted.shape
+    width = logprobs.token_ids.shape[-1]
+    ids = logprobs.token_ids.view(B, S, width).clone()
+    values = logprobs.logprobs.view(B, S, width).clone()
+    ranks = logprobs.ranks.view(B, S).clone()
+    none = emitted < 0
+    ids[..., 0] = torch.where(none, INVALID_TOKEN, ids[..., 0])
+    values[..., 0] = torch.where(none, float("nan"), values[..., 0])
+    ranks = torch.where(none, 0, ranks)
+    return Logprobs(ids, values, ranks)
+
+
+def _as_tensor(name: str, value) -> torch.Tensor:
+    if isinstance(value, torch.Tensor):
+        return value
+    try:
+        return torch.as_tensor(value)
+    except (RuntimeError, TypeError, ValueError) as exc:
+        raise TypeError(f"verify: {name} must be a tensor, got {type(value).__name__}: {exc}") from None
+
+
+def _check_draft_ids(ids: torch.Tensor, vocab_size: int, batch: SamplingBatch) -> None:
+    """Host draft ids: in [0, V), with -1 only as a row's trailing padding."""
+    bad = ((ids < -1) | (ids >= vocab_size)).nonzero()
+    if bad.numel():
+        row, col = bad[0].tolist()
+        raise ValueError(f"verify: draft_token_ids[{row}, {col}] = {int(ids[row, col])} is out of "
+                         f"range for vocab_size={vocab_size} (request {batch.rows[row][0]!r}; "
+                         f"-1 pads a row's tail)")
+    pad = ids < 0
+    gap = (pad[:, :-1] & ~pad[:, 1:]).nonzero()
+    if gap.numel():
+        row = int(gap[0, 0])
+        raise ValueError(f"verify: draft_token_ids row {row} (request {batch.rows[row][0]!r}) has "
+                         f"a draft after -1 padding: {ids[row].tolist()}; -1 may only pad the end")

@@ -8,7 +8,8 @@ source scripts/lib.sh
 echo "== setup: main venv ($VENV)"
 ensure_main_venv "test,plot" "$TRANSFORMERS_PIN"
 install_plugins "$VENV" $TEST_PLUGINS
-pip_quiet "$VENV" -e tests/plugins/corelib-example -e tests/plugins/corelib-broken
+pip_quiet "$VENV" -e tests/plugins/corelib-example -e tests/plugins/corelib-broken \
+  -e tests/plugins/corelib-stage-example -e tests/plugins/corelib-broken-stages
 
 status=0
 run_suite() {  # name, python, pytest args...

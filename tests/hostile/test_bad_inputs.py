@@ -405,8 +405,11 @@ def test_bad_request_arguments(sampler, request_id, params, error, fragment):
 
 
 @pytest.mark.parametrize("ids,error,fragment", [
-    ([1, 2], ValueError, r"expected shape \[6\], got \[2\]"),
-    ([[1]] * 6, ValueError, r"expected shape \[6\], got \[6, 1\]"),
+    ([1, 2], ValueError, r"expected shape \[6\] .*got \[2\]"),
+    ([[[1]]] * 6, ValueError, r"expected shape \[6\] .*got \[6, 1, 1\]"),
+    ([[1, 2]] * 5, ValueError, r"expected shape \[6\] .*got \[5, 2\]"),
+    ([[1, -1, 2]] * 6, ValueError, r"row 0 \(request 'plain'\) has a token after -1 padding"),
+    ([[1, -2]] * 6, ValueError, r"token id -2 at row 0, slot 1 \(request 'plain'\) is out of range"),
     ([1.0] * 6, TypeError, "integer token ids, got dtype torch.float32"),
     ([True] * 6, TypeError, "integer token ids, got dtype torch.bool"),
     (None, TypeError, "append needs one integer token id per row, got NoneType"),
@@ -414,7 +417,7 @@ def test_bad_request_arguments(sampler, request_id, params, error, fragment):
     ([2**70] * 6, ValueError, "append needs one integer token id per row"),
     ([1, 2, 3, 4, 5, 32], ValueError, r"token id 32 for row 5 \(request 'greedy'\) is out of range"),
     ([1, -1, 3, 4, 5, 6], ValueError, r"token id -1 for row 1 \(request 'victim'\)"),
-], ids=["too_few", "2d", "floats", "bools", "none", "strings", "past_int64", "id_too_big", "minus_one"])
+], ids=["too_few", "3d", "2d_too_few", "2d_gap", "2d_minus_two", "floats", "bools", "none", "strings", "past_int64", "id_too_big", "minus_one"])
 def test_append_of_the_wrong_tokens_raises_and_records_nothing(sampler, ids, error, fragment):
     batch = build_batch(sampler, mixed_requests(), V)
     before = State(batch)

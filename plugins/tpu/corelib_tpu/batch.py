@@ -218,7 +218,8 @@ class XlaSamplingBatch(SamplingBatch):
         if not self._state:
             self._allocate()
 
-    def _allocate_optional_state(self, params: SamplingParams) -> None:
+    def _allocate_optional_state(self, params: SamplingParams, prompt: list[int],
+                                 outputs: list[list[int]]) -> None:
         """Nothing to allocate: every tensor exists at full size from the start."""
 
     def _write_rows(self, rows: list[int], params: SamplingParams, prompt: list[int],

@@ -1,0 +1,40 @@
+"""Packed token bitmasks: the int32 format grammar engines (xgrammar, llguidance) fill.
+
+Token ``j`` is allowed when bit ``j % 32`` (least significant first) of word ``j // 32`` is 1;
+a word of -1 allows its 32 tokens. A row needs ``ceil(V / 32)`` words; bits for ids >= V in
+the last word are ignored.
+"""
+
+from __future__ import annotations
+
+import torch
+
+BITS = 32
+
+
+def bitmask_width(vocab_size: int) -> int:
+    """Words per row: ``ceil(vocab_size / 32)``."""
+    return (vocab_size + BITS - 1) // BITS
+
+
+def unpack_bitmask(words: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """bool ``[..., V]``, True for allowed tokens, from int32 words ``[..., ceil(V / 32)]``.
+    Not in place (allocates the boolean tensor; fast backends apply the words directly)."""
+    shifts = torch.arange(BITS, dtype=torch.int32, device=words.device)
+    bits = torch.bitwise_right_shift(words[..., None], shifts) & 1        # (..., W, 32)
+    return bits.flatten(-2)[..., :vocab_size].to(torch.bool)
+
+
+def pack_bitmask(allowed: torch.Tensor) -> torch.Tensor:
+    """int32 ``[..., ceil(V / 32)]`` words from bool ``allowed`` ``[..., V]`` (the inverse of
+    ``unpack_bitmask``; tokens past V in the last word are set, as grammar engines leave
+    them). For tests and engines that build masks from token lists."""
+    V = allowed.shape[-1]
+    width = bitmask_width(V)
+    padded = torch.ones((*allowed.shape[:-1], width * BITS), dtype=torch.int64, device=allowed.device)
+    padded[..., :V] = allowed.to(torch.int64)
+    weights = torch.bitwise_left_shift(torch.ones(BITS, dtype=torch.int64, device=allowed.device),
+                                       torch.arange(BITS, device=allowed.device))
+    words = (padded.view(*allowed.shape[:-1], width, BITS) * weights).sum(dim=-1)
+    # Values in [0, 2**32): wrap to the signed int32 with the same bits.
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
