@@ -25,39 +25,10 @@ import torch
 
 from ..params import SamplingParams
 from ..sampler import Sampler
+from .engine import EngineConformance
+from .rules import OUTPUT, PROMPT, RULES, chi_square_p_value, params_text, violation
 
 Request = tuple  # (request_id, SamplingParams, prompt_token_ids, output_token_ids or None)
-
-# The contract's rules, as failure messages name them (docs/contract.md explains each).
-RULES: dict[str, str] = {
-    "copy": "step 2 (work on a float32 copy: the caller's logits are never modified)",
-    "allowed": "step 3 (allowed_token_ids)",
-    "bad_words": "step 4 (bad_words)",
-    "min_tokens": "step 5 (min_tokens masks stop ids and eos)",
-    "bias": "step 6 (logit_bias)",
-    "repetition": "step 7 (repetition_penalty)",
-    "freq_presence": "step 8 (frequency and presence penalties)",
-    "penalties": "steps 7-8 (repetition, frequency and presence penalties)",
-    "masks": "steps 3-4 (allowed_token_ids, bad_words: masked tokens are never drawn)",
-    "greedy": "step 9 (temperature 0 = argmax, lowest id on ties)",
-    "greedy_prep": "steps 2-9 (greedy rows: penalties and masks, then argmax)",
-    "temperature": "step 10 (temperature)",
-    "min_p": "step 11 (min_p)",
-    "top_k": "step 12 (top_k, ties at the boundary kept)",
-    "top_p": "step 13 (top_p, smallest set with mass >= top_p, ties kept)",
-    "filters": "steps 10-13 (temperature, min_p, top_k, top_p)",
-    "draw": "step 14 (draw from the renormalised kept probabilities)",
-    "logprobs": "step 15 (logprobs: sampled token, top-N, rank)",
-    "seed_reference": "seeded draws (equal to the reference's: docs/seeded-draw.md)",
-    "seed_batch": "seeded draws (independent of batch size, row place and other rows)",
-    "children": "parallel sampling (children of a request draw from distinct streams)",
-    "child_zero": "parallel sampling (child 0 of n completions equals the request with n = 1)",
-    "resume": "resumption (output_token_ids continue as if never interrupted)",
-    "remove": "continuous batching (removing a request leaves other rows' state intact)",
-    "per_request": "per-request logits ([num_requests, V] serves every child of a request)",
-    "bad_rows": "bad rows (NaN/+inf or fully masked rows are flagged with id -1, others untouched)",
-    "dtype": "step 2 (logits of any float dtype are upcast to float32 first)",
-}
 
 # The kept-set cases: one stage (or a combination) each, on random logits.
 STAGE_CASES: dict[str, dict] = {
@@ -77,6 +48,15 @@ STAGE_CASES: dict[str, dict] = {
     "frequency_presence": dict(frequency_penalty=0.7, presence_penalty=-0.4),
     "all_penalties": dict(repetition_penalty=0.8, frequency_penalty=-1.0, presence_penalty=1.5),
     "greedy": dict(temperature=0.0, top_k=3),
+    "dry": dict(dry_multiplier=0.8, dry_base=1.75, dry_allowed_length=2),
+    "dry_range_breakers": dict(dry_multiplier=1.5, dry_allowed_length=1, dry_range=6,
+                               dry_sequence_breakers=[100]),
+    "top_n_sigma": dict(top_n_sigma=1.0, temperature=0.8),
+    "typical_p": dict(typical_p=0.6),
+    "xtc": dict(xtc_probability=1.0, xtc_threshold=0.02),
+    "xtc_seeded_coin": dict(xtc_probability=0.5, xtc_threshold=0.02, seed=77),
+    "new_samplers": dict(dry_multiplier=1.0, top_n_sigma=2.0, typical_p=0.9, xtc_probability=1.0,
+                         xtc_threshold=0.05, top_k=60, temperature=1.2),
 }
 
 # Which rule each kept-set case checks.
@@ -86,45 +66,11 @@ STAGE_RULES: dict[str, str] = {
     "min_p_top_k_top_p": "filters", "allowed_ids": "allowed", "bad_words": "bad_words",
     "min_tokens": "min_tokens", "logit_bias": "bias", "repetition_penalty": "repetition",
     "frequency_presence": "freq_presence", "all_penalties": "penalties", "greedy": "greedy_prep",
+    "dry": "dry", "dry_range_breakers": "dry", "top_n_sigma": "top_n_sigma", "typical_p": "typical_p",
+    "xtc": "xtc", "xtc_seeded_coin": "xtc", "new_samplers": "new_samplers",
 }
 
-PROMPT = [1, 2, 3, 2, 9, 100, 101]
-OUTPUT = [9, 1, 2, 9, 9, 9]
-
-
-def violation(rule: str, message: str) -> None:
-    """Fail the running test with ``contract <rule>: <message>``."""
-    pytest.fail(f"contract {RULES[rule]}: {message}")
-
-
-def params_text(params: SamplingParams | dict) -> str:
-    """A short form of parameters: only the fields that differ from the defaults."""
-    if isinstance(params, dict):
-        params = SamplingParams(**params)
-    fields = params.model_dump(exclude_defaults=True)
-    return "SamplingParams(" + ", ".join(f"{k}={v!r}" for k, v in fields.items()) + ")"
-
-
-def chi_square_p_value(observed: torch.Tensor, probs: torch.Tensor, min_expected: float = 5.0) -> float:
-    """p-value of Pearson's chi-square goodness of fit; bins expecting < 5 are pooled."""
-    observed = observed.double()
-    expected = probs.double() * observed.sum()
-    small = expected < min_expected
-    obs = torch.cat([observed[~small], observed[small].sum().reshape(1)])
-    exp = torch.cat([expected[~small], expected[small].sum().reshape(1)])
-    if exp[-1] < min_expected:  # the pooled bin may itself be tiny: fold it into the largest
-        obs, exp = obs[:-1].clone(), exp[:-1].clone()
-        biggest = torch.argmax(exp)
-        obs[biggest] += observed[small].sum()
-        exp[biggest] += expected[small].sum()
-    df = exp.numel() - 1
-    if df < 1:
-        return 1.0
-    stat = ((obs - exp) ** 2 / exp).sum()
-    return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), stat / 2))
-
-
-class ConformanceSuite:
+class ConformanceSuite(EngineConformance):
     """Contract checks for one backend; subclass as ``TestConformance`` and set ``backend``."""
 
     #: the backend's name as ``corelib.get_sampler`` takes it
@@ -309,6 +255,9 @@ class ConformanceSuite:
                                       presence_penalty=0.2, logit_bias={3: 2.0}, min_tokens=2,
                                       stop_token_ids=[4], bad_words=[[1, 5]]), PROMPT, None),
             ("s-n3", SamplingParams(seed=15, n=3, temperature=1.1), PROMPT, None),
+            ("s-more", SamplingParams(seed=16, dry_multiplier=1.2, dry_allowed_length=1,
+                                      top_n_sigma=2.5, typical_p=0.9, xtc_probability=0.5,
+                                      xtc_threshold=0.05), PROMPT, None),
         ]
 
     def _run_steps(self, sampler, batch, steps: int, seed: int = 5, only: Optional[str] = None,

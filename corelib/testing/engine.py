@@ -1,0 +1,573 @@
+"""Conformance checks for the engine features: token bitmasks (structured output), speculative
+verification, and custom stages from plugins. ``ConformanceSuite`` inherits them, so every
+backend (and every third-party plugin running the kit) proves these too.
+
+The new samplers (DRY, top-n-sigma, typical-p, XTC) are checked through the suite's kept-set
+cases (``STAGE_CASES``) and seeded requests, like every other stage.
+"""
+
+from __future__ import annotations
+
+import zlib
+from typing import Optional
+
+import pytest
+import torch
+from pydantic import BaseModel, ConfigDict
+
+from ..bitmask import pack_bitmask
+from ..hookspecs import hookimpl
+from ..params import SamplingParams
+from ..stages import StageError, StageSpec, StageState
+from .rules import PROMPT, chi_square_p_value, params_text, violation
+
+# Parameters that switch every stage on (steps 3-13b), for requests whose state must advance
+# correctly at every draft slot.
+EVERY_STAGE = dict(temperature=0.9, top_k=40, top_p=0.95, min_p=0.01, repetition_penalty=1.2,
+                   frequency_penalty=0.4, presence_penalty=0.3, logit_bias={3: 1.5, 7: -2.0},
+                   min_tokens=3, stop_token_ids=[4], bad_words=[[1, 5], [9, 9, 6]],
+                   dry_multiplier=0.8, dry_allowed_length=1, dry_sequence_breakers=[8],
+                   top_n_sigma=3.0, typical_p=0.97, xtc_probability=0.5, xtc_threshold=0.2)
+
+
+# ---------------------------------------------------------------------- the suite's own stages
+class _RepeatArgs(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    times: int = 2
+
+
+class _FloorArgs(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    prob: float = 0.0
+
+
+def _count_outputs(prompt, output, args, vocab_size):
+    return torch.bincount(torch.tensor(output, dtype=torch.long), minlength=vocab_size).to(torch.int32)
+
+
+def _count_token(state, token_ids, live):
+    return state.scatter_add(1, token_ids[:, None], live[:, None].to(state.dtype))
+
+
+def _ban_repeats(x, inputs):
+    return x.masked_fill(inputs.state["seen"] >= inputs.args["times"][:, None], float("-inf"))
+
+
+def _floor(x, inputs):
+    p = torch.softmax(x, dim=-1)
+    low = p < torch.minimum(inputs.args["prob"][:, None], p.amax(dim=-1, keepdim=True))
+    return x.masked_fill(low, float("-inf"))
+
+
+def _explode(x, inputs):
+    raise RuntimeError("this stage always fails")
+
+
+CONFORMANCE_STAGES = [
+    StageSpec("conformance-ban-repeats", "after_penalties", _RepeatArgs, _ban_repeats,
+              state=(StageState("seen", torch.int32, lambda V: (V,), _count_outputs, _count_token),),
+              description="conformance suite: ban a token generated `times` times"),
+    StageSpec("conformance-floor", "after_filters", _FloorArgs, _floor,
+              description="conformance suite: drop tokens below a probability floor"),
+    StageSpec("conformance-explodes", "after_penalties", _FloorArgs, _explode,
+              description="conformance suite: a stage that raises"),
+]
+
+
+class _ConformanceStagePlugin:
+    @hookimpl
+    def corelib_stages(self):
+        return list(CONFORMANCE_STAGES)
+
+
+def _drafts_from(sequences: list[list[int]], K: int) -> torch.Tensor:
+    """int64 [rows, K]: each row's first K proposals, -1 padding."""
+    out = torch.full((len(sequences), K), -1, dtype=torch.long)
+    for row, seq in enumerate(sequences):
+        seq = seq[:K]
+        if seq:
+            out[row, : len(seq)] = torch.tensor(seq, dtype=torch.long)
+    return out
+
+
+class EngineConformance:
+    """Bitmask, verification and custom-stage checks (mixed into ``ConformanceSuite``)."""
+
+    #: rows of the rejection-sampling chi-square test (one verify call, small vocabulary)
+    verify_rows: int = 4000
+
+    # ------------------------------------------------------------------ helpers
+    def random_bitmask(self, rows: int, seed: int, density: float = 0.3,
+                       vocab_size: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(int32 packed mask, bool allowed [rows, V]) with about ``density`` of tokens allowed."""
+        V = vocab_size or self.vocab_size
+        gen = torch.Generator().manual_seed(seed)
+        allowed = torch.rand((rows, V), generator=gen) < density
+        allowed[:, 0] |= ~allowed.any(dim=-1)          # never an empty row by accident
+        return pack_bitmask(allowed), allowed
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def conformance_stages(cls):
+        """The suite's custom stages registered in the process-wide registry for the class."""
+        from ..registry import default_registry
+        registry = default_registry()
+        registry.register(_ConformanceStagePlugin(), name="corelib-conformance-stages",
+                          distribution="corelib")
+        yield [spec.name for spec in CONFORMANCE_STAGES]
+        registry.unregister("corelib-conformance-stages")
+
+    def step_logits(self, batch, step: int, seed: int = 5) -> torch.Tensor:
+        """[rows, V] logits that depend only on (request, child, position), as a model's would
+        depend on the context: equal in speculative and plain runs at the same position."""
+        rows = []
+        counts = batch.generated_counts()
+        for (rid, child), position in zip(batch.rows, counts):
+            rows.append(self.position_logits(rid, child, position + step, seed))
+        return torch.stack(rows) if rows else torch.empty(0, self.vocab_size)
+
+    def position_logits(self, rid: str, child: int, position: int, seed: int = 5) -> torch.Tensor:
+        gen = torch.Generator().manual_seed(zlib.crc32(f"{rid}/{child}/{position}/{seed}".encode()))
+        return torch.randn(self.vocab_size, generator=gen) * 2.0
+
+    def plain_run(self, sampler, requests, steps: int, eos_token_id=None) -> dict:
+        """{(request, child): tokens} of ``steps`` plain sample + append steps."""
+        batch = self.build(sampler, requests, eos_token_id=eos_token_id)
+        tokens: dict = {key: [] for key in batch.rows}
+        for _ in range(steps):
+            out = sampler.sample(self.on(sampler, self.step_logits(batch, 0)), batch)
+            for key, token in zip(batch.rows, out.token_ids.cpu().tolist()):
+                tokens[key].append(token)
+            batch.append(out.token_ids)
+        return tokens
+
+    def speculative_logits(self, batch, K: int) -> torch.Tensor:
+        """[rows, K + 1, V]: slot j holds the logits of position (generated + j)."""
+        return torch.stack([self.step_logits(batch, j) for j in range(K + 1)], dim=1)
+
+    # ------------------------------------------------------------------ bitmask
+    def test_bitmask_kept_set_matches_reference(self, sampler, reference):
+        requests = [("plain", SamplingParams(), PROMPT, None),
+                    ("allowed", SamplingParams(allowed_token_ids=list(range(0, 256, 3))), PROMPT, None),
+                    ("seeded", SamplingParams(seed=4, top_k=30, temperature=0.8), PROMPT, None),
+                    ("greedy", SamplingParams(temperature=0.0, repetition_penalty=1.3), PROMPT, [2, 2]),
+                    ("free", SamplingParams(top_p=0.9), PROMPT, None)]
+        mask, allowed = self.random_bitmask(5, seed=31)
+        mask[4] = -1                                    # an unconstrained row
+        allowed[4] = True
+        logits = self.logits(5, seed=32)
+        got = sampler.processed_logits(self.on(sampler, logits), self.build(sampler, requests),
+                                       token_bitmask=self.on(sampler, mask)).cpu()
+        want = reference.processed_logits(logits, self.build(reference, requests), token_bitmask=mask)
+        batch = self.build(reference, requests)
+        for row in range(5):
+            kept_got, kept_want = torch.isfinite(got[row]), torch.isfinite(want[row])
+            outside = torch.nonzero(kept_got & ~allowed[row]).flatten().tolist()[:10]
+            if outside:
+                violation("bitmask", f"tokens {outside} kept at {self.describe(batch, row)} although "
+                                     f"their bits are 0 in token_bitmask")
+            if not torch.equal(kept_got, kept_want):
+                extra = torch.nonzero(kept_got & ~kept_want).flatten().tolist()[:10]
+                missing = torch.nonzero(kept_want & ~kept_got).flatten().tolist()[:10]
+                violation("bitmask", f"kept set with a token bitmask differs from the reference at "
+                                     f"{self.describe(batch, row)}: kept but should drop {extra}, "
+                                     f"dropped but should keep {missing}")
+
+    def test_bitmask_tokens_outside_the_mask_are_never_drawn(self, sampler):
+        allowed_ids = [5, 7, 8, 200]
+        allowed = torch.zeros((1, self.vocab_size), dtype=torch.bool)
+        allowed[0, allowed_ids] = True
+        mask = pack_bitmask(allowed).expand(200, -1).contiguous()
+        requests = [(f"m{i}", SamplingParams(temperature=1.5, seed=i if i % 2 else None), [], None)
+                    for i in range(200)]
+        batch = self.build(sampler, requests)
+        logits = self.logits(1, seed=3).expand(200, -1).clone()
+        logits[:, 6] = 50.0            # the most likely token by far is outside the mask
+        for step in range(3):
+            ids = sampler.sample(self.on(sampler, logits), batch, token_bitmask=self.on(sampler, mask))
+            ids = ids.token_ids.cpu().tolist()
+            bad = [row for row, t in enumerate(ids) if t not in allowed_ids]
+            if bad:
+                violation("bitmask", f"token {ids[bad[0]]} drawn at {self.describe(batch, bad[0])} "
+                                     f"(step {step}); only {allowed_ids} are allowed by the "
+                                     f"token bitmask; {len(bad)} of 200 rows broke the rule")
+            batch.append(torch.tensor(ids))
+
+    def test_bitmask_on_host_or_device_and_unconstrained_rows(self, sampler):
+        requests = [(f"s{i}", SamplingParams(seed=40 + i, top_p=0.9), PROMPT, None) for i in range(4)]
+        logits = self.on(sampler, self.logits(4, seed=41))
+        plain = sampler.sample(logits, self.build(sampler, requests)).token_ids.cpu()
+        free = torch.full((4, (self.vocab_size + 31) // 32), -1, dtype=torch.int32)
+        for where, mask in (("host", free), ("device", self.on(sampler, free))):
+            got = sampler.sample(logits, self.build(sampler, requests), token_bitmask=mask).token_ids.cpu()
+            if not torch.equal(got, plain):
+                violation("bitmask", f"an all -1 token bitmask on the {where} changed seeded tokens: "
+                                     f"{got.tolist()} with it, {plain.tolist()} without")
+        mask, allowed = self.random_bitmask(4, seed=42)
+        host = sampler.sample(logits, self.build(sampler, requests), token_bitmask=mask).token_ids.cpu()
+        device = sampler.sample(logits, self.build(sampler, requests),
+                                token_bitmask=self.on(sampler, mask)).token_ids.cpu()
+        if not torch.equal(host, device):
+            violation("bitmask", f"the same token bitmask gave {host.tolist()} from the host and "
+                                 f"{device.tolist()} from the device")
+
+    def test_finished_grammar_with_min_tokens_is_flagged_not_token_zero(self, sampler):
+        eos = 6
+        only_eos = torch.zeros((2, self.vocab_size), dtype=torch.bool)
+        only_eos[0, eos] = True                         # the grammar is complete: only eos left
+        only_eos[1] = True
+        requests = [("done", SamplingParams(min_tokens=5, seed=3), PROMPT, [10, 11]),
+                    ("other", SamplingParams(seed=4), PROMPT, None)]
+        batch = self.build(sampler, requests, eos_token_id=eos)
+        logits = self.logits(2, seed=43)
+        out = sampler.sample(self.on(sampler, logits), batch,
+                             token_bitmask=self.on(sampler, pack_bitmask(only_eos)))
+        valid, ids = out.valid.cpu().tolist(), out.token_ids.cpu().tolist()
+        if valid[0] or ids[0] != -1:
+            violation("bitmask_flag", f"{self.describe(batch, 0)}: a finished grammar (only eos "
+                                      f"allowed) with min_tokens not reached leaves no token; "
+                                      f"expected a flagged row (valid False, id -1), got valid "
+                                      f"{valid[0]}, token {ids[0]}")
+        if not valid[1] or not 0 <= ids[1] < self.vocab_size:
+            violation("bitmask_flag", f"the flagged row changed {self.describe(batch, 1)}: valid "
+                                      f"{valid[1]}, token {ids[1]}")
+
+    def test_raw_logprobs_come_before_the_bitmask(self, sampler, reference):
+        requests = [("lp", SamplingParams(seed=5, logprobs=3), PROMPT, None)]
+        mask, _ = self.random_bitmask(1, seed=44)
+        logits = self.logits(1, seed=45)
+        got = sampler.sample(self.on(sampler, logits), self.build(sampler, requests),
+                             token_bitmask=self.on(sampler, mask))
+        want = torch.log_softmax(logits, dim=-1).topk(3)
+        top = got.logprobs.token_ids[0, 1:].cpu()
+        if not torch.equal(top, want.indices[0]):
+            violation("bitmask", f"raw logprobs must come from the logits before the mask: top-3 "
+                                 f"ids {top.tolist()}, expected {want.indices[0].tolist()}")
+
+    @pytest.mark.parametrize("case", ["float32", "int64", "bool", "width", "rows", "3d"])
+    def test_bad_bitmasks_raise_value_error(self, sampler, case):
+        requests = [("a", SamplingParams(), [], None), ("b", SamplingParams(), [], None)]
+        W = (self.vocab_size + 31) // 32
+        good = torch.full((2, W), -1, dtype=torch.int32)
+        bad, fragment = {
+            "float32": (good.float(), "int32"), "int64": (good.long(), "int32"),
+            "bool": (torch.ones((2, W), dtype=torch.bool), "int32"),
+            "width": (torch.full((2, W + 1), -1, dtype=torch.int32), str(W)),
+            "rows": (torch.full((3, W), -1, dtype=torch.int32), "2 rows"),
+            "3d": (torch.full((2, 1, W), -1, dtype=torch.int32), "token_bitmask"),
+        }[case]
+        batch = self.build(sampler, requests)
+        with pytest.raises(ValueError) as error:
+            sampler.sample(self.on(sampler, self.logits(2, seed=46)), batch, token_bitmask=self.on(sampler, bad))
+        if "token_bitmask" not in str(error.value) or fragment not in str(error.value):
+            violation("bitmask_args", f"a {case} token_bitmask raised {error.value!r}; the message "
+                                      f"must name token_bitmask and the problem ({fragment!r})")
+
+    # ------------------------------------------------------------------ verification
+    def test_verify_with_no_drafts_equals_sample(self, sampler):
+        requests = [("s", SamplingParams(seed=7, **EVERY_STAGE), PROMPT, None),
+                    ("g", SamplingParams(temperature=0.0, repetition_penalty=1.3), PROMPT, [2]),
+                    ("n", SamplingParams(seed=8, n=2, top_k=5), PROMPT, None)]
+        logits = self.logits(4, seed=47)
+        batch = self.build(sampler, requests, eos_token_id=6)
+        want = sampler.sample(self.on(sampler, logits), batch).token_ids.cpu()
+        out = sampler.verify(self.on(sampler, logits[:, None]), self.build(sampler, requests, eos_token_id=6),
+                             self.on(sampler, torch.empty((4, 0), dtype=torch.long)))
+        got = out.token_ids.cpu()
+        if tuple(got.shape) != (4, 1) or not torch.equal(got[:, 0], want) or out.num_emitted.cpu().tolist() != [1] * 4:
+            violation("verify_k0", f"verify with K = 0 gave {got.tolist()} (num_emitted "
+                                   f"{out.num_emitted.cpu().tolist()}), sample gave {want.tolist()}")
+
+    def _speculative_run(self, sampler, requests, steps: int, K: int, truth: dict,
+                         eos_token_id=None, corrupt: int = 3) -> dict:
+        """Tokens of verify + append steps until every row has ``steps`` tokens. Drafts come
+        from ``truth`` (the plain run), every ``corrupt``-th proposal wrong and some rows
+        proposing fewer than K."""
+        batch = self.build(sampler, requests, eos_token_id=eos_token_id)
+        tokens: dict = {key: [] for key in batch.rows}
+        for call in range(steps):
+            if all(len(v) >= steps for v in tokens.values()):
+                break
+            proposals = []
+            for row, key in enumerate(batch.rows):
+                done = len(tokens[key])
+                seq = list(truth[key][done:done + K])
+                for j in range(len(seq)):
+                    if (row + call + j) % corrupt == corrupt - 1:
+                        seq[j] = (seq[j] + 1) % self.vocab_size
+                proposals.append(seq[: K - (row % 2)])
+            drafts = _drafts_from(proposals, K)
+            out = sampler.verify(self.on(sampler, self.speculative_logits(batch, K)), batch,
+                                 self.on(sampler, drafts))
+            emitted = out.token_ids.cpu()
+            for row, key in enumerate(batch.rows):
+                count = int(out.num_emitted[row])
+                tokens[key].extend(emitted[row, :count].tolist())
+            batch.append(out.token_ids)
+        return {key: v[:steps] for key, v in tokens.items()}
+
+    @pytest.mark.parametrize("K", [1, 3])
+    def test_verify_keeps_seeded_and_greedy_tokens_of_plain_sampling(self, sampler, K):
+        requests = [("every", SamplingParams(seed=21, **EVERY_STAGE), PROMPT, None),
+                    ("kids", SamplingParams(seed=22, n=2, temperature=1.1, top_p=0.9,
+                                            presence_penalty=0.5), PROMPT, None),
+                    ("greedy", SamplingParams(temperature=0.0, repetition_penalty=1.4,
+                                              dry_multiplier=1.0, bad_words=[[3, 3]]), PROMPT, None),
+                    ("plain", SamplingParams(seed=23), [], None)]
+        steps = 8
+        truth = self.plain_run(sampler, requests, steps, eos_token_id=6)
+        got = self._speculative_run(sampler, requests, steps, K, truth, eos_token_id=6)
+        for key, want in truth.items():
+            if got[key] != want:
+                step = next(i for i, (a, b) in enumerate(zip(got[key], want)) if a != b)
+                violation("verify_seeded", f"{self.describe_request(requests, *key)} emitted "
+                                           f"{got[key]} through verify (K={K}), {want} through "
+                                           f"sample (first difference at position {step})")
+
+    def test_verify_applies_every_stage_at_every_slot(self, sampler):
+        requests = [("every", SamplingParams(seed=31, logprobs=4, **EVERY_STAGE), PROMPT, [9, 1]),
+                    ("greedy", SamplingParams(temperature=0.0, logprobs=4, frequency_penalty=1.0,
+                                              min_tokens=2, dry_multiplier=2.0), PROMPT, [2])]
+        K = 3
+        drafts = torch.tensor([[5, 1, 5], [2, 2, 9]])
+        verify_batch = self.build(sampler, requests, eos_token_id=6, logprobs_mode="processed")
+        logits = self.speculative_logits(verify_batch, K)
+        got = sampler.verify(self.on(sampler, logits), verify_batch, self.on(sampler, drafts))
+        for j in range(K + 1):
+            batch = self.build(sampler, requests, eos_token_id=6, logprobs_mode="processed")
+            for i in range(j):
+                batch.append(drafts[:, i])
+            want = sampler.sample(self.on(sampler, logits[:, j]), batch)
+            for row in range(2):
+                g_ids = got.logprobs.token_ids[row, j, 1:].cpu()
+                w_ids = want.logprobs.token_ids[row, 1:].cpu()
+                g_lp = got.logprobs.logprobs[row, j, 1:].cpu()
+                w_lp = want.logprobs.logprobs[row, 1:].cpu()
+                if not torch.equal(g_ids, w_ids) or not torch.allclose(g_lp, w_lp, atol=1e-4, rtol=1e-4):
+                    violation("verify_slots",
+                              f"slot {j} of {self.describe(batch, row)}: the target distribution "
+                              f"(processed top-4 {g_ids.tolist()} {g_lp.tolist()}) differs from "
+                              f"sample after appending drafts {drafts[row, :j].tolist()} "
+                              f"({w_ids.tolist()} {w_lp.tolist()})")
+
+    def test_verify_matches_reference(self, sampler, reference):
+        requests = [("every", SamplingParams(seed=41, logprobs=2, **EVERY_STAGE), PROMPT, [9]),
+                    ("greedy", SamplingParams(temperature=0.0, logprobs=2, top_k=3), PROMPT, None),
+                    ("topk", SamplingParams(seed=42, n=2, top_k=8, logprobs=2), PROMPT, None),
+                    ("short", SamplingParams(seed=43, logprobs=2), [], None)]
+        K = 3
+        gen = torch.Generator().manual_seed(48)
+        probe = self.build(reference, requests, eos_token_id=6)
+        logits = self.speculative_logits(probe, K) * 1.5
+        greedy = torch.argmax(logits, dim=-1)
+        drafts = torch.randint(0, self.vocab_size, (5, K), generator=gen)
+        drafts[1] = greedy[1, :K]                       # the greedy row's drafts are right
+        drafts[4, 1:] = -1                              # one proposal only
+        q = torch.softmax(torch.randn((5, K, self.vocab_size), generator=gen), dim=-1)
+        mask, _ = self.random_bitmask(5 * (K + 1), seed=49, density=0.6)
+        mask = mask.view(5, K + 1, -1)
+        for probs in (None, q):
+            kind = "with draft_probs" if probs is not None else "without draft_probs"
+            got = sampler.verify(self.on(sampler, logits), self.build(sampler, requests, eos_token_id=6),
+                                 self.on(sampler, drafts), None if probs is None else self.on(sampler, probs),
+                                 token_bitmask=self.on(sampler, mask))
+            want = reference.verify(logits, self.build(reference, requests, eos_token_id=6), drafts,
+                                    probs, token_bitmask=mask)
+            batch = self.build(reference, requests)
+            for row in range(5):
+                g, w = got.token_ids[row].cpu(), want.token_ids[row]
+                if not torch.equal(g, w) or int(got.num_emitted[row]) != int(want.num_emitted[row]):
+                    violation("verify_reference", f"{kind}, {self.describe(batch, row)} with drafts "
+                                                  f"{drafts[row].tolist()}: emitted {g.tolist()}, "
+                                                  f"reference {w.tolist()}")
+                n = int(want.num_emitted[row])
+                g_lp = got.logprobs.logprobs[row, :n].cpu()
+                w_lp = want.logprobs.logprobs[row, :n]
+                if tuple(got.logprobs.token_ids.shape) != (5, K + 1, 3) or not torch.allclose(
+                        g_lp, w_lp, atol=1e-4, rtol=1e-4):
+                    violation("verify_reference", f"{kind}, logprobs of {self.describe(batch, row)} "
+                                                  f"differ: {g_lp.tolist()}, reference {w_lp.tolist()} "
+                                                  f"(shape {tuple(got.logprobs.token_ids.shape)}, "
+                                                  f"expected {(5, K + 1, 3)})")
+
+    @pytest.mark.parametrize("seeded", [False, True], ids=["unseeded", "seeded"])
+    def test_verify_rejection_sampling_keeps_the_target_distribution(self, sampler, seeded):
+        V, K, R = 16, 2, self.verify_rows
+        gen = torch.Generator().manual_seed(50 + seeded)
+        target = torch.randn((K + 1, V), generator=gen) * 1.2
+        q = torch.softmax(torch.randn((K, V), generator=gen) * 1.2, dim=-1)   # deliberately off
+        p = torch.softmax(target, dim=-1)
+        drafts = torch.stack([torch.multinomial(q[j], R, replacement=True, generator=gen)
+                              for j in range(K)], dim=1)
+        batch = sampler.new_batch(V)
+        for i in range(R):
+            batch.add(f"v{i}", SamplingParams(seed=1000 + i if seeded else None))
+        torch.manual_seed(51)
+        out = sampler.verify(self.on(sampler, target.expand(R, -1, -1).contiguous()), batch,
+                             self.on(sampler, drafts), self.on(sampler, q.expand(R, -1, -1).contiguous()))
+        ids, count = out.token_ids.cpu(), out.num_emitted.cpu()
+        what = f"{R} rows, V={V}, K={K}, {'seeded' if seeded else 'unseeded'}"
+        first = torch.bincount(ids[:, 0], minlength=V)
+        p_value = chi_square_p_value(first, p[0])
+        if not p_value > self.min_p_value:
+            violation("verify_distribution", f"the first emitted token does not follow the target "
+                                             f"p at slot 0 (chi-square p={p_value:.2e}; {what})")
+        second = torch.bincount(ids[count >= 2, 1], minlength=V)
+        p_value = chi_square_p_value(second, p[1])
+        if not p_value > self.min_p_value:
+            violation("verify_distribution", f"the second emitted token does not follow the target "
+                                             f"p at slot 1 (chi-square p={p_value:.2e}; {what})")
+        accepted = (count >= 2).double().mean()
+        expected = torch.minimum(p[0], q[0]).sum().double()
+        sigma = (expected * (1 - expected) / R).sqrt()
+        if (accepted - expected).abs() > 5 * sigma:
+            violation("verify_acceptance", f"draft 0 was accepted in {float(accepted):.4f} of rows, "
+                                           f"expected sum(min(p, q)) = {float(expected):.4f} "
+                                           f"(tolerance 5 sigma = {float(5 * sigma):.4f}; {what})")
+
+    def test_verify_stops_at_a_slot_without_tokens(self, sampler):
+        requests = [("nan", SamplingParams(seed=1), PROMPT, None),
+                    ("masked", SamplingParams(temperature=0.0), PROMPT, None),
+                    ("ok", SamplingParams(temperature=0.0), PROMPT, None)]
+        K = 3
+        logits = self.logits(3 * (K + 1), seed=52).view(3, K + 1, -1)
+        logits[0, 0, 5] = float("nan")                 # slot 0 has no token: flagged
+        drafts = torch.argmax(logits, dim=-1)[:, :K]    # greedy drafts: all right
+        mask = torch.full((3, K + 1, (self.vocab_size + 31) // 32), -1, dtype=torch.int32)
+        mask[1, 2] = 0                                  # row 1's slot 2 allows nothing
+        out = sampler.verify(self.on(sampler, logits), self.build(sampler, requests),
+                             self.on(sampler, drafts), token_bitmask=self.on(sampler, mask))
+        ids, count, valid = out.token_ids.cpu(), out.num_emitted.cpu().tolist(), out.valid.cpu().tolist()
+        batch = self.build(sampler, requests)
+        if valid[0] or count[0] != 0 or ids[0].tolist() != [-1] * (K + 1):
+            violation("verify_flags", f"{self.describe(batch, 0)} has NaN logits at slot 0: expected "
+                                      f"a flagged row (valid False, num_emitted 0, ids -1), got "
+                                      f"{valid[0]}, {count[0]}, {ids[0].tolist()}")
+        if not valid[1] or count[1] != 2 or ids[1].tolist() != drafts[1, :2].tolist() + [-1, -1]:
+            violation("verify_flags", f"{self.describe(batch, 1)}: slot 2 allows no token, so the "
+                                      f"row emits its two accepted drafts {drafts[1, :2].tolist()} and "
+                                      f"stops; got {ids[1].tolist()} (num_emitted {count[1]})")
+        want = torch.argmax(logits[2], dim=-1).tolist()
+        if count[2] != K + 1 or ids[2].tolist() != want:
+            violation("verify_flags", f"{self.describe(batch, 2)} with correct greedy drafts must emit "
+                                      f"{want}, got {ids[2].tolist()} (a bad row changed another?)")
+
+    @pytest.mark.parametrize("case", ["logits_2d", "k_mismatch", "float_ids", "probs_shape",
+                                      "id_out_of_range", "padding_gap", "probs_int"])
+    def test_bad_verify_arguments_raise_value_error(self, sampler, case):
+        requests = [("a", SamplingParams(seed=1), [], None), ("b", SamplingParams(seed=2), [], None)]
+        V, K = self.vocab_size, 2
+        logits = self.logits(2 * (K + 1), seed=53).view(2, K + 1, V)
+        drafts = torch.tensor([[1, 2], [3, -1]])
+        probs = torch.full((2, K, V), 1.0 / V)
+        args = {
+            "logits_2d": (logits[:, 0], drafts, None, "logits"),
+            "k_mismatch": (logits, drafts[:, :1], None, "draft_token_ids"),
+            "float_ids": (logits, drafts.float(), None, "draft_token_ids"),
+            "probs_shape": (logits, drafts, probs[:, :1], "draft_probs"),
+            "id_out_of_range": (logits, torch.tensor([[1, V], [3, -1]]), None, "draft_token_ids"),
+            "padding_gap": (logits, torch.tensor([[-1, 2], [3, -1]]), None, "draft_token_ids"),
+            "probs_int": (logits, drafts, probs.long(), "draft_probs"),
+        }
+        bad_logits, bad_drafts, bad_probs, name = args[case]
+        if case in ("id_out_of_range", "padding_gap") and sampler.device.type != "cpu":
+            pytest.skip("draft ids on an accelerator are checked per row (flagged), not raised")
+        batch = self.build(sampler, requests)
+        with pytest.raises(ValueError) as error:
+            sampler.verify(self.on(sampler, bad_logits), batch, self.on(sampler, bad_drafts),
+                           None if bad_probs is None else self.on(sampler, bad_probs))
+        if name not in str(error.value):
+            violation("verify_args", f"verify with bad {case} raised {error.value!r}, which does "
+                                     f"not name {name}")
+        if batch.generated_counts() != [0, 0]:
+            violation("verify_args", "a rejected verify call changed the batch")
+
+    def test_bad_draft_probabilities_flag_only_their_row(self, sampler):
+        requests = [("neg", SamplingParams(seed=1), [], None), ("nan", SamplingParams(seed=2), [], None),
+                    ("ok", SamplingParams(seed=3), [], None)]
+        V, K = self.vocab_size, 2
+        logits = self.logits(3 * (K + 1), seed=54).view(3, K + 1, V)
+        drafts = torch.tensor([[1, 2], [3, 4], [5, 6]])
+        probs = torch.full((3, K, V), 1.0 / V)
+        probs[0, 1, 7] = -0.5
+        probs[1, 0, 9] = float("nan")
+        got = sampler.verify(self.on(sampler, logits), self.build(sampler, requests),
+                             self.on(sampler, drafts), self.on(sampler, probs))
+        clean = probs.clone()
+        clean[:2] = 1.0 / V
+        want = sampler.verify(self.on(sampler, logits), self.build(sampler, requests),
+                              self.on(sampler, drafts), self.on(sampler, clean))
+        valid = got.valid.cpu().tolist()
+        if valid[:2] != [False, False] or got.num_emitted.cpu().tolist()[:2] != [0, 0]:
+            violation("verify_flags", f"rows with negative or NaN draft probabilities must be "
+                                      f"flagged (valid False, num_emitted 0); got valid {valid}")
+        if not torch.equal(got.token_ids[2].cpu(), want.token_ids[2].cpu()):
+            violation("verify_flags", f"bad draft probabilities of other rows changed row 2: "
+                                      f"{got.token_ids[2].tolist()} vs {want.token_ids[2].tolist()}")
+
+    # ------------------------------------------------------------------ custom stages
+    def _stage_requests(self):
+        return [("ban", SamplingParams(seed=61, stage_args={"conformance-ban-repeats": {"times": 1}}),
+                 PROMPT, [3, 4]),
+                ("floor", SamplingParams(seed=62, top_k=50,
+                                         stage_args={"conformance-floor": {"prob": 0.03}}), PROMPT, None),
+                ("both", SamplingParams(seed=63, n=2, stage_args={"conformance-ban-repeats": {"times": 2},
+                                                                  "conformance-floor": {"prob": 0.01}}),
+                 PROMPT, None),
+                ("none", SamplingParams(seed=64), PROMPT, None),
+                ("greedy", SamplingParams(temperature=0.0,
+                                          stage_args={"conformance-ban-repeats": {"times": 1}}), PROMPT, None)]
+
+    def test_custom_stages_match_reference(self, sampler, reference, conformance_stages):
+        requests = self._stage_requests()
+        got = self._run_steps(sampler, self.build(sampler, requests), steps=6)
+        want = self._run_steps(reference, self.build(reference, requests), steps=6)
+        for key in want:
+            if got.get(key) != want[key]:
+                violation("custom_stage", f"{self.describe_request(requests, *key)} drew "
+                                          f"{got.get(key)}, reference {want[key]} "
+                                          f"({self._first_difference(got.get(key, []), want[key])})")
+        banned = got[("ban", 0)]
+        if len(set(banned)) != len(banned) or {3, 4} & set(banned):
+            violation("custom_stage", f"request 'ban' (times=1, output [3, 4]) repeated a token: "
+                                      f"{banned}")
+
+    def test_custom_stage_state_moves_and_resumes(self, sampler, conformance_stages):
+        requests = self._stage_requests()
+        straight = self._run_steps(sampler, self.build(sampler, requests), steps=6)
+        batch = self.build(sampler, requests)
+        before = self._run_steps(sampler, batch, steps=3)
+        batch.remove("floor")                              # rows after it move into its place
+        batch.remove("ban")
+        batch.add("ban", requests[0][1], prompt_token_ids=PROMPT,
+                  output_token_ids=[3, 4] + before[("ban", 0)])    # resumed mid-generation
+        after = self._run_steps(sampler, batch, steps=3, first_step=3)
+        for key, tokens in after.items():
+            if before[key] + tokens != straight[key]:
+                violation("custom_stage", f"{self.describe_request(requests, *key)} drew "
+                                          f"{before[key] + tokens} across a removal and a resumption, "
+                                          f"{straight[key]} uninterrupted")
+
+    def test_failing_custom_stage_raises_and_leaves_the_batch(self, sampler, conformance_stages):
+        requests = [("ok", SamplingParams(seed=1), PROMPT, None),
+                    ("boom", SamplingParams(seed=2, stage_args={"conformance-explodes": {}}), PROMPT, None)]
+        batch = self.build(sampler, requests)
+        with pytest.raises(StageError) as error:
+            sampler.sample(self.on(sampler, self.logits(2, seed=55)), batch)
+        if "conformance-explodes" not in str(error.value):
+            violation("custom_stage", f"a failing stage must raise StageError naming it, got {error.value!r}")
+        if batch.generated_counts() != [0, 0]:
+            violation("custom_stage", "a failing stage changed the batch")
+        batch.remove("boom")
+        out = sampler.sample(self.on(sampler, self.logits(1, seed=55)), batch)
+        if not bool(out.valid.all()):
+            violation("custom_stage", "after removing the failing stage's request, sampling failed")
+
+    def test_verify_advances_custom_stage_state(self, sampler, conformance_stages):
+        requests = [("ban", SamplingParams(seed=71, top_k=4,
+                                           stage_args={"conformance-ban-repeats": {"times": 1}}), PROMPT, None)]
+        truth = self.plain_run(sampler, requests, steps=6)
+        got = self._speculative_run(sampler, requests, 6, 3, truth, corrupt=4)
+        if got != truth:
+            violation("verify_slots", f"request 'ban' (a custom stage with state) emitted "
+                                      f"{got[('ban', 0)]} through verify, {truth[('ban', 0)]} through sample")
