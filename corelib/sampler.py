@@ -193,8 +193,7 @@ class Sampler:
         """
         drafts = self.check_drafts(logits, batch, draft_token_ids, draft_probs)
         B, S, V = logits.shape
-        s = batch.speculative_state(drafts.token_ids)
-        s = self.with_bitmask(s, batch, token_bitmask, slots=S)
+        s = self.with_bitmask(self.speculative_step_state(batch, drafts), batch, token_bitmask, slots=S)
         if B == 0:
             return self.empty_verify_output(s, S)
         return self.verify_state(logits.reshape(B * S, V), batch, s, drafts)
@@ -266,6 +265,11 @@ class Sampler:
         if batch.device.type != self.device.type:
             raise ValueError(f"batch lives on {batch.device}, but sampler {self.name!r} runs on {self.device}")
         return batch.step_state()
+
+    def speculative_step_state(self, batch: SamplingBatch, drafts: Drafts) -> StepState:
+        """The step state of ``verify`` (``batch.speculative_state``: ``B (K+1)`` virtual rows);
+        a backend that extends ``step_state`` extends this the same way."""
+        return batch.speculative_state(drafts.token_ids)
 
     def with_bitmask(self, s: StepState, batch: SamplingBatch,
                      token_bitmask: Optional[torch.Tensor], slots: Optional[int] = None) -> StepState:

@@ -111,7 +111,7 @@ def test_seeded_failure_names_request_child_params_and_position():
 
 def test_batch_composition_failure_names_the_row_place():
     with fails_with("contract seeded draws (independent of batch size", "request 's-",
-                    "params SamplingParams(", "at row", "of a mixed batch of 12 rows"):
+                    "params SamplingParams(", "at row", "of a mixed batch of 13 rows"):
         suite.test_seeded_tokens_independent_of_batch_composition(NoiseKeyedByRowPlace("cpu"))
 
 
@@ -122,9 +122,9 @@ def test_masked_draw_failure_names_row_and_params():
 
 
 def test_removal_failure_names_the_moved_row():
-    # s-n3 child 2 (the last row) moves into s-topk's place and must keep its own state.
-    with fails_with("contract continuous batching", "request 's-n3' child 2",
-                    "params SamplingParams(n=3, temperature=1.1, seed=15)", "now at row 1"):
+    # s-more (the last row) moves into s-topk's place and must keep its own state.
+    with fails_with("contract continuous batching", "request 's-more' child 0",
+                    "params SamplingParams(seed=16, dry_multiplier=1.2", "now at row 1"):
         suite.test_remove_keeps_other_rows_state(StaleRowsOnRemove("cpu"))
 
 
@@ -215,12 +215,19 @@ def test_renamed_template_builds_installs_and_passes_its_tests(tmp_path):
     # The plugin's own tests: discovery, its stage, and the whole conformance kit.
     tests = run([py, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--rootdir", str(source),
                  str(source / "tests")], cwd=tmp_path, env=env)
-    assert re.search(r"\b4[0-9] passed\b", tests.stdout), tests.stdout[-2000:]
+    assert passed_count(tests.stdout) >= 80 and "failed" not in tests.stdout, tests.stdout[-2000:]
     # The kit's one-line form, on the freshly installed backend.
     kit = run([py, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--pyargs",
                "corelib.testing.suite", "--corelib-backend", name, "-k", "kept_set or greedy"],
               cwd=tmp_path, env=env)
-    assert re.search(r"\b1[0-9] passed\b", kit.stdout) and "skipped" not in kit.stdout, kit.stdout[-2000:]
+    assert passed_count(kit.stdout) >= 20 and "skipped" not in kit.stdout, kit.stdout[-2000:]
+    assert "failed" not in kit.stdout, kit.stdout[-2000:]
+
+
+def passed_count(output: str) -> int:
+    """The ``N passed`` of a pytest summary line (0 when absent)."""
+    found = re.search(r"\b(\d+) passed\b", output)
+    return int(found.group(1)) if found else 0
 
 
 # ---------------------------------------------------------------------- the docs
