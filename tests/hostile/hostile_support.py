@@ -1,7 +1,7 @@
 """Shared pieces of the hostile-input suite: backends to run, an independent oracle of the
 contract's masking and penalty stages, batch builders and comparisons, memory probes.
 
-The oracle is written from ``/work/shared/CONTRACT.md`` alone (plain Python loops over one
+The oracle is written from the contract (``docs/contract.md``) alone (plain Python loops over one
 row), so it does not share a line of code with any backend it checks.
 """
 
