@@ -864,6 +864,14 @@ class SamplingBatch:
             "min_tokens": min(params.min_tokens, _INT32_MAX),
             "seeded": params.seed is not None,
             "greedy": params.is_greedy,
+            "dry_multiplier": params.dry_multiplier,
+            "dry_base": params.dry_base,
+            "dry_allowed_length": min(params.dry_allowed_length, _INT32_MAX),
+            "dry_range": min(params.dry_range, _INT32_MAX),
+            "top_n_sigma": params.top_n_sigma,
+            "typical_p": params.typical_p,
+            "xtc_threshold": params.xtc_threshold,
+            "xtc_probability": params.xtc_probability,
         }
         for name, value in scalar_values.items():
             t[name][sl] = value
