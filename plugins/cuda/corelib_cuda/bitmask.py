@@ -33,7 +33,7 @@ def apply_token_bitmask_(x: torch.Tensor, words: torch.Tensor) -> torch.Tensor:
     kernel = triton_kernel() if x.is_cuda and x.stride(-1) == 1 else None
     if kernel is None:
         return torch_apply_token_bitmask_(x, words)
-    return kernel(x, words)
+    return kernel(x, words if words.stride(-1) == 1 else words.contiguous())
 
 
 def torch_apply_token_bitmask_(x: torch.Tensor, words: torch.Tensor) -> torch.Tensor:

@@ -16,9 +16,9 @@ Imported only when a sampler on a GPU chooses the FlashInfer path. Facts this re
   ``rows * V`` for ``sampling_from_logits``; this module advances its offset tensor the same.
 - ``chain_speculative_sampling(draft_probs [B, K, V], draft_token_ids [B, K], target_probs
   [B, K + 1, V], maybe_output_accepted_token_num, maybe_output_emitted_draft_token_num, ...,
-  seed, offset)`` returns int32 ``[B, K + 1]`` (accepted drafts, then the residual or bonus
-  draw, then -1) and adds each row's emitted draft count (its first rejected slot, ``pos``) to
-  the last tensor in place. Draft d at slot j passes when ``u * q(d) < p(d)``, the rule of the
+  seed, offset)`` returns (int32 ``[B, K + 1]`` ids: accepted drafts, then the residual or
+  bonus draw, then -1; the accepted count; the emitted draft count, each row's first rejected
+  slot ``pos``), the two counts added into the tensors passed in. Draft d at slot j passes when ``u * q(d) < p(d)``, the rule of the
   contract; one seed for the batch (the row picks the Philox subsequence), so seeded rows
   never come here. It reads ``draft_token_ids`` as indices without checking them, and it has no
   notion of a row with fewer than K drafts: ``verify`` below clamps the ids and leaves slots
@@ -86,7 +86,7 @@ class FlashInferDraw:
         safe = torch.where((ids >= 0) & (ids < V), ids, 0).to(torch.int32)
         emitted = torch.zeros(B, dtype=torch.int32, device=ids.device)
         accepted = torch.zeros(B, dtype=torch.int32, device=ids.device)
-        out = self._sampling.chain_speculative_sampling(
+        out, _, emitted = self._sampling.chain_speculative_sampling(
             drafts.probs, safe, target_probs, accepted, emitted,
             seed=self.seed, offset=self.offset)
         self._advance(B * (K + 2))
