@@ -14,7 +14,7 @@ from corelib import Sampler, SamplingParams
 from corelib.testing import chi_square_p_value
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from corelib_cuda import CudaBatch, CudaSampler
+from corelib_cuda import CudaBatch, CudaSampler, GraphedSampler
 from corelib_cuda.sync_check import HostSyncError, no_host_sync
 
 V = 2048
@@ -182,19 +182,29 @@ FULL = dict(temperature=0.7, top_k=50, top_p=0.9, min_p=0.01, repetition_penalty
             bad_words=[[4], [8, 10]], logprobs=5)
 
 
+NEW_SAMPLERS = dict(dry_multiplier=0.8, dry_allowed_length=1, dry_sequence_breakers=[3],
+                    top_n_sigma=2.0, typical_p=0.9, xtc_probability=0.5, xtc_threshold=0.01,
+                    top_k=30)
+
+
 @pytest.mark.parametrize("mode", ["raw", "processed"])
 def test_a_full_step_reads_nothing_on_the_host(sampler, mode):
     requests = [("full", SamplingParams(**FULL), [1, 2, 3], None),
                 ("seeded", SamplingParams(**FULL, seed=5), [1], [4, 8]),
                 ("greedy", SamplingParams(temperature=0.0, logprobs=2), [], None),
-                ("top_p", SamplingParams(top_p=0.8, n=2), [], None)]
+                ("top_p", SamplingParams(top_p=0.8, n=2), [], None),
+                ("new", SamplingParams(**NEW_SAMPLERS, seed=6), [1, 2, 1, 2], [1]),
+                ("new-unseeded", SamplingParams(**NEW_SAMPLERS), [3, 4, 3], None)]
     batch = build(sampler, requests, eos_token_id=9, logprobs_mode=mode)
     logits = torch.randn(len(batch), V)
+    mask = torch.full((len(batch), V // 32), -1, dtype=torch.int32)
+    mask[0, :5] = 0
     sampler.sample(logits, batch)                         # warm caches (request index, flags)
     with no_host_sync():
         out = sampler.sample(logits, batch)
         per_request = sampler.sample(logits[: batch.num_requests], batch)
-    assert out.token_ids.shape == per_request.token_ids.shape == (5,)
+        masked = sampler.sample(logits, batch, token_bitmask=mask)
+    assert out.token_ids.shape == per_request.token_ids.shape == masked.token_ids.shape == (7,)
 
 
 def test_the_detector_catches_host_reads(sampler):
@@ -338,24 +348,24 @@ def test_verify_and_append_read_nothing_on_the_host_with_device_tensors():
     not on the host, so the code takes its accelerator branches (draft and appended ids are
     not validated on the host), and no value can be read at all."""
     meta = CudaSampler("meta", use_flashinfer=False)
-    requests = [("full", SamplingParams(**FULL, dry_multiplier=0.5, typical_p=0.9, xtc_probability=0.5),
-                 [1, 2, 3], None),
+    requests = [("full", SamplingParams(**dict(FULL, **NEW_SAMPLERS)), [1, 2, 3], None),
                 ("seeded", SamplingParams(**FULL, seed=5), [1], [4, 8]),
                 ("greedy", SamplingParams(temperature=0.0, logprobs=2), [], None)]
-    batch = build(meta, requests, eos_token_id=9)
     K = 4
-    with no_host_sync():
-        for with_probs in (False, True):
-            logits = torch.randn(3, K + 1, V, device="meta")
-            drafts = torch.zeros(3, K, dtype=torch.long, device="meta")
-            probs = torch.rand(3, K, V, device="meta") if with_probs else None
-            mask = torch.zeros(3, K + 1, V // 32, dtype=torch.int32, device="meta")
-            out = meta.verify(logits, batch, drafts, probs, token_bitmask=mask)
-            batch.append(out.token_ids)
-            step = meta.sample(torch.randn(3, V, device="meta"), batch,
-                               token_bitmask=torch.zeros(3, V // 32, dtype=torch.int32, device="meta"))
-            batch.append(step.token_ids)
-    assert out.token_ids.shape == (3, K + 1) and out.logprobs.token_ids.shape == (3, K + 1, 6)
+    for runner in (meta, GraphedSampler(meta, sizes=(4,), use_graphs=False)):
+        batch = build(runner, requests, eos_token_id=9)
+        with no_host_sync():
+            for with_probs in (False, True):
+                logits = torch.randn(3, K + 1, V, device="meta")
+                drafts = torch.zeros(3, K, dtype=torch.long, device="meta")
+                probs = torch.rand(3, K, V, device="meta") if with_probs else None
+                mask = torch.zeros(3, K + 1, V // 32, dtype=torch.int32, device="meta")
+                out = runner.verify(logits, batch, drafts, probs, token_bitmask=mask)
+                batch.append(out.token_ids)
+                step = runner.sample(torch.randn(3, V, device="meta"), batch,
+                                     token_bitmask=torch.zeros(3, V // 32, dtype=torch.int32, device="meta"))
+                batch.append(step.token_ids)
+        assert out.token_ids.shape == (3, K + 1) and out.logprobs.token_ids.shape == (3, K + 1, 6)
 
 
 def test_a_short_row_with_draft_probs_emits_its_slot_draw(sampler, reference):
