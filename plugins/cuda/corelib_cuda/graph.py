@@ -204,7 +204,7 @@ class GraphedSampler:
         P, S, V = inputs["logits"].shape
         drafts = Drafts(inputs["draft_ids"], inputs["draft_count"], inputs.get("draft_probs"),
                         inputs["draft_usable"])
-        s = with_bounds(batch.speculative_state(drafts.token_ids, num_rows=P), batch)
+        s = self.sampler.speculative_step_state(batch, drafts, num_rows=P)
         s = dataclasses.replace(s, any_min_tokens=graph_state.any_min_tokens, bounds=graph_state.bounds)
         if "bitmask" in inputs:
             s = dataclasses.replace(s, token_bitmask=inputs["bitmask"], any_bitmask=True)

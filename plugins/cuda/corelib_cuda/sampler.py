@@ -42,9 +42,12 @@ from .bitmask import apply_token_bitmask_, bitmask_path
 
 @dataclass
 class CudaStepState(StepState):
-    """``StepState`` plus the batch's host-side filter bounds (None: unknown, so sort)."""
+    """``StepState`` plus the batch's host-side filter bounds (None: unknown, so sort), and
+    whether the final logits must be complete even where FlashInfer draws (a verify step with
+    draft probabilities reads them for the ratio test)."""
 
     bounds: Optional[FilterBounds] = None
+    final_needed: bool = False
 
 
 class CudaSampler(Sampler):
@@ -118,8 +121,17 @@ class CudaSampler(Sampler):
     def step_state(self, logits: torch.Tensor, batch: SamplingBatch) -> StepState:
         return with_bounds(super().step_state(logits, batch), batch)
 
-    def speculative_step_state(self, batch: SamplingBatch, drafts: Drafts) -> StepState:
-        return with_bounds(super().speculative_step_state(batch, drafts), batch)
+    def speculative_step_state(self, batch: SamplingBatch, drafts: Drafts,
+                               num_rows: Optional[int] = None) -> StepState:
+        """The verify step's state (``batch.speculative_state``) with the filter bounds, and
+        the final logits marked as needed when the drafts carry probabilities. ``num_rows``:
+        a padded row count (the graph runner's buckets; drafts then have that many rows)."""
+        if num_rows is None:
+            s = super().speculative_step_state(batch, drafts)
+        else:
+            s = batch.speculative_state(drafts.token_ids, num_rows=num_rows)
+        s = with_bounds(s, batch)
+        return dataclasses.replace(s, final_needed=drafts.probs is not None)
 
     def flashinfer_draws(self, s: StepState) -> bool:
         """Whether FlashInfer draws this step's unseeded rows. Its kernels fuse steps 12-14, so
@@ -135,14 +147,16 @@ class CudaSampler(Sampler):
         The torch path is the template's ``filter`` and this class's ``draw``. When FlashInfer
         draws, ``filter`` runs without steps 12-13 (FlashInfer's kernels apply them while
         drawing) and the final logits are completed only when something reads them: seeded
-        rows or processed logprobs; otherwise the second value is x after steps 10-11."""
+        rows, processed logprobs or a ratio test (``final_needed``); otherwise the second value
+        is x after steps 10-11."""
         if not self.flashinfer_draws(s):
             return super().sample_random(x, s)                              # steps 10-14
         unfused = dataclasses.replace(s, any_top_k=False, any_top_p=False)
         before = self.filter(x, unfused)                                    # steps 10-11
         token_ids = self.flashinfer.draw(before, s, s.bounds, self.top_k_first)  # steps 12-14
         final = before
-        if s.any_seeded or (s.num_logprobs is not None and s.logprobs_mode == "processed"):
+        processed = s.num_logprobs is not None and s.logprobs_mode == "processed"
+        if s.any_seeded or processed or getattr(s, "final_needed", False):
             # flashinfer_draws holds, so steps 12-13 are the last stages filter would run.
             if s.any_top_k or s.any_top_p:
                 final = self.apply_top_k_top_p(before, s)                   # steps 12-13

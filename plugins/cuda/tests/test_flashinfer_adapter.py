@@ -1,9 +1,10 @@
-"""The adapter around FlashInfer's ``chain_speculative_sampling`` (``FlashInferDraw.verify``
-and ``CudaSampler.rejection_sample``), checked on the CPU against a torch transcription of the
-kernel's documented behaviour: FlashInfer's kernels need a GPU, and this is the glue that maps
-their output (accepted prefix, residual draw, -1 padding) onto the contract's verification,
-with rows of fewer drafts than K and seeded rows mixed in. ``test_gpu.py`` runs the real kernel
-through the same checks."""
+"""The FlashInfer path's glue (``FlashInferDraw``, ``CudaSampler.sample_random`` and
+``rejection_sample``), checked on the CPU against torch transcriptions of the three kernels'
+documented behaviour: FlashInfer needs a GPU, and this is the code that decides which rows and
+steps FlashInfer takes, what it is given (the filtered target for the ratio test, clamped draft
+ids) and how its output (accepted prefix, residual draw, -1 padding) becomes the contract's
+result, with rows of fewer drafts than K and seeded rows mixed in. The whole conformance suite
+runs on this path too. ``test_gpu.py`` runs the real kernels through the same checks."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from corelib import Sampler, SamplingParams
-from corelib.testing import chi_square_p_value
+from corelib.testing import ConformanceSuite, chi_square_p_value
 
 from corelib_cuda import CudaSampler
 from corelib_cuda.flashinfer_ops import FlashInferDraw
@@ -44,31 +45,73 @@ def chain_kernel_as_documented(draft_probs, draft_token_ids, target_probs, accep
     return out, accepted_num, emitted_num
 
 
-@pytest.fixture
-def sampler():
-    """The torch path on CPU with FlashInferDraw driving the transcribed kernel."""
+def sampling_from_logits_as_documented(logits, seed=None, offset=None, **_):
+    return torch.multinomial(torch.softmax(logits, dim=-1), 1)[:, 0].to(torch.int32)
+
+
+def top_k_top_p_sampling_from_logits_as_documented(logits, top_k, top_p, seed=None, offset=None,
+                                                   top_k_max=None, **_):
+    """Keep logits >= the k-th largest (ties kept), softmax, keep the smallest most likely set
+    with mass >= top_p, draw."""
+    V = logits.shape[-1]
+    ordered = torch.sort(logits, dim=-1, descending=True).values
+    kth = ordered.gather(1, (top_k.long().clamp(1, V) - 1)[:, None])
+    probs = torch.softmax(logits.masked_fill(logits < kth, float("-inf")), dim=-1)
+    sorted_p = torch.sort(probs, dim=-1, descending=True).values
+    before = sorted_p.cumsum(dim=-1) - sorted_p
+    last = (before < top_p[:, None]).sum(dim=-1, keepdim=True).clamp(min=1) - 1
+    probs = probs.masked_fill(probs < sorted_p.gather(1, last), 0.0)
+    return torch.multinomial(probs, 1)[:, 0].to(torch.int32)
+
+
+def transcribed_flashinfer_sampler() -> CudaSampler:
+    """The torch path on CPU with FlashInferDraw driving the transcribed kernels: FlashInfer
+    draws the unseeded rows of every step and judges their drafts, as on a GPU."""
     sampler = CudaSampler("cpu", use_flashinfer=False)
     draw = object.__new__(FlashInferDraw)
-    draw._sampling = SimpleNamespace(chain_speculative_sampling=chain_kernel_as_documented)
+    draw._sampling = SimpleNamespace(
+        chain_speculative_sampling=chain_kernel_as_documented,
+        sampling_from_logits=sampling_from_logits_as_documented,
+        top_k_top_p_sampling_from_logits=top_k_top_p_sampling_from_logits_as_documented)
     draw.device = sampler.device
     draw.seed = torch.full((1,), 1234, dtype=torch.int64)
     draw.offset = torch.zeros(1, dtype=torch.int64)
     sampler.flashinfer = draw
-    sampler.flashinfer_draws = lambda s: False   # step 14 stays torch: only the chain is transcribed
     return sampler
 
 
-def test_unseeded_rows_keep_the_target_distribution_short_rows_included(sampler):
+@pytest.fixture
+def sampler():
+    return transcribed_flashinfer_sampler()
+
+
+class TestConformanceOnTheFlashInferPath(ConformanceSuite):
+    backend = "cuda"
+    draw_rows, draw_calls = 1000, 8         # the transcribed kernels loop in Python over rows
+    verify_rows = 2000
+
+    def make_sampler(self):
+        return transcribed_flashinfer_sampler()
+
+
+@pytest.mark.parametrize("params", [{}, {"top_k": 6, "top_p": 0.9}], ids=["plain", "top_k_top_p"])
+def test_unseeded_rows_keep_the_target_distribution_short_rows_included(sampler, params):
+    """With top-k and top-p the target at each slot is the filtered distribution (FlashInfer
+    draws the slots' tokens with both fused, so the ratio test needs them applied to p too)."""
     vocab, K, R = 16, 3, 3000
     gen = torch.Generator().manual_seed(5)
     target = torch.randn((K + 1, vocab), generator=gen) * 1.5
     q = torch.softmax(torch.randn((K, vocab), generator=gen) * 1.5, dim=-1)
-    p = torch.softmax(target, dim=-1)
+    reference = Sampler("cpu")
+    slots = reference.new_batch(vocab)
+    for j in range(K + 1):                                  # one row per slot's target
+        slots.add(f"slot{j}", SamplingParams(**params))
+    p = torch.softmax(reference.processed_logits(target, slots), dim=-1)
     ids = torch.stack([torch.multinomial(q[j], R, replacement=True, generator=gen) for j in range(K)], dim=1)
     ids[R // 2:, 1:] = -1
     batch = sampler.new_batch(vocab)
     for i in range(R):
-        batch.add(f"v{i}", SamplingParams())
+        batch.add(f"v{i}", SamplingParams(**params))
     torch.manual_seed(6)
     out = sampler.verify(target.expand(R, -1, -1).contiguous(), batch, ids, q.expand(R, -1, -1).contiguous())
     tokens, count = out.token_ids, out.num_emitted
