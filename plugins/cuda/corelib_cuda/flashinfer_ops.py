@@ -101,8 +101,9 @@ class FlashInferDraw:
         self.offset.add_((used + 3) // 4 * 4)
 
     def self_test(self, top_k_first: bool = False) -> None:
-        """Run the kernels this path uses on a tiny batch (compiling them if FlashInfer JITs),
-        so a missing compiler or an unsupported GPU shows up now, not mid-step."""
+        """Run the kernels this path uses (sampling and chain verification) on a tiny batch,
+        compiling them if FlashInfer JITs, so that a missing compiler or an unsupported GPU
+        shows up now, not mid-step."""
         V = FAST_MIN_VOCAB if top_k_first else 512
         gen = torch.Generator(device="cpu").manual_seed(0)
         x = torch.randn((2, V), generator=gen).to(self.device)
@@ -111,8 +112,14 @@ class FlashInferDraw:
         ids = self.draw(x, s, bounds, top_k_first)
         plain = self._sampling.sampling_from_logits(x, seed=self.seed, offset=self.offset)
         self._advance(2 * V)
+        K = 2
+        probs = torch.softmax(x[:, None, :].expand(2, K + 1, V), dim=-1).contiguous()
+        drafts = Drafts(torch.tensor([[1, 2], [3, -1]], device=self.device),
+                        torch.tensor([2, 1], device=self.device), probs[:, :K].contiguous(),
+                        torch.ones(2, dtype=torch.bool, device=self.device))
+        _, recovered = self.verify(probs, drafts)
         torch.cuda.synchronize(self.device)
-        for out in (ids, plain):
+        for out in (ids, plain, recovered):
             if not bool(((out >= 0) & (out < V)).all()):
                 raise RuntimeError(f"FlashInfer returned out-of-range token ids {out.tolist()}")
 
