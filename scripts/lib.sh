@@ -8,6 +8,9 @@ TORCH_PIN="torch==2.13.0"
 XLA_PINS="torch==2.9.0 torch-xla==2.9.0"
 # The Hugging Face integration is tested against this release.
 TRANSFORMERS_PIN="transformers==5.24.0"
+# The cuda plugin's Triton bitmask kernel runs in Triton's CPU interpreter in the tests (Triton
+# ships with CUDA builds of torch; the CPU wheel has none). No torch dependency.
+TRITON_PIN="triton==3.9.0"
 # Token bitmasks are checked against a grammar engine's own kernel (and benchmarked with it).
 XGRAMMAR_PIN="xgrammar==0.2.9"
 # Plugins in the main venv: the demo needs only cpu; the tests add the others. The TPU plugin
