@@ -40,4 +40,4 @@ def register() -> None:
     if choice is None:
         return
     from .patches import install
-    install(choice)
+    install()

@@ -17,7 +17,8 @@ constrained logits. Speculative decoding is refused at start-up: vLLM verifies d
 own ``RejectionSampler``, which would sample the bonus tokens and recovered tokens itself.
 
 Modules are patched when they are imported (or at once if they already are), so loading the
-plugin imports nothing of vLLM's runner in processes that never build one.
+plugin imports nothing of vLLM's runner in processes that never build one. Each hook reads
+``CORELIB_VLLM`` when it runs: a runner built while the variable is unset keeps vLLM's sampler.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import os
 import sys
 from typing import Any, Callable
 
-from . import ENV_VAR
+from . import ENV_VAR, backend_choice
 
 V1_RUNNER_MODULE = "vllm.v1.worker.gpu_model_runner"
 V2_RUNNER_MODULE = "vllm.v1.worker.gpu.model_runner"
@@ -41,24 +42,25 @@ BUILTIN_LOGITS_PROCESSORS = {"MinTokensLogitsProcessor", "LogitBiasLogitsProcess
 _installed = False
 
 
-def install(choice: str) -> None:
-    """Install every hook for ``CORELIB_VLLM=choice`` (once per process: the backend is
-    chosen when the runner is built)."""
+def install() -> None:
+    """Install every hook (once per process)."""
     global _installed
     if _installed:
         return
     _installed = True
     # corelib samples in the V1 runner; V2 becomes vLLM's default where it can run (CUDA).
     os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
-    when_imported(V1_RUNNER_MODULE, functools.partial(_patch_v1_runner, choice=choice))
+    when_imported(V1_RUNNER_MODULE, _patch_v1_runner)
     when_imported(V2_RUNNER_MODULE, _refuse_v2_runner)
     when_imported(INPUT_PROCESSOR_MODULE, _patch_input_processor)
 
 
 # ---------------------------------------------------------------------- the hooks
-def _patch_v1_runner(module, choice: str) -> None:
+def _patch_v1_runner(module) -> None:
     def after_init(runner, *args, **kwargs):
-        attach_sampler(runner, choice)
+        choice = backend_choice()
+        if choice is not None:
+            attach_sampler(runner, choice)
     _wrap_after(module.GPUModelRunner, "__init__", after_init)
 
 
@@ -84,6 +86,8 @@ def attach_sampler(runner: Any, choice: str) -> None:
 
 def _refuse_v2_runner(module) -> None:
     def before_init(runner, *args, **kwargs):
+        if backend_choice() is None:
+            return
         raise ValueError(f"{ENV_VAR} works with vLLM's V1 model runner; unset "
                          f"VLLM_USE_V2_MODEL_RUNNER (or set it to 0)")
     _wrap_before(module.GPUModelRunner, "__init__", before_init)
@@ -96,7 +100,7 @@ def _patch_input_processor(module) -> None:
     from .params import corelib_params
 
     def after_validate(processor, params, *args, **kwargs):
-        if not isinstance(params, VllmSamplingParams):
+        if backend_choice() is None or not isinstance(params, VllmSamplingParams):
             return
         try:
             corelib_params(params, processor.model_config.get_vocab_size())
