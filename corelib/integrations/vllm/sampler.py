@@ -6,8 +6,9 @@ requests (lowest free row first), emptied by finished or preempted ones, closed 
 ``BatchMirror.sync`` brings a ``corelib.SamplingBatch`` to the same rows before each step
 without rebuilding it:
 
-- a request that left vLLM's batch is ``remove``d (corelib also moves its last rows into the
-  holes, so a step that only loses requests usually needs no further move);
+- a request that left vLLM's batch is ``remove``d; corelib's ``remove`` moves the last row
+  into the hole, and the removals go in the order that makes this vLLM's ``condense``, so a
+  step that only loses requests needs no further move;
 - a request whose history no longer matches vLLM's (its sampled token was discarded after a
   partial prefill, or vLLM changed it) is removed and added again from vLLM's own state;
 - a request that joined is ``add``ed with vLLM's prompt and output tokens, so a preempted and
@@ -82,17 +83,24 @@ class BatchMirror:
         return self.batch
 
     def _drop_stale(self, rows_now: dict[str, int], outputs: list, requests: dict[str, Any]) -> None:
-        """Remove the requests that left vLLM's batch or whose state differs from vLLM's."""
+        """Remove the requests that left vLLM's batch or whose state differs from vLLM's, in
+        the order that closes the holes as vLLM's ``condense`` does: a stale last row is
+        dropped, otherwise the lowest stale row is removed and the last row moves into it
+        (vLLM moves its last remaining request into its lowest hole)."""
         counts = self.batch.generated_counts()
-        stale = []
+        stale = set()
         for row, (request_id, _) in enumerate(self.batch.rows):
             vllm_row = rows_now.get(request_id)
             if vllm_row is None or not self._matches(request_id, requests[request_id],
                                                      counts[row], outputs[vllm_row]):
-                stale.append(request_id)
-        for request_id in stale:
-            self.batch.remove(request_id)
-            del self._added[request_id]
+                stale.add(request_id)
+        while stale:
+            row_of = {request_id: self.batch.rows_of(request_id)[0] for request_id in stale}
+            last = max(stale, key=row_of.__getitem__)
+            victim = last if row_of[last] == self.batch.num_rows - 1 else min(stale, key=row_of.__getitem__)
+            self.batch.remove(victim)
+            stale.discard(victim)
+            del self._added[victim]
             self.moves["removed"] += 1
 
     def _matches(self, request_id: str, state: Any, generated: int, output_ids: list[int]) -> bool:
