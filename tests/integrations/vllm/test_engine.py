@@ -181,6 +181,22 @@ def test_bad_words_are_never_generated(corelib_llm, model_dir):
     assert ours != plain
 
 
+def test_structured_outputs_constrain_corelib_draws(corelib_llm):
+    """vLLM applies the grammar's token bitmask (xgrammar) to the logits before the sampler
+    runs, so corelib's seeded random draws stay inside the grammar."""
+    import re
+    from vllm.sampling_params import StructuredOutputsParams
+    for seed in range(4):
+        regex = StructuredOutputsParams(regex="[0-9]{3}-[a-z]{2}")
+        choice = StructuredOutputsParams(choice=["true", "false", "null"])
+        outs = corelib_llm.generate(["the value is"] * 2, [
+            VllmParams(temperature=1.0, seed=seed, max_tokens=20, structured_outputs=regex),
+            VllmParams(temperature=1.0, seed=seed, max_tokens=20, structured_outputs=choice)],
+            use_tqdm=False)
+        assert re.fullmatch("[0-9]{3}-[a-z]{2}", outs[0].outputs[0].text)
+        assert outs[1].outputs[0].text in {"true", "false", "null"}
+
+
 # ---------------------------------------------------------------------- logprobs
 def _reference_logprobs(hf_model, prompt, tokens):
     """float32 [len(tokens), V]: the model's log-softmax before each generated token."""
