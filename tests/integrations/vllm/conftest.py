@@ -30,6 +30,11 @@ os.environ.update({
     "TOKENIZERS_PARALLELISM": "false",
 })
 sys.path.insert(0, str(HERE))   # tiny_llama, shared with the benchmark
+if importlib.util.find_spec("vllm") is not None:
+    # vLLM loads its plugins once per process, at the first engine: load them now, while
+    # CORELIB_VLLM is set, whichever engine a test starts first.
+    from vllm.plugins import load_general_plugins
+    load_general_plugins()
 
 MAX_NUM_SEQS = 4   # fewer than most tests' prompts: requests join and leave mid-generation
 

@@ -52,13 +52,14 @@ def make_tokenizer(path: Path):
     return fast
 
 
-def make_model(path: Path, seed: int = 0, layers: int = 2):
-    """Save a random float32 LlamaForCausalLM (hidden 128, 4 heads of 32, 2 KV heads) and
-    its tokenizer in ``path``; returns the model (eval mode, on the CPU)."""
+def make_model(path: Path, seed: int = 0, layers: int = 2, vocab_size: int = VOCAB_SIZE):
+    """Save a random float32 LlamaForCausalLM (hidden 128, 4 heads of 32, 2 KV heads) in
+    ``path``, with its tokenizer when ``vocab_size`` is the tokenizer's (VOCAB_SIZE); returns
+    the model (eval mode, on the CPU)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(vocab_size=VOCAB_SIZE, hidden_size=128, intermediate_size=256,
+    config = LlamaConfig(vocab_size=vocab_size, hidden_size=128, intermediate_size=256,
                          num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
                          max_position_embeddings=512, bos_token_id=BOS, eos_token_id=EOS,
                          tie_word_embeddings=False)
@@ -68,5 +69,6 @@ def make_model(path: Path, seed: int = 0, layers: int = 2):
         model.lm_head.weight.mul_(LOGIT_SCALE)
     model.save_pretrained(str(path))
     model.generation_config.save_pretrained(str(path))
-    make_tokenizer(path)
+    if vocab_size == VOCAB_SIZE:
+        make_tokenizer(path)
     return model
