@@ -254,3 +254,48 @@ def test_processed_logprobs_describe_the_final_distribution(model_dir, hf_model)
                 assert math.isclose(entry.logprob, expected[t], abs_tol=1e-4)
     finally:
         del llm
+
+
+# ---------------------------------------------------------------------- tensor parallelism
+TP_SCRIPT = """
+import json, os, sys
+from vllm import LLM, SamplingParams
+from vllm.inputs import TokensPrompt
+llm = LLM(model=sys.argv[1], dtype="float32", enforce_eager=True, max_model_len=256,
+          max_num_seqs=4, seed=0, tensor_parallel_size=2, distributed_executor_backend="mp")
+prompts, params = json.loads(sys.argv[2])
+outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts],
+                    [SamplingParams(**p) for p in params], use_tqdm=False)
+print("TOKENS " + json.dumps([list(o.outputs[0].token_ids) for o in outs]))
+"""
+
+
+def test_tensor_parallel_ranks_sample_the_same_tokens(model_dir):
+    """Two CPU workers (tensor_parallel_size=2, one process each): every rank samples with
+    corelib and keeps the same tokens (each rank feeds its own sampled tokens back into the
+    model), so the completions, unseeded ones included, equal a single-worker engine's."""
+    import json
+    import os
+    import subprocess
+    import sys
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        pytest.skip("tensor parallelism on vLLM's CPU backend needs one core per rank")
+    prompts = PROMPTS[:3]
+    params = [dict(temperature=0.9, max_tokens=TOKENS, ignore_eos=True),
+              dict(temperature=0.9, max_tokens=TOKENS, ignore_eos=True, seed=5),
+              dict(temperature=0.7, top_k=20, max_tokens=TOKENS, ignore_eos=True, seed=6,
+                   presence_penalty=1.0)]
+    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="1",
+               VLLM_CPU_OMP_THREADS_BIND=f"{cores[0]}|{cores[1]}")
+    result = subprocess.run([sys.executable, "-c", TP_SCRIPT, str(model_dir),
+                             json.dumps([prompts, params])], env=env, capture_output=True,
+                            text=True, timeout=600)
+    lines = [line for line in result.stdout.splitlines() if line.startswith("TOKENS ")]
+    assert result.returncode == 0 and lines, result.stderr[-3000:]
+    parallel = json.loads(lines[-1][len("TOKENS "):])
+    single = make_llm(model_dir, "cpu")     # a fresh engine: its unseeded generator starts alike
+    try:
+        assert parallel == first(run(single, prompts, [VllmParams(**p) for p in params]))
+    finally:
+        del single
