@@ -71,7 +71,24 @@ def corelib_params(params: Any, vocab_size: Optional[int] = None) -> SamplingPar
     if vocab_size is not None and top is not None and top >= vocab_size:
         raise ValueError(f"token id {top} in the sampling parameters is out of range for the "
                          f"model's vocabulary of {vocab_size}")
+    _check_first_token_possible(result)
     return result
+
+
+def _check_first_token_possible(params: SamplingParams) -> None:
+    """Refuse a request whose first step has no token left (allowed ids all excluded by
+    one-token bad words or, under min_tokens, by stop ids): corelib would flag the row, and
+    the engine could not go on with it."""
+    if params.allowed_token_ids is None:
+        return
+    left = set(params.allowed_token_ids) - {w[0] for w in params.bad_words if len(w) == 1}
+    if params.min_tokens > 0:
+        left -= set(params.stop_token_ids)
+    if not left:
+        raise ValueError(
+            f"allowed_token_ids {sorted(set(params.allowed_token_ids))} are all excluded by "
+            f"bad_words or, until min_tokens={params.min_tokens}, by the stop ids "
+            f"{params.stop_token_ids}: no first token could be sampled")
 
 
 def _reject_unsupported(params: Any) -> None:

@@ -7,8 +7,9 @@ vLLM function                                        corelib's addition
 ``v1.worker.gpu_model_runner.GPUModelRunner``        after ``__init__``: the runner's
 (the V1 runner; the CPU and XPU runners subclass it)  ``sampler`` becomes a ``CorelibSampler``
 ``v1.worker.gpu.model_runner.GPUModelRunner`` (V2)   ``__init__`` raises: not supported
-``v1.engine.input_processor.InputProcessor``         after ``_validate_params``: the request's
-                                                     parameters must map to corelib's
+``v1.engine.input_processor.InputProcessor``         after ``process_inputs`` (vLLM's final
+                                                     parameters, bad words tokenised, eos
+                                                     ids added): they must map to corelib's
 ===================================================  ======================================
 
 Structured outputs need no hook today: the V1 runner applies the grammar bitmask to the
@@ -57,7 +58,7 @@ def install() -> None:
 
 # ---------------------------------------------------------------------- the hooks
 def _patch_v1_runner(module) -> None:
-    def after_init(runner, *args, **kwargs):
+    def after_init(runner, result):
         choice = backend_choice()
         if choice is not None:
             attach_sampler(runner, choice)
@@ -95,33 +96,35 @@ def _refuse_v2_runner(module) -> None:
 
 def _patch_input_processor(module) -> None:
     from vllm.exceptions import VLLMValidationError
-    from vllm.sampling_params import SamplingParams as VllmSamplingParams
 
     from .params import corelib_params
 
-    def after_validate(processor, params, *args, **kwargs):
-        if backend_choice() is None or not isinstance(params, VllmSamplingParams):
+    def after_process(processor, request):
+        params = request.sampling_params
+        if backend_choice() is None or params is None:
             return
         try:
             corelib_params(params, processor.model_config.get_vocab_size())
         except ValueError as exc:
             raise VLLMValidationError(f"corelib sampler ({ENV_VAR}): {exc}") from exc
-    _wrap_after(module.InputProcessor, "_validate_params", after_validate)
+    _wrap_after(module.InputProcessor, "process_inputs", after_process)
 
 
 # ---------------------------------------------------------------------- mechanics
 def _wrap_after(cls: type, name: str, hook: Callable) -> None:
+    """``cls.name`` then ``hook(self, result)``."""
     original = getattr(cls, name)
 
     @functools.wraps(original)
     def wrapper(self, *args, **kwargs):
         result = original(self, *args, **kwargs)
-        hook(self, *args, **kwargs)
+        hook(self, result)
         return result
     setattr(cls, name, wrapper)
 
 
 def _wrap_before(cls: type, name: str, hook: Callable) -> None:
+    """``hook(self, *args, **kwargs)`` then ``cls.name``."""
     original = getattr(cls, name)
 
     @functools.wraps(original)

@@ -92,6 +92,20 @@ def corelib_llm(model_dir):
 
 
 @pytest.fixture(scope="session")
+def processed_llm(model_dir):
+    """corelib's sampler with logprobs_mode="processed_logprobs"."""
+    return make_llm(model_dir, "cpu", logprobs_mode="processed_logprobs")
+
+
+@pytest.fixture(scope="session")
+def fresh_llm(model_dir):
+    """An engine for one test that needs its first generate call (unseeded generator at its
+    start). Engines stay alive for the session: vLLM's engines in one process share its
+    distributed state, which a shut-down engine tears down for all."""
+    return make_llm(model_dir, "cpu")
+
+
+@pytest.fixture(scope="session")
 def vllm_llm(model_dir):
     """vLLM with its own sampler: CORELIB_VLLM unset while the engine starts."""
     return make_llm(model_dir, None)

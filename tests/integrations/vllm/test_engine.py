@@ -15,7 +15,7 @@ import corelib
 from corelib.integrations import hf
 from corelib.integrations.vllm.sampler import CorelibSampler
 
-from conftest import MAX_NUM_SEQS, make_llm, runner_of
+from conftest import MAX_NUM_SEQS, runner_of
 from tiny_llama import EOS
 
 PROMPTS = [[1, 17, 42, 99, 7], [1, 300], [1, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14],
@@ -236,24 +236,21 @@ def test_raw_logprobs_in_vllm_format_match_the_model(corelib_llm, vllm_llm, hf_m
                 assert math.isclose(a[t].logprob, b[t].logprob, abs_tol=1e-5)
 
 
-def test_processed_logprobs_describe_the_final_distribution(model_dir, hf_model):
-    llm = make_llm(model_dir, "cpu", logprobs_mode="processed_logprobs")
-    try:
-        params = vllm_params(temperature=0.7, top_k=5, seed=9, logprobs=5)
-        out = llm.generate([TokensPrompt(prompt_token_ids=PROMPTS[0])], params, use_tqdm=False)
-        completion = out[0].outputs[0]
-        reference = _reference_logprobs(hf_model, PROMPTS[0], list(completion.token_ids))
-        for step, (token, entries) in enumerate(zip(completion.token_ids, completion.logprobs)):
-            logits = reference[step] / 0.7
-            top = logits.topk(5)
-            final = top.values.log_softmax(-1)
-            expected = dict(zip(top.indices.tolist(), final.tolist()))
-            assert token in expected
-            assert set(entries) == set(expected)
-            for t, entry in entries.items():
-                assert math.isclose(entry.logprob, expected[t], abs_tol=1e-4)
-    finally:
-        del llm
+def test_processed_logprobs_describe_the_final_distribution(processed_llm, hf_model):
+    params = vllm_params(temperature=0.7, top_k=5, seed=9, logprobs=5)
+    out = processed_llm.generate([TokensPrompt(prompt_token_ids=PROMPTS[0])], params,
+                                 use_tqdm=False)
+    completion = out[0].outputs[0]
+    reference = _reference_logprobs(hf_model, PROMPTS[0], list(completion.token_ids))
+    for step, (token, entries) in enumerate(zip(completion.token_ids, completion.logprobs)):
+        logits = reference[step] / 0.7
+        top = logits.topk(5)
+        final = top.values.log_softmax(-1)
+        expected = dict(zip(top.indices.tolist(), final.tolist()))
+        assert token in expected
+        assert set(entries) == set(expected)
+        for t, entry in entries.items():
+            assert math.isclose(entry.logprob, expected[t], abs_tol=1e-4)
 
 
 # ---------------------------------------------------------------------- tensor parallelism
@@ -270,7 +267,7 @@ print("TOKENS " + json.dumps([list(o.outputs[0].token_ids) for o in outs]))
 """
 
 
-def test_tensor_parallel_ranks_sample_the_same_tokens(model_dir):
+def test_tensor_parallel_ranks_sample_the_same_tokens(model_dir, fresh_llm):
     """Two CPU workers (tensor_parallel_size=2, one process each): every rank samples with
     corelib and keeps the same tokens (each rank feeds its own sampled tokens back into the
     model), so the completions, unseeded ones included, equal a single-worker engine's."""
@@ -294,8 +291,5 @@ def test_tensor_parallel_ranks_sample_the_same_tokens(model_dir):
     lines = [line for line in result.stdout.splitlines() if line.startswith("TOKENS ")]
     assert result.returncode == 0 and lines, result.stderr[-3000:]
     parallel = json.loads(lines[-1][len("TOKENS "):])
-    single = make_llm(model_dir, "cpu")     # a fresh engine: its unseeded generator starts alike
-    try:
-        assert parallel == first(run(single, prompts, [VllmParams(**p) for p in params]))
-    finally:
-        del single
+    # A fresh engine's unseeded generator starts where the parallel engine's did.
+    assert parallel == first(run(fresh_llm, prompts, [VllmParams(**p) for p in params]))

@@ -24,6 +24,7 @@ from corelib.integrations.vllm.params import (
 )
 
 from conftest import make_llm
+from tiny_llama import EOS
 
 
 def test_entry_point_is_declared_by_corelib():
@@ -93,6 +94,8 @@ def test_extra_args_keys_vllm_reads_are_left_to_vllm():
     (dict(seed=-5), "seed must be in \\[0, 2\\*\\*63\\)"),
     (dict(thinking_token_budget=10), "thinking_token_budget is not supported"),
     (dict(allowed_token_ids=[3, 600]), "token id 600 .* vocabulary of 512"),
+    (dict(allowed_token_ids=[7, 9], min_tokens=2, stop_token_ids=[9, 7]),
+     "allowed_token_ids \\[7, 9\\] are all excluded .* no first token"),
 ])
 def test_what_corelib_cannot_honour_is_an_error(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -113,8 +116,41 @@ def test_a_bad_request_fails_alone_at_admission(corelib_llm):
         corelib_llm.generate(prompt, VllmParams(extra_args={"foo": 1}), use_tqdm=False)
     with pytest.raises(VLLMValidationError, match="logprob_token_ids"):
         corelib_llm.generate(prompt, VllmParams(logprob_token_ids=[4]), use_tqdm=False)
+    # eos joins the stop ids only in vLLM's final parameters: the check sees those.
+    with pytest.raises(VLLMValidationError, match="allowed_token_ids \\[2\\] are all excluded"):
+        corelib_llm.generate(prompt, VllmParams(allowed_token_ids=[EOS], min_tokens=2),
+                             use_tqdm=False)
     out = corelib_llm.generate(prompt, VllmParams(max_tokens=3, temperature=0.0), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 3
+
+
+NO_TOKEN_SCRIPT = """
+import sys
+from transformers import AutoTokenizer
+from vllm import LLM, SamplingParams
+from vllm.inputs import TokensPrompt
+tokenizer = AutoTokenizer.from_pretrained(sys.argv[1])
+token = next(t for t in range(3, 512)
+             if tokenizer.decode([t]).isalpha()
+             and tokenizer.encode(tokenizer.decode([t]) * 2, add_special_tokens=False) == [t, t])
+llm = LLM(model=sys.argv[1], dtype="float32", enforce_eager=True, max_model_len=256, seed=0)
+llm.generate([TokensPrompt(prompt_token_ids=[1, 2, 3])],
+             SamplingParams(allowed_token_ids=[token], max_tokens=4,
+                            bad_words=[tokenizer.decode([token]) * 2]), use_tqdm=False)
+"""
+
+
+def test_a_row_left_without_tokens_stops_the_engine_naming_the_request(model_dir):
+    """allowed_token_ids=[t] and the bad word "t t": the first token is t, the second has no
+    token left. corelib flags the row and the engine stops with an error naming the request
+    instead of emitting a token nobody drew. (In a process of its own: a stopped engine
+    tears down the distributed state every engine of its process shares.)"""
+    import subprocess
+    import sys
+    result = subprocess.run([sys.executable, "-c", NO_TOKEN_SCRIPT, str(model_dir)],
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode != 0
+    assert "has no token to sample" in result.stderr, result.stderr[-3000:]
 
 
 def test_speculative_decoding_is_refused_at_start(model_dir):
