@@ -1,16 +1,12 @@
 """Where corelib hooks into vLLM (0.32, V1 engine). vLLM has no sampler plugin interface, so
-each hook wraps one vLLM function, in the process that imports its module:
+each hook wraps one vLLM method, in the process that imports its module:
 
-===================================================  ======================================
-vLLM function                                        corelib's addition
-===================================================  ======================================
-``v1.worker.gpu_model_runner.GPUModelRunner``        after ``__init__``: the runner's
-(the V1 runner; the CPU and XPU runners subclass it)  ``sampler`` becomes a ``CorelibSampler``
-``v1.worker.gpu.model_runner.GPUModelRunner`` (V2)   ``__init__`` raises: not supported
-``v1.engine.input_processor.InputProcessor``         after ``process_inputs`` (vLLM's final
-                                                     parameters, bad words tokenised, eos
-                                                     ids added): they must map to corelib's
-===================================================  ======================================
+- ``vllm.v1.worker.gpu_model_runner.GPUModelRunner.__init__`` (the V1 runner; vLLM's CPU and
+  XPU runners subclass it): afterwards the runner's ``sampler`` is a ``CorelibSampler``;
+- ``vllm.v1.worker.gpu.model_runner.GPUModelRunner.__init__`` (the V2 runner): refused;
+- ``vllm.v1.engine.input_processor.InputProcessor.process_inputs``: afterwards the request's
+  final parameters (bad words tokenised, eos ids added) must map to corelib's, else the
+  request fails with vLLM's validation error.
 
 Structured outputs need no hook today: the V1 runner applies the grammar bitmask to the
 logits (``apply_grammar_bitmask``) before it calls the sampler, so corelib samples the

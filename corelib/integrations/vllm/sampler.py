@@ -165,10 +165,15 @@ class CorelibSampler(VllmSampler):
             raise NotImplementedError("corelib's vLLM sampler does not run inside vLLM's "
                                       "rejection sampler (speculative decoding)")
         input_batch = self.runner.input_batch
+        # The runner's own steps pass its input batch's metadata; warm-up and profiling pass
+        # dummy metadata for rows that are no requests.
         if sampling_metadata is not input_batch.sampling_metadata:
             return self._profile(logits)
         batch = self.mirror.sync(input_batch, self.runner.requests)
         out = self.corelib.sample(logits, batch)
+        # A flagged row must not reach vLLM as token -1. The check waits on the device: free on
+        # the CPU, where vLLM copies the tokens to the host right after; with asynchronous
+        # scheduling on a GPU it gives up that step's overlap.
         if not bool(out.valid.all()):
             out.raise_on_invalid(batch)
         batch.append(out.token_ids)

@@ -174,3 +174,18 @@ def test_model_runner_v2_is_refused():
 def test_logits_logprobs_modes_are_refused(model_dir):
     with pytest.raises(Exception, match="logprobs_mode='raw_logits' is not supported"):
         make_llm(model_dir, "cpu", logprobs_mode="raw_logits")
+
+
+# ---------------------------------------------------------------------- the backend choice
+def test_backend_choice_auto_named_and_wrong_device():
+    import torch
+
+    from corelib.integrations.vllm.sampler import make_sampler
+    auto = make_sampler("auto", torch.device("cpu"), seed=3)
+    assert auto.name == corelib.get_sampler(torch.device("cpu")).name
+    assert auto.generator.initial_seed() == 3      # unseeded rows: the engine's seed
+    assert make_sampler("reference", torch.device("cpu"), seed=None).name == "reference"
+    with pytest.raises(ValueError, match="logits are on cuda:0"):
+        make_sampler("cpu", torch.device("cuda", 0), seed=0)
+    with pytest.raises(ValueError, match="unknown backend 'nope'"):
+        make_sampler("nope", torch.device("cpu"), seed=0)
