@@ -15,26 +15,25 @@ from pathlib import Path
 import pytest
 
 HERE = Path(__file__).parent
-if importlib.util.find_spec("vllm") is None:
+HAVE_VLLM = importlib.util.find_spec("vllm") is not None
+if not HAVE_VLLM:
     if os.environ.get("CORELIB_REQUIRE_VLLM"):
         raise RuntimeError("CORELIB_REQUIRE_VLLM is set but vLLM is not installed")
     collect_ignore_glob = ["test_*.py"]
-
-# vLLM reads these when it starts; CORELIB_VLLM must be set when vLLM loads its plugins for
-# corelib's hooks to be installed in this process.
-os.environ.update({
-    "CORELIB_VLLM": "cpu",
-    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",   # engine core and worker in this process
-    "VLLM_CPU_KVCACHE_SPACE": "1",           # GiB
-    "HF_HUB_OFFLINE": "1",
-    "TOKENIZERS_PARALLELISM": "false",
-})
-sys.path.insert(0, str(HERE))   # tiny_llama, shared with the benchmark
-if importlib.util.find_spec("vllm") is not None:
+else:
+    # vLLM reads these when it starts.
+    os.environ.update({
+        "CORELIB_VLLM": "cpu",
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",   # engine core and worker in this process
+        "VLLM_CPU_KVCACHE_SPACE": "1",           # GiB
+        "HF_HUB_OFFLINE": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+    })
     # vLLM loads its plugins once per process, at the first engine: load them now, while
     # CORELIB_VLLM is set, whichever engine a test starts first.
     from vllm.plugins import load_general_plugins
     load_general_plugins()
+sys.path.insert(0, str(HERE))   # tiny_llama, shared with the benchmark
 
 MAX_NUM_SEQS = 4   # fewer than most tests' prompts: requests join and leave mid-generation
 
