@@ -75,6 +75,8 @@ class CpuBatch(SamplingBatch):
         if n == 0 or not self.has_penalty_slots:
             return
         ids = torch.as_tensor(token_ids).to("cpu", torch.long)
+        # Slots grow only when a penalty row is written: rows added after it may lie past them.
+        self._ensure_rows(n)
         self._count_tokens(ids, n)
 
     # ------------------------------------------------------------------ internals
