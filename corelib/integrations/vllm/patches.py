@@ -1,17 +1,24 @@
 """Where corelib hooks into vLLM (0.32, V1 engine). vLLM has no sampler plugin interface, so
-each hook wraps one vLLM method, in the process that imports its module:
+each hook wraps or replaces one vLLM function, in the process that imports its module:
 
 - ``vllm.v1.worker.gpu_model_runner.GPUModelRunner.__init__`` (the V1 runner; vLLM's CPU and
-  XPU runners subclass it): afterwards the runner's ``sampler`` is a ``CorelibSampler``;
+  XPU runners subclass it): afterwards the runner's ``sampler`` is a ``CorelibSampler`` and,
+  with speculative decoding, its ``rejection_sampler`` is corelib's verification;
+- ``vllm.v1.worker.gpu_model_runner.apply_grammar_bitmask`` (the name the runner calls before
+  sampling): for a runner that samples with corelib, the grammar bitmask goes to the sampler
+  instead of into the logits (``grammar``);
+- ``GPUModelRunner.sample_tokens``: the requests corelib flagged in the step (no token left to
+  sample) travel to the scheduler with the runner's output;
+- ``vllm.v1.core.sched.scheduler.Scheduler.update_from_output``: finishes those requests as
+  per-request errors (vLLM's ``FINISHED_ERROR``, finish reason ``"error"``, the reason in
+  ``stop_reason``), so the engine and the other requests go on;
 - ``vllm.v1.worker.gpu.model_runner.GPUModelRunner.__init__`` (the V2 runner): refused;
 - ``vllm.v1.engine.input_processor.InputProcessor.process_inputs``: afterwards the request's
   final parameters (bad words tokenised, eos ids added) must map to corelib's, else the
-  request fails with vLLM's validation error.
-
-Structured outputs need no hook today: the V1 runner applies the grammar bitmask to the
-logits (``apply_grammar_bitmask``) before it calls the sampler, so corelib samples the
-constrained logits. Speculative decoding is refused at start-up: vLLM verifies drafts in its
-own ``RejectionSampler``, which would sample the bonus tokens and recovered tokens itself.
+  request fails with vLLM's validation error;
+- ``vllm.sampling_params.SamplingParams._validate_spec_decode``: vLLM refuses min_p and
+  logit_bias under speculative decoding (its rejection sampler skips them); corelib applies
+  every stage at every verification slot, so with ``CORELIB_VLLM`` set they are accepted.
 
 Modules are patched when they are imported (or at once if they already are), so loading the
 plugin imports nothing of vLLM's runner in processes that never build one. Each hook reads
@@ -20,6 +27,7 @@ plugin imports nothing of vLLM's runner in processes that never build one. Each 
 
 from __future__ import annotations
 
+import copy
 import functools
 import importlib.machinery
 import os
@@ -31,6 +39,14 @@ from . import ENV_VAR, backend_choice
 V1_RUNNER_MODULE = "vllm.v1.worker.gpu_model_runner"
 V2_RUNNER_MODULE = "vllm.v1.worker.gpu.model_runner"
 INPUT_PROCESSOR_MODULE = "vllm.v1.engine.input_processor"
+SCHEDULER_MODULE = "vllm.v1.core.sched.scheduler"
+SAMPLING_PARAMS_MODULE = "vllm.sampling_params"
+# The attribute of a ModelRunnerOutput that carries the step's flagged requests (request id ->
+# why) from the worker to the scheduler; it travels with the output (pickled between processes).
+FAILURES_ATTRIBUTE = "corelib_failures"
+# The rejection-sampling method corelib's verify implements (vLLM's "synthetic" and "block"
+# accept drafts by other rules).
+STANDARD_REJECTION = "standard"
 # vLLM's built-in logits processors; corelib implements what they do (min_tokens,
 # logit_bias, min_p) from the request's parameters.
 BUILTIN_LOGITS_PROCESSORS = {"MinTokensLogitsProcessor", "LogitBiasLogitsProcessor",
@@ -50,25 +66,46 @@ def install() -> None:
     when_imported(V1_RUNNER_MODULE, _patch_v1_runner)
     when_imported(V2_RUNNER_MODULE, _refuse_v2_runner)
     when_imported(INPUT_PROCESSOR_MODULE, _patch_input_processor)
+    when_imported(SCHEDULER_MODULE, _patch_scheduler)
+    when_imported(SAMPLING_PARAMS_MODULE, _patch_spec_decode_validation)
 
 
 # ---------------------------------------------------------------------- the hooks
 def _patch_v1_runner(module) -> None:
+    from .grammar import routed_apply_grammar_bitmask
+    from .sampler import CorelibSampler, sampler_for
+
     def after_init(runner, result):
         choice = backend_choice()
         if choice is not None:
             attach_sampler(runner, choice)
     _wrap_after(module.GPUModelRunner, "__init__", after_init)
 
+    def with_failures(runner, output):
+        sampler = runner.sampler
+        if not isinstance(sampler, CorelibSampler):
+            return output
+        failures = sampler.take_failures()
+        if failures:
+            output = copy.copy(output)       # never tag vLLM's shared empty output
+            setattr(output, FAILURES_ATTRIBUTE, failures)
+        return output
+    _wrap_result(module.GPUModelRunner, "sample_tokens", with_failures)
+    module.apply_grammar_bitmask = routed_apply_grammar_bitmask(module.apply_grammar_bitmask,
+                                                                sampler_for)
+
 
 def attach_sampler(runner: Any, choice: str) -> None:
-    """Give ``runner`` (a V1 ``GPUModelRunner``) corelib's sampler, or raise ValueError
-    naming the engine setting corelib cannot honour."""
+    """Give ``runner`` (a V1 ``GPUModelRunner``) corelib's sampler (and corelib's draft
+    verification when it decodes speculatively), or raise ValueError naming the engine
+    setting corelib cannot honour."""
     from .sampler import LOGPROBS_MODES, CorelibSampler
-    if runner.speculative_config is not None:
+    spec = runner.speculative_config
+    if spec is not None and spec.rejection_sample_method != STANDARD_REJECTION:
         raise ValueError(
-            f"{ENV_VAR}: speculative decoding ({runner.speculative_config.method}) is not "
-            f"supported yet: vLLM's rejection sampler would draw the tokens, not corelib")
+            f"{ENV_VAR}: speculative decoding with rejection_sample_method="
+            f"{spec.rejection_sample_method!r} is not supported: corelib verifies drafts by "
+            f"standard rejection sampling ({STANDARD_REJECTION!r})")
     mode = runner.model_config.logprobs_mode
     if mode not in LOGPROBS_MODES:
         raise ValueError(f"{ENV_VAR}: logprobs_mode={mode!r} is not supported; corelib "
@@ -79,6 +116,8 @@ def attach_sampler(runner: Any, choice: str) -> None:
         raise ValueError(f"{ENV_VAR}: custom logits processors {custom} are not supported: "
                          f"corelib's sampler does not run them")
     runner.sampler = CorelibSampler(runner, choice)
+    if spec is not None:
+        runner.rejection_sampler = runner.sampler.rejection_sampler
 
 
 def _refuse_v2_runner(module) -> None:
@@ -106,6 +145,41 @@ def _patch_input_processor(module) -> None:
     _wrap_after(module.InputProcessor, "process_inputs", after_process)
 
 
+def _patch_spec_decode_validation(module) -> None:
+    def validate(original, params, *args, **kwargs):
+        if backend_choice() is None:
+            return original(params, *args, **kwargs)
+    _wrap_around(module.SamplingParams, "_validate_spec_decode", validate)
+
+
+def _patch_scheduler(module) -> None:
+    def update_from_output(original, scheduler, scheduler_output, model_runner_output):
+        failures = getattr(model_runner_output, FAILURES_ATTRIBUTE, None)
+        if not failures:
+            return original(scheduler, scheduler_output, model_runner_output)
+        finish_as_errors(scheduler, model_runner_output, failures)
+        outputs = original(scheduler, scheduler_output, model_runner_output)
+        for engine_outputs in outputs.values():
+            for output in engine_outputs.outputs:
+                if output.request_id in failures:
+                    output.stop_reason = failures[output.request_id]
+        return outputs
+    _wrap_around(module.Scheduler, "update_from_output", update_from_output)
+
+
+def finish_as_errors(scheduler: Any, model_runner_output: Any, failures: dict[str, str]) -> None:
+    """Before vLLM's scheduler reads the runner's output: the flagged requests keep no token
+    from this step (in a plain step their row holds -1, which is no token), and join the
+    scheduler's requests to finish as per-request errors in this update (the set it also
+    uses for grammars that failed to compile)."""
+    sampled = model_runner_output.sampled_token_ids
+    for request_id in failures:
+        row = model_runner_output.req_id_to_index.get(request_id)
+        if row is not None and sampled:
+            sampled[row] = []
+    scheduler.grammar_compile_error_reqs.update(failures)
+
+
 # ---------------------------------------------------------------------- mechanics
 def _wrap_after(cls: type, name: str, hook: Callable) -> None:
     """``cls.name`` then ``hook(self, result)``."""
@@ -116,6 +190,26 @@ def _wrap_after(cls: type, name: str, hook: Callable) -> None:
         result = original(self, *args, **kwargs)
         hook(self, result)
         return result
+    setattr(cls, name, wrapper)
+
+
+def _wrap_result(cls: type, name: str, transform: Callable) -> None:
+    """``cls.name``, its result replaced by ``transform(self, result)``."""
+    original = getattr(cls, name)
+
+    @functools.wraps(original)
+    def wrapper(self, *args, **kwargs):
+        return transform(self, original(self, *args, **kwargs))
+    setattr(cls, name, wrapper)
+
+
+def _wrap_around(cls: type, name: str, hook: Callable) -> None:
+    """``hook(original, self, *args, **kwargs)`` in place of ``cls.name``."""
+    original = getattr(cls, name)
+
+    @functools.wraps(original)
+    def wrapper(self, *args, **kwargs):
+        return hook(original, self, *args, **kwargs)
     setattr(cls, name, wrapper)
 
 

@@ -15,12 +15,22 @@ without rebuilding it:
   resumed request continues its penalties, min-tokens and seeded positions;
 - where the rows then differ from vLLM's order, ``swap_rows`` exchanges them.
 
-After sampling, the mirror appends the sampled tokens, which vLLM keeps in the common case;
-the next ``sync`` compares lengths with vLLM's request state to catch the other cases.
+After sampling (or verifying drafts), the mirror appends the emitted tokens, which vLLM keeps
+in the common case; the next ``sync`` compares lengths with vLLM's request state to catch the
+other cases.
+
+A row corelib flags (no token left to sample: a finished grammar whose end is held back by
+min_tokens, allowed ids all banned by a multi-token bad word, NaN logits) emits no token.
+The sampler records why, per request (``take_failures``); the hooks in ``patches`` hand that
+to vLLM's scheduler, which finishes the request as a per-request error while the engine goes
+on. Under asynchronous scheduling (where that hand-over is not wired) the step raises instead.
 """
 
 from __future__ import annotations
 
+import inspect
+import logging
+import weakref
 from typing import Any, Optional
 
 import torch
@@ -30,9 +40,12 @@ from vllm.v1.sample.sampler import Sampler as VllmSampler
 from ... import get_sampler
 from ...batch import SamplingBatch
 from ...params import SamplingParams
-from ...sampler import Sampler
+from ...sampler import Logprobs, Sampler
 from . import AUTO, ENV_VAR
 from .params import corelib_params
+from .speculative import CorelibRejectionSampler, DraftLayout, SpeculationStats
+
+logger = logging.getLogger(__name__)
 
 # vLLM's logprobs modes corelib computes, and their corelib names.
 LOGPROBS_MODES = {"raw_logprobs": "raw", "processed_logprobs": "processed"}
@@ -138,7 +151,9 @@ class BatchMirror:
 
 
 class CorelibSampler(VllmSampler):
-    """vLLM's ``Sampler`` interface, sampled by corelib.
+    """vLLM's ``Sampler`` interface, sampled by corelib; also verifies speculative drafts
+    (``verify_drafts``, called through ``rejection_sampler``) and takes the grammar bitmask
+    (``receive_grammar_bitmask``, called instead of vLLM's ``apply_grammar_bitmask``).
 
     Subclasses vLLM's sampler so that what the runner uses besides ``forward`` (prompt
     logprobs: ``compute_logprobs``, ``gather_logprobs``) stays vLLM's: prompt logprobs are the
@@ -153,46 +168,144 @@ class CorelibSampler(VllmSampler):
         self.corelib = make_sampler(choice, torch.device(runner.device), model_config.seed)
         self.mirror = BatchMirror(self.corelib, runner.input_batch.vocab_size,
                                   LOGPROBS_MODES[model_config.logprobs_mode])
+        self.rejection_sampler = CorelibRejectionSampler(self)
+        # A backend written before corelib's token_bitmask argument gets vLLM's own in-place
+        # masking of the logits instead (``grammar``).
+        self.takes_token_bitmask = "token_bitmask" in inspect.signature(self.corelib.sample).parameters
+        self.speculation = SpeculationStats(self.corelib.device)
+        self._grammar_bitmask: Optional[torch.Tensor] = None
+        self._failures: dict[str, str] = {}
+        _SAMPLERS.add(self)
 
+    # ------------------------------------------------------------------ one token per row
     def forward(self, logits: torch.Tensor, sampling_metadata: Any,
                 predict_bonus_token: bool = False,
                 logprobs_mode_override: Optional[str] = None) -> SamplerOutput:
         """logits: ``[num_reqs, V]``, one row per row of the runner's input batch. Returns
-        vLLM's ``SamplerOutput``: int32 ``[num_reqs, 1]`` token ids and, when a request asks
-        for logprobs, ``LogprobsTensors`` (int32 ids and float32 logprobs ``[num_reqs, N + 1]``,
-        column 0 the sampled token; int64 ranks ``[num_reqs]``)."""
+        vLLM's ``SamplerOutput``: int32 ``[num_reqs, 1]`` token ids (-1 for a flagged row, see
+        the module docstring) and, when a request asks for logprobs, ``LogprobsTensors`` (int32
+        ids and float32 logprobs ``[num_reqs, N + 1]``, column 0 the sampled token; int64 ranks
+        ``[num_reqs]``)."""
         if predict_bonus_token or logprobs_mode_override is not None:
             raise NotImplementedError("corelib's vLLM sampler does not run inside vLLM's "
-                                      "rejection sampler (speculative decoding)")
-        input_batch = self.runner.input_batch
+                                      "rejection sampler: corelib verifies drafts itself")
+        mask = self._take_grammar_bitmask(logits.shape[0])
         # The runner's own steps pass its input batch's metadata; warm-up and profiling pass
         # dummy metadata for rows that are no requests.
-        if sampling_metadata is not input_batch.sampling_metadata:
+        if sampling_metadata is not self.runner.input_batch.sampling_metadata:
             return self._profile(logits)
-        batch = self.mirror.sync(input_batch, self.runner.requests)
-        out = self.corelib.sample(logits, batch)
-        # A flagged row must not reach vLLM as token -1. The check waits on the device: free on
-        # the CPU, where vLLM copies the tokens to the host right after; with asynchronous
-        # scheduling on a GPU it gives up that step's overlap.
-        if not bool(out.valid.all()):
-            out.raise_on_invalid(batch)
-        batch.append(out.token_ids)
-        return _vllm_output(out)
+        batch = self.mirror.sync(self.runner.input_batch, self.runner.requests)
+        if mask is None:
+            out = self.corelib.sample(logits, batch)
+        else:
+            out = self.corelib.sample(logits, batch, token_bitmask=mask)
+        if self._any_flagged(out.valid, batch, out.raise_on_invalid):
+            batch.append(out.token_ids[:, None])     # -1: the flagged rows get no token
+        else:
+            batch.append(out.token_ids)
+        return _vllm_output(out.token_ids[:, None], out.logprobs)
 
     def _profile(self, logits: torch.Tensor) -> SamplerOutput:
         """vLLM's warm-up and memory-profiling call (dummy metadata, no requests): the same
         work on a throwaway batch of as many random rows, so the profile measures corelib."""
-        batch = self.corelib.new_batch(logits.shape[1])
-        params = SamplingParams(temperature=0.5, top_p=0.9, top_k=logits.shape[1] - 1)
-        for row in range(logits.shape[0]):
+        out = self.corelib.sample(logits, self._profile_batch(logits.shape[0], logits.shape[1]))
+        return _vllm_output(out.token_ids[:, None], out.logprobs)
+
+    def _profile_batch(self, rows: int, vocab_size: int) -> SamplingBatch:
+        batch = self.corelib.new_batch(vocab_size)
+        params = SamplingParams(temperature=0.5, top_p=0.9, top_k=vocab_size - 1)
+        for row in range(rows):
             batch.add(f"profile-{row}", params)
-        return _vllm_output(self.corelib.sample(logits, batch))
+        return batch
+
+    # ------------------------------------------------------------------ speculative decoding
+    def verify_drafts(self, metadata: Any, draft_probs: Optional[torch.Tensor],
+                      logits: torch.Tensor, sampling_metadata: Any) -> SamplerOutput:
+        """vLLM's rejection-sampler call, verified by corelib.
+
+        metadata: vLLM's ``SpecDecodeMetadata`` (drafts per row, flat int32 draft ids);
+        draft_probs: None or float ``[sum(drafts), V]``; logits: ``[sum(1 + drafts), V]``, each
+        row's slots consecutive. Returns int32 ``[num_reqs, K + 1]`` emitted tokens, -1 after
+        them (all -1 for a flagged row), and logprobs with one row per (row, slot)
+        (``[num_reqs * (K + 1), N + 1]``; vLLM drops the rows of -1 slots). The corelib batch
+        advances by each row's emitted tokens. A step where no row has drafts is ``forward``'s
+        plain sample."""
+        layout = DraftLayout.of(list(metadata.num_draft_tokens), logits.device)
+        if layout.max_drafts == 0:
+            return self.forward(logits, sampling_metadata)
+        mask = layout.bitmask(self._take_grammar_bitmask(logits.shape[0]))
+        ids = layout.draft_token_ids(metadata.draft_token_ids)
+        probs = layout.draft_probs(draft_probs)
+        if sampling_metadata is not self.runner.input_batch.sampling_metadata:
+            batch = self._profile_batch(ids.shape[0], logits.shape[1])
+            out = self.corelib.verify(layout.logits(logits), batch, ids, probs, mask)
+            return _vllm_output(out.token_ids, out.logprobs)
+        batch = self.mirror.sync(self.runner.input_batch, self.runner.requests)
+        out = self.corelib.verify(layout.logits(logits), batch, ids, probs, mask)
+        self._any_flagged(out.valid, batch, out.raise_on_invalid)
+        batch.append(out.token_ids)
+        self.speculation.record(layout, out.num_emitted)
+        return _vllm_output(out.token_ids, out.logprobs)
+
+    # ------------------------------------------------------------------ structured outputs
+    def receive_grammar_bitmask(self, mask: torch.Tensor) -> None:
+        """The step's grammar bitmask, int32 ``[logits rows, W]`` (``grammar``); the next
+        sampling call passes it to corelib."""
+        self._grammar_bitmask = mask
+
+    def _take_grammar_bitmask(self, rows: int) -> Optional[torch.Tensor]:
+        mask, self._grammar_bitmask = self._grammar_bitmask, None
+        if mask is not None and mask.shape[0] != rows:
+            raise RuntimeError(f"the grammar bitmask has {mask.shape[0]} rows for {rows} rows "
+                               f"of logits")
+        return mask
+
+    # ------------------------------------------------------------------ flagged rows
+    def _any_flagged(self, valid: torch.Tensor, batch: SamplingBatch, raise_on_invalid) -> bool:
+        """Whether a row is flagged, recording why for each (``take_failures``). The check
+        waits on the device: free on the CPU, where vLLM copies the tokens to the host right
+        after. Under asynchronous scheduling ``raise_on_invalid`` raises instead."""
+        if bool(valid.all()):
+            return False
+        if getattr(self.runner, "use_async_scheduling", False):
+            raise_on_invalid(batch)
+        counts = batch.generated_counts()
+        for row in (~valid).nonzero()[:, 0].tolist():
+            request_id = batch.rows[row][0]
+            self._failures[request_id] = (
+                f"corelib sampler ({ENV_VAR}): request {request_id!r} has no token to sample "
+                f"after {counts[row]} generated tokens: its grammar, allowed_token_ids, bad_words "
+                f"and min_tokens (which holds back the stop and eos ids) exclude every token, or "
+                f"its logits are NaN/+inf")
+            logger.error("%s; vLLM finishes the request with an error", self._failures[request_id])
+        return True
+
+    def take_failures(self) -> dict[str, str]:
+        """The flagged requests since the last call: request id -> why."""
+        failures, self._failures = self._failures, {}
+        return failures
 
 
-def _vllm_output(out) -> SamplerOutput:
+# Every CorelibSampler of this process, to find the one of a runner's input batch.
+_SAMPLERS: "weakref.WeakSet[CorelibSampler]" = weakref.WeakSet()
+
+
+def sampler_for(input_batch: Any) -> Optional[CorelibSampler]:
+    """The CorelibSampler whose runner's input batch is ``input_batch``, or None (a runner
+    built without ``CORELIB_VLLM`` keeps vLLM's sampler)."""
+    for sampler in list(_SAMPLERS):
+        if sampler.runner.input_batch is input_batch:
+            return sampler
+    return None
+
+
+def _vllm_output(token_ids: torch.Tensor, logprobs: Optional[Logprobs]) -> SamplerOutput:
+    """vLLM's SamplerOutput from corelib's ``[rows, slots]`` token ids and logprobs (one
+    logprobs row per row and slot, as vLLM's rejection sampler lays them out)."""
     tensors = None
-    if out.logprobs is not None:
-        lp = out.logprobs
-        tensors = LogprobsTensors(lp.token_ids.to(torch.int32), lp.logprobs, lp.ranks)
-    return SamplerOutput(sampled_token_ids=out.token_ids.to(torch.int32).unsqueeze(-1),
-                         logprobs_tensors=tensors)
+    if logprobs is not None:
+        width = logprobs.token_ids.shape[-1]
+        tensors = LogprobsTensors(logprobs.token_ids.reshape(-1, width).to(torch.int32),
+                                  logprobs.logprobs.reshape(-1, width),
+                                  logprobs.ranks.reshape(-1))
+    return SamplerOutput(sampled_token_ids=token_ids.to(torch.int32), logprobs_tensors=tensors)

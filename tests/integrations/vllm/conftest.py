@@ -25,7 +25,6 @@ else:
     os.environ.update({
         "CORELIB_VLLM": "cpu",
         "VLLM_ENABLE_V1_MULTIPROCESSING": "0",   # engine core and worker in this process
-        "VLLM_CPU_KVCACHE_SPACE": "1",           # GiB
         "HF_HUB_OFFLINE": "1",
         "TOKENIZERS_PARALLELISM": "false",
     })
@@ -33,9 +32,39 @@ else:
     # CORELIB_VLLM is set, whichever engine a test starts first.
     from vllm.plugins import load_general_plugins
     load_general_plugins()
+
+    def _kernel_overrides_without_llvmlite():
+        """vLLM 0.32's CPU worker start rebinds Triton kernels by scanning the namespace of
+        every module in sys.modules and reading ``vars()`` of each value; llvmlite's library
+        wrapper (imported with numba by vLLM's ngram drafter) answers ``vars()`` with a function
+        wrapper, and the scan raises. A process that started an ngram engine could start no
+        other engine; the suite starts many, so the scan runs with that one module out of
+        sys.modules (it imports nothing meanwhile)."""
+        from vllm.platforms.cpu import CpuPlatform
+        register = CpuPlatform.register_triton_kernel_overrides
+
+        def register_without_llvmlite(cls):
+            hidden = sys.modules.pop("llvmlite.binding.ffi", None)
+            try:
+                register()
+            finally:
+                if hidden is not None:
+                    sys.modules["llvmlite.binding.ffi"] = hidden
+        CpuPlatform.register_triton_kernel_overrides = classmethod(register_without_llvmlite)
+    _kernel_overrides_without_llvmlite()
 sys.path.insert(0, str(HERE))   # tiny_llama, shared with the benchmark
 
 MAX_NUM_SEQS = 4   # fewer than most tests' prompts: requests join and leave mid-generation
+# KV cache per engine: room for 64k tokens of the tiny model, far more than the tests use. The
+# suite keeps about ten engines alive; vLLM's CPU cache is allocated up front.
+KV_CACHE_BYTES = 64 << 20
+PROMPTS = [[1, 17, 42, 99, 7], [1, 300], [1, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14],
+           [1, 250, 251, 252], [1, 64], [1, 90, 91, 92, 93, 94, 95]]
+TOKENS = 12
+SEEDED = dict(temperature=0.9, top_k=40, top_p=0.95, min_p=0.02)
+# Speculative decoding with vLLM's ngram drafter (proposals from the prompt and output).
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3,
+         "prompt_lookup_min": 1}
 
 
 @contextlib.contextmanager
@@ -59,7 +88,7 @@ def make_llm(model_dir: Path, backend, **kwargs):
     """A vLLM ``LLM`` on the tiny model; ``backend`` is CORELIB_VLLM while it starts."""
     from vllm import LLM
     options = dict(model=str(model_dir), dtype="float32", enforce_eager=True, max_model_len=256,
-                   max_num_seqs=MAX_NUM_SEQS, seed=0)
+                   max_num_seqs=MAX_NUM_SEQS, seed=0, kv_cache_memory_bytes=KV_CACHE_BYTES)
     options.update(kwargs)
     with corelib_vllm(backend):
         return LLM(**options)
@@ -67,6 +96,41 @@ def make_llm(model_dir: Path, backend, **kwargs):
 
 def runner_of(llm):
     return llm.llm_engine.model_executor.driver_worker.worker.model_runner
+
+
+def vllm_params(**kwargs):
+    from vllm import SamplingParams
+    kwargs.setdefault("max_tokens", TOKENS)
+    kwargs.setdefault("ignore_eos", True)
+    return SamplingParams(**kwargs)
+
+
+def generate(llm, prompts, params):
+    """vLLM's CompletionOutputs, one list per prompt (completion index order)."""
+    from vllm.inputs import TokensPrompt
+    if not isinstance(params, list):
+        params = [params] * len(prompts)
+    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params,
+                        use_tqdm=False)
+    return [sorted(o.outputs, key=lambda c: c.index) for o in outs]
+
+
+def run(llm, prompts, params) -> list[list[list[int]]]:
+    """Token ids per prompt, per completion (vLLM's completion index order)."""
+    return [[list(c.token_ids) for c in outs] for outs in generate(llm, prompts, params)]
+
+
+def first(results):
+    return [completions[0] for completions in results]
+
+
+def hf_generate(model, prompts, params, max_new_tokens=TOKENS, backend="cpu"):
+    """corelib's own transformers loop (never stops early, as ignore_eos)."""
+    import corelib
+    from corelib.integrations import hf
+    out = hf.generate(model, prompts, params, max_new_tokens=max_new_tokens, eos_token_id=[],
+                      sampler=corelib.get_sampler(backend))
+    return [[c.token_ids for c in children] for children in out.completions]
 
 
 @pytest.fixture(scope="session")
@@ -102,6 +166,44 @@ def fresh_llm(model_dir):
     start). Engines stay alive for the session: vLLM's engines in one process share its
     distributed state, which a shut-down engine tears down for all."""
     return make_llm(model_dir, "cpu")
+
+
+@pytest.fixture(scope="session")
+def reference_llm(model_dir):
+    """corelib's reference backend, which takes the grammar bitmask as ``token_bitmask`` and
+    has every engine feature of the contract (xgrammar for structured outputs)."""
+    return make_llm(model_dir, "reference")
+
+
+@pytest.fixture(scope="session")
+def guidance_llm(model_dir):
+    """The reference backend with vLLM's guidance (llguidance) structured-output backend."""
+    return make_llm(model_dir, "reference", structured_outputs_config={"backend": "guidance"})
+
+
+@pytest.fixture(scope="session")
+def ngram_llm(model_dir):
+    """Speculative decoding (ngram drafts) verified by corelib's cpu backend, with vLLM's
+    per-request acceptance metrics."""
+    return make_llm(model_dir, "cpu", speculative_config=NGRAM,
+                    per_request_spec_decode_metrics="summary")
+
+
+@pytest.fixture(scope="session")
+def ngram_reference_llm(model_dir):
+    """ngram drafts verified by the reference backend (grammar bitmask per slot)."""
+    return make_llm(model_dir, "reference", speculative_config=NGRAM,
+                    per_request_spec_decode_metrics="summary")
+
+
+@pytest.fixture(scope="session")
+def draft_llm(model_dir):
+    """A draft model (the target model itself) drafting by sampling, so vLLM hands its draft
+    probabilities to the verification."""
+    return make_llm(model_dir, "cpu", per_request_spec_decode_metrics="summary",
+                    speculative_config={"method": "draft_model", "model": str(model_dir),
+                                        "num_speculative_tokens": 3,
+                                        "draft_sample_method": "probabilistic"})
 
 
 @pytest.fixture(scope="session")

@@ -12,41 +12,21 @@ from vllm.inputs import TokensPrompt
 from vllm.v1.sample.sampler import Sampler as VllmSampler
 
 import corelib
-from corelib.integrations import hf
 from corelib.integrations.vllm.sampler import CorelibSampler
 
-from conftest import MAX_NUM_SEQS, runner_of
+from conftest import (
+    KV_CACHE_BYTES,
+    MAX_NUM_SEQS,
+    PROMPTS,
+    SEEDED,
+    TOKENS,
+    first,
+    hf_generate,
+    run,
+    runner_of,
+    vllm_params,
+)
 from tiny_llama import EOS
-
-PROMPTS = [[1, 17, 42, 99, 7], [1, 300], [1, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14],
-           [1, 250, 251, 252], [1, 64], [1, 90, 91, 92, 93, 94, 95]]
-TOKENS = 12
-
-
-def run(llm, prompts, params) -> list[list[list[int]]]:
-    """Token ids per prompt, per completion (vLLM's completion index order)."""
-    if not isinstance(params, list):
-        params = [params] * len(prompts)
-    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params,
-                        use_tqdm=False)
-    return [[list(c.token_ids) for c in sorted(o.outputs, key=lambda c: c.index)] for o in outs]
-
-
-def first(results):
-    return [completions[0] for completions in results]
-
-
-def vllm_params(**kwargs) -> VllmParams:
-    kwargs.setdefault("max_tokens", TOKENS)
-    kwargs.setdefault("ignore_eos", True)
-    return VllmParams(**kwargs)
-
-
-def hf_generate(model, prompts, params, max_new_tokens=TOKENS):
-    """corelib's own transformers loop (never stops early, as ignore_eos)."""
-    out = hf.generate(model, prompts, params, max_new_tokens=max_new_tokens, eos_token_id=[],
-                      sampler=corelib.get_sampler("cpu"))
-    return [[c.token_ids for c in children] for children in out.completions]
 
 
 # ---------------------------------------------------------------------- wiring
@@ -72,8 +52,6 @@ def test_greedy_equals_vllm_sampler_and_transformers(corelib_llm, vllm_llm, hf_m
 
 
 # ---------------------------------------------------------------------- seeded
-SEEDED = dict(temperature=0.9, top_k=40, top_p=0.95, min_p=0.02)
-
 
 def test_seeded_equals_corelib_in_transformers(corelib_llm, hf_model):
     """The same seeded tokens in two engines: vLLM and corelib's transformers loop."""
@@ -181,22 +159,6 @@ def test_bad_words_are_never_generated(corelib_llm, model_dir):
     assert ours != plain
 
 
-def test_structured_outputs_constrain_corelib_draws(corelib_llm):
-    """vLLM applies the grammar's token bitmask (xgrammar) to the logits before the sampler
-    runs, so corelib's seeded random draws stay inside the grammar."""
-    import re
-    from vllm.sampling_params import StructuredOutputsParams
-    for seed in range(4):
-        regex = StructuredOutputsParams(regex="[0-9]{3}-[a-z]{2}")
-        choice = StructuredOutputsParams(choice=["true", "false", "null"])
-        outs = corelib_llm.generate(["the value is"] * 2, [
-            VllmParams(temperature=1.0, seed=seed, max_tokens=20, structured_outputs=regex),
-            VllmParams(temperature=1.0, seed=seed, max_tokens=20, structured_outputs=choice)],
-            use_tqdm=False)
-        assert re.fullmatch("[0-9]{3}-[a-z]{2}", outs[0].outputs[0].text)
-        assert outs[1].outputs[0].text in {"true", "false", "null"}
-
-
 # ---------------------------------------------------------------------- logprobs
 def _reference_logprobs(hf_model, prompt, tokens):
     """float32 [len(tokens), V]: the model's log-softmax before each generated token."""
@@ -259,7 +221,8 @@ import json, os, sys
 from vllm import LLM, SamplingParams
 from vllm.inputs import TokensPrompt
 llm = LLM(model=sys.argv[1], dtype="float32", enforce_eager=True, max_model_len=256,
-          max_num_seqs=4, seed=0, tensor_parallel_size=2, distributed_executor_backend="mp")
+          max_num_seqs=4, seed=0, tensor_parallel_size=2, distributed_executor_backend="mp",
+          kv_cache_memory_bytes=int(sys.argv[3]))
 prompts, params = json.loads(sys.argv[2])
 outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts],
                     [SamplingParams(**p) for p in params], use_tqdm=False)
@@ -286,7 +249,7 @@ def test_tensor_parallel_ranks_sample_the_same_tokens(model_dir, fresh_llm):
     env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="1",
                VLLM_CPU_OMP_THREADS_BIND=f"{cores[0]}|{cores[1]}")
     result = subprocess.run([sys.executable, "-c", TP_SCRIPT, str(model_dir),
-                             json.dumps([prompts, params])], env=env, capture_output=True,
+                             json.dumps([prompts, params]), str(KV_CACHE_BYTES)], env=env, capture_output=True,
                             text=True, timeout=600)
     lines = [line for line in result.stdout.splitlines() if line.startswith("TOKENS ")]
     assert result.returncode == 0 and lines, result.stderr[-3000:]

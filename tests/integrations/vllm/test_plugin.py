@@ -138,39 +138,48 @@ def test_a_bad_request_fails_alone_at_admission(corelib_llm):
     assert len(out[0].outputs[0].token_ids) == 3
 
 
-NO_TOKEN_SCRIPT = """
-import sys
-from transformers import AutoTokenizer
-from vllm import LLM, SamplingParams
-from vllm.inputs import TokensPrompt
-tokenizer = AutoTokenizer.from_pretrained(sys.argv[1])
-token = next(t for t in range(3, 512)
-             if tokenizer.decode([t]).isalpha()
-             and tokenizer.encode(tokenizer.decode([t]) * 2, add_special_tokens=False) == [t, t])
-llm = LLM(model=sys.argv[1], dtype="float32", enforce_eager=True, max_model_len=256, seed=0)
-llm.generate([TokensPrompt(prompt_token_ids=[1, 2, 3])],
-             SamplingParams(allowed_token_ids=[token], max_tokens=4,
-                            bad_words=[tokenizer.decode([token]) * 2]), use_tqdm=False)
-"""
-
-
-def test_a_row_left_without_tokens_stops_the_engine_naming_the_request(model_dir):
+def test_a_row_left_without_tokens_finishes_that_request_with_an_error(corelib_llm, model_dir):
     """allowed_token_ids=[t] and the bad word "t t": the first token is t, the second has no
-    token left. corelib flags the row and the engine stops with an error naming the request
-    instead of emitting a token nobody drew. (In a process of its own: a stopped engine
-    tears down the distributed state every engine of its process shares.)"""
-    import subprocess
-    import sys
-    result = subprocess.run([sys.executable, "-c", NO_TOKEN_SCRIPT, str(model_dir)],
-                            capture_output=True, text=True, timeout=600)
-    assert result.returncode != 0
-    assert "has no token to sample" in result.stderr, result.stderr[-3000:]
+    token left, which the admission check cannot foresee. corelib flags the row; vLLM's
+    scheduler finishes that request with finish reason "error" and corelib's reason, without
+    a token nobody drew, while the other request and the engine go on."""
+    from transformers import AutoTokenizer
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    token = next(t for t in range(3, 512)
+                 if tokenizer.decode([t]).isalpha()
+                 and tokenizer.encode(tokenizer.decode([t]) * 2, add_special_tokens=False) == [t, t])
+    stuck = VllmParams(allowed_token_ids=[token], max_tokens=4,
+                       bad_words=[tokenizer.decode([token]) * 2])
+    other = VllmParams(temperature=0.0, max_tokens=4)
+    prompts = [TokensPrompt(prompt_token_ids=[1, 2, 3]), TokensPrompt(prompt_token_ids=[1, 5])]
+    outs = corelib_llm.generate(prompts, [stuck, other], use_tqdm=False)
+    failed = outs[0].outputs[0]
+    assert failed.finish_reason == "error" and list(failed.token_ids) == [token]
+    assert "has no token to sample after 1 generated tokens" in failed.stop_reason
+    alone = corelib_llm.generate(prompts[1:], other, use_tqdm=False)
+    assert outs[1].outputs[0].token_ids == alone[0].outputs[0].token_ids
+    assert outs[1].outputs[0].finish_reason == "length"
 
 
-def test_speculative_decoding_is_refused_at_start(model_dir):
-    with pytest.raises(Exception, match="speculative decoding .* not supported yet"):
+def test_min_p_and_logit_bias_are_accepted_under_speculation_with_corelib():
+    """vLLM's own sampler refuses them under speculative decoding; corelib's verification
+    applies every stage at every slot."""
+    from conftest import corelib_vllm
+    register()
+    params = VllmParams(min_p=0.1, logit_bias={3: 1.0})
+    spec = object()
+    params._validate_spec_decode(spec)
+    with corelib_vllm(None), pytest.raises(VLLMValidationError, match="min_p and logit_bias"):
+        params._validate_spec_decode(spec)
+
+
+def test_non_standard_rejection_sampling_is_refused_at_start(model_dir):
+    """corelib verifies drafts by standard rejection sampling; vLLM's synthetic acceptance
+    would accept drafts by another rule."""
+    with pytest.raises(Exception, match="rejection_sample_method='synthetic' is not supported"):
         make_llm(model_dir, "cpu", speculative_config={
-            "method": "draft_model", "model": str(model_dir), "num_speculative_tokens": 2})
+            "method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 2,
+            "rejection_sample_method": "synthetic", "synthetic_acceptance_length": 1.5})
 
 
 def test_model_runner_v2_is_refused():

@@ -1,0 +1,195 @@
+"""Speculative decoding verified by corelib's ``verify``: with vLLM's ngram drafter (no draft
+probabilities) greedy and seeded completions are the tokens of plain decoding, and of
+``corelib.integrations.hf.generate``; with a draft model's probabilities, corelib's rejection
+sampling accepts what it must; acceptance statistics agree with vLLM's; grammars, penalties,
+DRY and custom stages hold at every verification slot."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+from vllm.sampling_params import StructuredOutputsParams
+
+import corelib
+from corelib.integrations.vllm.sampler import CorelibSampler
+from corelib.integrations.vllm.speculative import CorelibRejectionSampler
+
+from conftest import (
+    NGRAM,
+    PROMPTS,
+    SEEDED,
+    first,
+    generate,
+    hf_generate,
+    run,
+    runner_of,
+    vllm_params,
+)
+
+LENGTH = 20
+# Prompts whose continuations repeat (ngram finds proposals), and the plain ones; more prompts
+# than max_num_seqs, so requests join and leave while others speculate.
+SPEC_PROMPTS = [[1, 17, 42, 99, 7, 17, 42, 99, 7], [1, 300, 301, 300, 301]] + PROMPTS
+
+
+class Speculation:
+    """The completions of one generate call and the drafts corelib verified meanwhile."""
+
+    def __init__(self, llm, prompts, params):
+        stats = runner_of(llm).sampler.speculation
+        before = stats.as_dict()
+        self.completions = first(generate(llm, prompts, params))
+        after = stats.as_dict()
+        self.stats = {key: after[key] - before[key] for key in ("verified_rows", "draft_tokens",
+                                                                 "accepted_tokens")}
+        self.by_position = [a - b for a, b in zip(after["accepted_by_position"],
+                                                  before["accepted_by_position"] + [0] * 8)]
+
+    @property
+    def tokens(self) -> list[list[int]]:
+        return [list(c.token_ids) for c in self.completions]
+
+    def vllm_totals(self) -> dict[str, int]:
+        """The same totals from vLLM's per-request metrics (its scheduler's own counts)."""
+        metrics = [c.spec_decode_metrics for c in self.completions]
+        return {"verified_rows": sum(sum(m.histogram) for m in metrics),
+                "draft_tokens": sum(m.num_draft_tokens for m in metrics),
+                "accepted_tokens": sum(j * n for m in metrics for j, n in enumerate(m.histogram))}
+
+
+def test_draft_layout_regroups_vllms_flat_tensors():
+    """Rows with 2, 0 and 3 drafts: vLLM's logits hold 3 + 1 + 4 rows, its drafts 5 ids; each
+    row's slots past its drafts repeat its bonus row and its drafts pad with -1 (a -1 from
+    vLLM itself makes the rest of the row padding)."""
+    import torch
+
+    from corelib.integrations.vllm.speculative import DraftLayout
+    layout = DraftLayout.of([2, 0, 3], torch.device("cpu"))
+    logits = torch.arange(8.0)[:, None].expand(8, 5)
+    assert layout.logits(logits)[:, :, 0].tolist() == [[0, 1, 2, 2], [3, 3, 3, 3], [4, 5, 6, 7]]
+    drafts = torch.tensor([10, 11, 20, -1, 22], dtype=torch.int32)
+    assert layout.draft_token_ids(drafts).tolist() == [[10, 11, -1], [-1, -1, -1], [20, -1, -1]]
+    probs = torch.arange(5.0)[:, None].expand(5, 5)
+    regrouped = layout.draft_probs(probs)[:, :, 0]       # slots without a draft: ignored
+    assert regrouped[0, :2].tolist() == [0, 1] and regrouped[2].tolist() == [2, 3, 4]
+    mask = torch.arange(8, dtype=torch.int32)[:, None]
+    assert layout.bitmask(mask)[:, :, 0].tolist() == [[0, 1, 2, 2], [3, 3, 3, 3], [4, 5, 6, 7]]
+
+
+def test_drafts_are_verified_by_corelib(ngram_llm):
+    runner = runner_of(ngram_llm)
+    assert isinstance(runner.sampler, CorelibSampler)
+    assert isinstance(runner.rejection_sampler, CorelibRejectionSampler)
+    assert runner.rejection_sampler.sampler is runner.sampler
+
+
+# ---------------------------------------------------------------------- ngram: no draft probs
+def test_greedy_with_speculation_equals_plain_decoding(ngram_llm, corelib_llm, vllm_llm):
+    params = vllm_params(temperature=0.0, max_tokens=LENGTH)
+    spec = Speculation(ngram_llm, SPEC_PROMPTS, params)
+    assert spec.stats["accepted_tokens"] > 0
+    assert spec.tokens == first(run(corelib_llm, SPEC_PROMPTS, params))
+    assert spec.tokens == first(run(vllm_llm, SPEC_PROMPTS, params))
+
+
+def test_seeded_with_speculation_equals_plain_decoding_and_hf(ngram_llm, corelib_llm, hf_model):
+    """corelib's contract: a seeded row draws at each slot what ``sample`` draws at that
+    position, so speculation changes no seeded token, in vLLM or in corelib's transformers
+    loop."""
+    params = [vllm_params(seed=40 + i, max_tokens=LENGTH, **SEEDED) for i in range(len(SPEC_PROMPTS))]
+    spec = Speculation(ngram_llm, SPEC_PROMPTS, params)
+    assert spec.stats["accepted_tokens"] > 0
+    assert spec.tokens == first(run(corelib_llm, SPEC_PROMPTS, params))
+    hf = hf_generate(hf_model, SPEC_PROMPTS,
+                     [corelib.SamplingParams(seed=40 + i, **SEEDED) for i in range(len(SPEC_PROMPTS))],
+                     max_new_tokens=LENGTH)
+    assert spec.tokens == first(hf)
+
+
+def test_acceptance_statistics_agree_with_vllms(ngram_llm):
+    """corelib's running totals equal vLLM's per-request metrics; acceptance falls with the
+    draft position and stays within the drafts."""
+    params = [vllm_params(temperature=0.0 if i % 2 else 0.8, seed=60 + i, max_tokens=LENGTH)
+              for i in range(len(SPEC_PROMPTS))]
+    spec = Speculation(ngram_llm, SPEC_PROMPTS, params)
+    assert spec.stats == spec.vllm_totals()
+    stats = spec.stats
+    assert 0 < stats["accepted_tokens"] <= stats["draft_tokens"] <= NGRAM["num_speculative_tokens"] * stats["verified_rows"]
+    positions = spec.by_position[:NGRAM["num_speculative_tokens"]]
+    assert sum(positions) == stats["accepted_tokens"]
+    assert positions == sorted(positions, reverse=True)
+
+
+def test_logprobs_with_speculation_equal_plain_decoding(ngram_llm, corelib_llm):
+    params = [vllm_params(seed=80 + i, logprobs=3, max_tokens=LENGTH, **SEEDED) for i in range(3)]
+    spec = Speculation(ngram_llm, SPEC_PROMPTS[:3], params)
+    plain = first(generate(corelib_llm, SPEC_PROMPTS[:3], params))
+    assert spec.stats["accepted_tokens"] > 0
+    for ours, theirs in zip(spec.completions, plain):
+        assert list(ours.token_ids) == list(theirs.token_ids)
+        assert len(ours.logprobs) == len(ours.token_ids)
+        for a, b in zip(ours.logprobs, theirs.logprobs):
+            assert {t: e.rank for t, e in a.items()} == {t: e.rank for t, e in b.items()}
+            for t in a:
+                assert a[t].logprob == pytest.approx(b[t].logprob, abs=1e-4)
+
+
+# ---------------------------------------------------------------------- draft model: probs
+def test_draft_probabilities_reach_the_rejection_sampling(draft_llm, corelib_llm):
+    """The draft model is the target model, so each draft's probability equals the target's
+    (p = q): corelib's ratio test accepts every draft of random rows. Without the draft
+    probabilities, or with those of another slot or row, a draft would pass only when it
+    equals the slot's own draw. Greedy rows emit the tokens of plain decoding."""
+    greedy = vllm_params(temperature=0.0, max_tokens=LENGTH)
+    assert first(run(draft_llm, SPEC_PROMPTS, greedy)) == first(run(corelib_llm, SPEC_PROMPTS, greedy))
+    params = [vllm_params(temperature=1.0, seed=90 + i, max_tokens=LENGTH)
+              for i in range(len(SPEC_PROMPTS))]
+    spec = Speculation(draft_llm, SPEC_PROMPTS, params)
+    assert spec.stats == spec.vllm_totals()
+    assert spec.stats["draft_tokens"] >= len(SPEC_PROMPTS) * 3
+    assert spec.stats["accepted_tokens"] >= 0.97 * spec.stats["draft_tokens"]
+    assert all(len(tokens) == LENGTH for tokens in spec.tokens)
+
+
+# ---------------------------------------------------------------------- every slot
+def test_grammar_holds_at_every_slot(ngram_reference_llm, reference_llm):
+    """ngram proposes words the grammar allows; each slot's bitmask (the grammar after the
+    slot's drafts) reaches corelib's verify, and the seeded constrained completions equal
+    those without speculation."""
+    tokenizer = reference_llm.get_tokenizer()
+    prompt = tokenizer.encode("the of and the of and the of and the of and ")
+    regex = "((the|of|and) ){12}"
+    params = [vllm_params(temperature=1.0, seed=seed, max_tokens=40, ignore_eos=False,
+                          structured_outputs=StructuredOutputsParams(regex=regex))
+              for seed in range(3)]
+    spec = Speculation(ngram_reference_llm, [prompt] * 3, params)
+    assert spec.stats["accepted_tokens"] > 0
+    assert spec.tokens == first(run(reference_llm, [prompt] * 3, params))
+    for completion in spec.completions:
+        assert re.fullmatch(regex, completion.text)
+
+
+STAGES = [
+    dict(temperature=0.9, seed=21, presence_penalty=0.8, frequency_penalty=0.4,
+         repetition_penalty=1.2, extra_args=dict(dry_multiplier=0.8, dry_allowed_length=2)),
+    dict(temperature=1.0, seed=22, min_tokens=6, logit_bias={428: 3.0},
+         extra_args=dict(stage_args={"ban-repeats": {"times": 3}}, xtc_probability=0.5,
+                         xtc_threshold=0.05)),
+    dict(temperature=0.0, extra_args=dict(dry_multiplier=1.0, dry_allowed_length=2)),
+    dict(temperature=1.2, seed=23, top_k=20, min_p=0.05,
+         extra_args=dict(typical_p=0.8, top_n_sigma=2.0,
+                                                             stage_args={"floor-prob": {"prob": 0.02}})),
+]
+
+
+def test_every_stage_at_every_slot_equals_plain_decoding(ngram_reference_llm, reference_llm):
+    """Penalties, min_tokens, logit bias, min_p, DRY, XTC, typical-p, top-n-sigma and custom
+    stages (one with per-row state) see at each slot the state as if the slot's drafts had
+    been generated: seeded and greedy completions equal those without speculation. (vLLM's
+    own sampler refuses min_p and logit_bias under speculative decoding.)"""
+    prompts = SPEC_PROMPTS[:len(STAGES)]
+    params = [vllm_params(max_tokens=LENGTH, **case) for case in STAGES]
+    spec = Speculation(ngram_reference_llm, prompts, params)
+    assert spec.stats["accepted_tokens"] > 0
+    assert spec.tokens == first(run(reference_llm, prompts, params))
