@@ -37,6 +37,18 @@ def mix32(x: torch.Tensor) -> torch.Tensor:
     return x ^ _shift_right(x, 16)
 
 
+def mix32_(x: torch.Tensor, scratch: torch.Tensor) -> torch.Tensor:
+    """``mix32`` in place, for backends that keep their buffers: x (int32, any shape) becomes
+    mix32(x), with ``scratch`` (int32, x's shape) holding the shifted copies. Same bits as
+    ``mix32``; allocates nothing. Returns x."""
+    for bits, multiplier in ((16, _MIX_MUL_1), (15, _MIX_MUL_2), (16, None)):
+        torch.bitwise_right_shift(x, bits, out=scratch).bitwise_and_((1 << (32 - bits)) - 1)
+        x.bitwise_xor_(scratch)
+        if multiplier is not None:
+            x.mul_(multiplier)
+    return x
+
+
 def split_seed(seed: int) -> tuple[int, int]:
     """A seed in [0, 2**63) as its (low, high) 32-bit halves, each as a signed int32 value."""
     lo, hi = seed & 0xFFFFFFFF, (seed >> 32) & 0xFFFFFFFF
@@ -53,10 +65,15 @@ def row_keys(seed_lo: torch.Tensor, seed_hi: torch.Tensor, child: torch.Tensor,
 
     All inputs int32 ``[B]``; returns int32 ``[B]``. Not in place.
     """
+    return mix32(row_key_prefix(seed_lo, seed_hi, child) ^ position)
+
+
+def row_key_prefix(seed_lo: torch.Tensor, seed_hi: torch.Tensor, child: torch.Tensor) -> torch.Tensor:
+    """The part of :func:`row_keys` that does not depend on the position (int32 ``[B]``), so
+    a backend may keep it for a row's life: ``row_keys == mix32(prefix ^ position)``."""
     key = mix32(seed_lo ^ _KEY_OFFSET)
     key = mix32(key ^ seed_hi)
-    key = mix32(key ^ child)
-    return mix32(key ^ position)
+    return mix32(key ^ child)
 
 
 def uniform_noise(keys: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
@@ -69,6 +86,26 @@ def uniform_noise(keys: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
     h = mix32(keys + token_ids * _TOKEN_STEP)
     top = _shift_right(h, 32 - _UNIFORM_BITS)
     return (top.to(torch.float32) + 0.5) * _UNIFORM_SCALE
+
+
+def token_offsets(token_ids: torch.Tensor) -> torch.Tensor:
+    """int32, token_ids' shape: each token's share of the hash input (``token_id * step``,
+    wrapping). A backend computes it once per vocabulary for :func:`seeded_gumbel_into`."""
+    return token_ids.to(torch.int32) * _TOKEN_STEP
+
+
+def seeded_gumbel_into(out: torch.Tensor, keys: torch.Tensor, offsets: torch.Tensor,
+                       scratch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """``seeded_gumbel(keys, token_ids)`` written into ``out`` (float32) without allocating:
+    ``offsets = token_offsets(token_ids)``, keys broadcastable against them (e.g. ``[B, 1]``
+    against ``[1, V]``), ``scratch`` two int32 buffers of out's shape. The same operations
+    in the same order as :func:`seeded_gumbel`, so the same bits. Returns out."""
+    h, shifted = scratch
+    torch.add(keys, offsets, out=h)
+    mix32_(h, shifted)
+    torch.bitwise_right_shift(h, 32 - _UNIFORM_BITS, out=h).bitwise_and_((1 << _UNIFORM_BITS) - 1)
+    torch.add(h, 0.5, out=out)                       # exact: h < 2**23
+    return out.mul_(_UNIFORM_SCALE).log_().neg_().log_().neg_()
 
 
 def gumbel_from_uniform(u: torch.Tensor) -> torch.Tensor:

@@ -4,7 +4,16 @@ import math
 
 import torch
 
-from corelib.noise import mix32, row_keys, seeded_gumbel, split_seed, uniform_noise
+from corelib.noise import (
+    mix32,
+    mix32_,
+    row_keys,
+    seeded_gumbel,
+    seeded_gumbel_into,
+    split_seed,
+    token_offsets,
+    uniform_noise,
+)
 from corelib.testing import chi_square_p_value
 
 MASK = 0xFFFFFFFF
@@ -107,3 +116,16 @@ def test_published_test_vectors():
         key = row_keys(*(torch.tensor([v], dtype=torch.int32) for v in (lo, hi, child, position)))
         got = uniform_noise(key[:, None], tokens)[0].tolist()
         assert [f"{v:.9f}" for v in got] == cells[3:], line
+
+
+def test_in_place_forms_give_the_same_bits():
+    gen = torch.Generator().manual_seed(1)
+    values = torch.randint(-2**31, 2**31, (4, 1000), dtype=torch.int64, generator=gen).to(torch.int32)
+    assert torch.equal(mix32_(values.clone(), torch.empty_like(values)), mix32(values))
+    keys = row_keys(*(torch.arange(3, dtype=torch.int32) * v for v in (5, 7, 1, 11)))[:, None]
+    for tokens in (torch.arange(4096, dtype=torch.int32)[None, :],          # a vocabulary row
+                   torch.randint(0, 151936, (3, 64), generator=gen).to(torch.int32)):  # candidates
+        shape = torch.broadcast_shapes(keys.shape, tokens.shape)
+        scratch = (torch.empty(shape, dtype=torch.int32), torch.empty(shape, dtype=torch.int32))
+        got = seeded_gumbel_into(torch.empty(shape), keys, token_offsets(tokens), scratch)
+        assert torch.equal(got, seeded_gumbel(keys, tokens))
