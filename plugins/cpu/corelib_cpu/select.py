@@ -9,40 +9,52 @@ float64 nucleus sums. Shapes: ``n`` rows, ``V`` vocabulary, ``W`` candidate colu
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from .rowops import top_values
 
 NEG_INF = float("-inf")
 
-# A positive float32's bit pattern (read as int32) orders like its value, so its top 16 bits
-# (sign, exponent, 7 mantissa bits) name a bucket, the next 8 a sub-bucket, the last 8 a value.
-_BUCKETS = 1 << 16
+# A positive float32's bit pattern (read as int32) orders like its value, so its top 12 bits
+# (sign, exponent, 3 mantissa bits) name a bucket, the next 10 a sub-bucket, the last 10 a
+# value. Few first-pass buckets keep the per-bucket work (cumulative sums, the search) small;
+# the bucket holding the threshold spans 1/8 of an octave, a few percent of a flat row.
+_KEY_SHIFT = 20
+_SUB_BITS = 10
 #: Workspace name of the int32 [n, V] scratch buffer (free again once a function returns).
 SCRATCH = "scratch32"
-# Probabilities are at most 1.0 (bits 0x3F800000): buckets past its one stay empty, except
-# for NaN rows, which are then all empty and go to the sort.
-_PROB_BUCKETS = 0x3F80 + 1
+# Probabilities are at most 1.0 (bits 0x3F800000): buckets past its one stay empty. NaN rows
+# are clamped into the last bucket, have no mass below it and go to the sort.
+_PROB_BUCKETS = (0x3F800000 >> _KEY_SHIFT) + 1
 # Buckets from here up hold values >= 2**-29: float32 multiples of 2**-52, so float64 sums of
 # them below 2 are exact, in any order (the reference's sequential cumsum included).
-_EXACT_BUCKET = (127 - 29) << 7
+_EXACT_BUCKET = (127 - 29) << (23 - _KEY_SHIFT)
 # A nucleus whose mass ends this close above top_p may depend on the reference's rounding of
 # tiny tail values; such rows take the exact sort (they only occur by construction).
 _MARGIN = 2.0 ** -30
 
 
-def top_k_candidates(x: torch.Tensor, k: torch.Tensor, width: int):
+def top_k_candidates(x: torch.Tensor, k: torch.Tensor, width: int,
+                     temperature: Optional[torch.Tensor] = None, maxima: Optional[torch.Tensor] = None):
     """Step 12 as candidates. x float32 [n, V] (dropped tokens -inf), k int64 [n] in [1, V],
     ``width`` >= max(k) candidate columns (a few more catch ties at the k-th value).
+    ``temperature`` float32 [n, 1]: x is step 10's input, and the candidates are divided by
+    it (x / T is non-decreasing in x, so its k largest are the k largest of x divided, ties
+    made by the division included: they are judged after it). ``maxima``: x's group maxima.
 
     Returns ``(values, ids, complete)``: values float32 [n, W] descending, tokens below the
     k-th largest set to -inf; ids int64 [n, W]; complete bool [n], False where tokens tied
     with the k-th value may lie beyond the W columns or the groups searched (the caller then
     masks the row in full with :func:`mask_below`). Does not modify x."""
     V = x.shape[-1]
-    values, ids, floor = top_values(x, width)                           # (n, W), descending
+    values, ids, floor = top_values(x, width, maxima)                   # (n, W), descending
+    floor = floor[:, None]
+    if temperature is not None:
+        values, floor = values / temperature, floor / temperature
     kth = values.gather(1, (k - 1)[:, None])                            # (n, 1)
-    complete = ((values[:, -1:] < kth) & (floor[:, None] < kth)) | (kth == NEG_INF)
+    complete = ((values[:, -1:] < kth) & (floor < kth)) | (kth == NEG_INF)
     if width >= V:
         complete = torch.ones_like(complete)
     return values.masked_fill(values < kth, NEG_INF), ids, complete[:, 0]
@@ -136,37 +148,37 @@ def nucleus_threshold(probs: torch.Tensor, top_p: torch.Tensor, workspace=None) 
 def select_by_histogram(probs: torch.Tensor, top_p: torch.Tensor, workspace=None):
     """The nucleus threshold by radix select. probs float32 [n, V], top_p float32 [n].
 
-    Pass 1 sums the probability mass per bucket of the top 16 bits (sign, exponent, 7
+    Pass 1 sums the probability mass per bucket of the top 12 bits (sign, exponent, 3
     mantissa bits) in float64 and finds the lowest bucket whose mass strictly above is
     < top_p: v* lies in it. Passes 2 and 3 do the same over that bucket's tokens with the
-    next 8 bits, then the last 8 (one distinct value per bin). Returns ``(threshold float32
-    [n], exact bool [n])``; rows with ``exact`` False must use :func:`threshold_by_sort`.
-    ``workspace`` (a :class:`~corelib_cpu.workspace.Workspace`) lends the [n, V] int32 keys
-    (as ``SCRATCH``) and a [V] float64 row."""
+    next 10 bits, then the last 10 (one distinct value per bin). Returns ``(threshold
+    float32 [n], exact bool [n])``; rows with ``exact`` False must use
+    :func:`threshold_by_sort`. ``workspace`` (a :class:`~corelib_cpu.workspace.Workspace`)
+    lends the [n, V] int32 keys (as ``SCRATCH``) and a [V] float64 row."""
     n, V = probs.shape
     bits = probs.view(torch.int32)
     p64 = top_p.double()[:, None]
 
     # Pass 1 over every token, a row at a time: the float64 copy bincount needs stays one
-    # row (and its histogram) in the cache. NaN rows have no mass below 1.0's bucket.
+    # row (and its histogram) in the cache.
     keys = _take(workspace, SCRATCH, (n, V), torch.int32)
-    torch.bitwise_right_shift(bits, 16, out=keys).bitwise_and_(0xFFFF)                 # (n, V)
+    torch.bitwise_right_shift(bits, _KEY_SHIFT, out=keys).clamp_(0, _PROB_BUCKETS - 1)   # (n, V)
     row64 = _take(workspace, "select_row64", (V,), torch.float64)
-    mass = torch.stack([torch.bincount(keys[i], row64.copy_(probs[i]), minlength=_PROB_BUCKETS)[:_PROB_BUCKETS]
+    mass = torch.stack([torch.bincount(keys[i], row64.copy_(probs[i]), minlength=_PROB_BUCKETS)
                         for i in range(n)])
     bucket, above = lowest_qualifying(mass, torch.zeros_like(p64), p64)   # (n,), (n, 1)
 
     # Passes 2 and 3 over the bucket's tokens only.
     rows, cols = (keys == bucket[:, None].to(torch.int32)).nonzero(as_tuple=True)
-    low = bits[rows, cols] & 0xFFFF                                      # (m,)
-    middle = low >> 8
+    low = bits[rows, cols] & ((1 << _KEY_SHIFT) - 1)                   # (m,)
+    middle = low >> _SUB_BITS
     sub, above = lowest_qualifying(bin_mass(rows, middle, probs[rows, cols], n), above, p64)
     inside = (middle == sub[rows]).nonzero().flatten()
     rows, low = rows[inside], low[inside]
-    mass3 = bin_mass(rows, low & 0xFF, probs[rows, cols[inside]], n)
+    mass3 = bin_mass(rows, low & ((1 << _SUB_BITS) - 1), probs[rows, cols[inside]], n)
     last, above = lowest_qualifying(mass3, above, p64)
 
-    threshold_bits = ((bucket << 16) | (sub << 8) | last).to(torch.int32)
+    threshold_bits = ((bucket << _KEY_SHIFT) | (sub << _SUB_BITS) | last).to(torch.int32)
     mass_from = above[:, 0] + mass3.gather(1, last[:, None])[:, 0]    # mass of probs >= v*
     exact = (bucket >= _EXACT_BUCKET) & (mass_from - p64[:, 0] >= _MARGIN)
     return threshold_bits.view(torch.float32).clone(), exact
@@ -179,9 +191,10 @@ def _take(workspace, name: str, shape: tuple, dtype: torch.dtype) -> torch.Tenso
 
 
 def bin_mass(rows: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor, n: int) -> torch.Tensor:
-    """float64 [n, 256]: weights (float32 [m]) summed in float64 per (row, key in [0, 256))."""
-    flat = rows * 256 + keys.to(torch.long)
-    return torch.bincount(flat, weights.double(), minlength=n * 256).view(n, 256)
+    """float64 [n, 2**_SUB_BITS]: weights (float32 [m]) summed in float64 per (row, key)."""
+    bins = 1 << _SUB_BITS
+    flat = rows * bins + keys.to(torch.long)
+    return torch.bincount(flat, weights.double(), minlength=n * bins).view(n, bins)
 
 
 def lowest_qualifying(mass: torch.Tensor, above_all: torch.Tensor, p64: torch.Tensor):

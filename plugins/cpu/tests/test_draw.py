@@ -7,7 +7,14 @@ import torch
 from corelib.noise import row_keys, seeded_gumbel
 from corelib.testing import chi_square_p_value
 
-from corelib_cpu.draw import CDF_BLOCK, draw_by_inverse_cdf, draw_seeded_candidates, draw_unseeded_candidates
+from corelib_cpu.draw import (
+    CDF_BLOCK,
+    NOISE_SPREAD,
+    draw_by_inverse_cdf,
+    draw_seeded_rows,
+    race_seeded_candidates,
+    race_unseeded_candidates,
+)
 
 NEG_INF = float("-inf")
 MIN_P_VALUE = 1e-6
@@ -16,6 +23,14 @@ MIN_P_VALUE = 1e-6
 def reference_seeded(x: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
     vocab = torch.arange(x.shape[1], dtype=torch.int32)[None, :]
     return torch.argmax(x + seeded_gumbel(keys[:, None], vocab), dim=-1)
+
+
+def draw_seeded_candidates(values, ids, keys):
+    return ids.gather(1, race_seeded_candidates(values, ids, keys))[:, 0]
+
+
+def draw_unseeded_candidates(values, ids, generator):
+    return ids.gather(1, race_unseeded_candidates(values, generator))[:, 0]
 
 
 def keys_for(rows: int, seed: int = 0) -> torch.Tensor:
@@ -107,3 +122,43 @@ def test_unseeded_candidates_follow_the_kept_distribution():
     kept = probs > 0
     assert int(counts[~kept].sum()) == 0
     assert chi_square_p_value(counts[kept], probs[kept]) > MIN_P_VALUE
+
+
+def test_noise_spread_bounds_every_value_the_hash_can_produce():
+    # all 2**23 uniforms of the 23-bit hash, through the same float32 functions
+    u = (torch.arange(2**23, dtype=torch.float32) + 0.5) * 2.0**-23
+    g = -torch.log(-torch.log(u))
+    assert float(g.max() - g.min()) < NOISE_SPREAD < float(g.max() - g.min()) + 0.01
+
+
+def seeded_rows_cases(V: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(6, V, generator=g)
+    x[1] *= 40.0                                   # a wide row: most groups cannot win
+    x[2] = torch.where(torch.rand(V, generator=g) < 0.7, NEG_INF, x[2] * 25.0)
+    x[3] = NEG_INF
+    x[3, V - 1] = 0.0                              # the only kept token is the last one
+    x[4] = torch.round(x[4] * 30.0)                # wide and full of ties
+    x[5] = -1e4 * torch.rand(V, generator=g)       # far from 0: the bound's slack matters
+    return x
+
+
+def test_seeded_rows_equal_the_reference_race_with_and_without_pruning():
+    for V in (1000, 4096 + 77, 50257):
+        x = seeded_rows_cases(V, V)
+        for position in range(4):
+            keys = keys_for(x.shape[0], seed=position)
+            assert torch.equal(draw_seeded_rows(x, keys, chunk_elements=V), reference_seeded(x, keys)), (V, position)
+
+
+def test_wide_rows_race_over_few_groups():
+    from corelib_cpu.draw import race_live_groups
+    from corelib_cpu.rowops import group_maxima
+    x = seeded_rows_cases(50257, 3)[[1, 2, 4, 5]]
+    maxima = group_maxima(x)
+    top = maxima.amax(dim=-1, keepdim=True)
+    live = maxima >= top - NOISE_SPREAD - (top.abs() + NOISE_SPREAD) * 2.0**-16
+    assert int(live.sum(dim=-1).max()) <= maxima.shape[1] // 2       # the pruned path is taken
+    keys = keys_for(4, seed=9)
+    most = int(live.sum(dim=-1).max())
+    assert torch.equal(race_live_groups(x, keys, live, most), reference_seeded(x, keys))
