@@ -9,6 +9,8 @@ gives 0 there) and are followed by a mask that clears the sign-extended bits.
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 # Multipliers of the "lowbias32" integer finaliser, as signed int32 values.
@@ -95,17 +97,21 @@ def token_offsets(token_ids: torch.Tensor) -> torch.Tensor:
 
 
 def seeded_gumbel_into(out: torch.Tensor, keys: torch.Tensor, offsets: torch.Tensor,
-                       scratch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+                       scratch: tuple[torch.Tensor, torch.Tensor],
+                       logits: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``seeded_gumbel(keys, token_ids)`` written into ``out`` (float32) without allocating:
     ``offsets = token_offsets(token_ids)``, keys broadcastable against them (e.g. ``[B, 1]``
-    against ``[1, V]``), ``scratch`` two int32 buffers of out's shape. The same operations
-    in the same order as :func:`seeded_gumbel`, so the same bits. Returns out."""
+    against ``[1, V]``), ``scratch`` two int32 buffers of out's shape. With ``logits``
+    (float32, out's shape) it writes the race's scores ``logits + noise`` instead, as
+    ``logits - log(-log(u))`` (equal bits: negation is exact). The same operations in the
+    same order as :func:`seeded_gumbel`, so the same bits. Returns out."""
     h, shifted = scratch
     torch.add(keys, offsets, out=h)
     mix32_(h, shifted)
     torch.bitwise_right_shift(h, 32 - _UNIFORM_BITS, out=h).bitwise_and_((1 << _UNIFORM_BITS) - 1)
     torch.add(h, 0.5, out=out)                       # exact: h < 2**23
-    return out.mul_(_UNIFORM_SCALE).log_().neg_().log_().neg_()
+    out.mul_(_UNIFORM_SCALE).log_().neg_().log_()    # log(-log(u)) = -noise
+    return out.neg_() if logits is None else torch.sub(logits, out, out=out)
 
 
 def gumbel_from_uniform(u: torch.Tensor) -> torch.Tensor:

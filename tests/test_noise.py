@@ -129,3 +129,6 @@ def test_in_place_forms_give_the_same_bits():
         scratch = (torch.empty(shape, dtype=torch.int32), torch.empty(shape, dtype=torch.int32))
         got = seeded_gumbel_into(torch.empty(shape), keys, token_offsets(tokens), scratch)
         assert torch.equal(got, seeded_gumbel(keys, tokens))
+        logits = torch.randn(shape, generator=gen) * 3
+        scores = seeded_gumbel_into(torch.empty(shape), keys, token_offsets(tokens), scratch, logits)
+        assert torch.equal(scores, logits + seeded_gumbel(keys, tokens))
