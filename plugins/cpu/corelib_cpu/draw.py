@@ -25,6 +25,7 @@ from .rowops import GROUP, first_argmax, group_maxima
 # Tokens per block of the inverse-CDF search: the second search reads one block per row.
 CDF_BLOCK = 256
 _TINY = torch.finfo(torch.float32).tiny
+_INF = torch.tensor(float("inf"))
 _LONG_MAX = torch.iinfo(torch.long).max
 # The seeded noise takes 2**23 values, from g((0.5) / 2**23) to g((2**23 - 0.5) / 2**23), g the
 # Gumbel transform: about -2.81 to 16.64. Measured with the same float32 functions, widened
@@ -56,14 +57,18 @@ def race_unseeded_candidates(values: torch.Tensor, generator: Optional[torch.Gen
 
 # ---------------------------------------------------------------------- whole rows, seeded
 def draw_seeded_rows(x: torch.Tensor, keys: torch.Tensor, offsets: Optional[torch.Tensor] = None,
-                     workspace=None, chunk_elements: int = 1 << 17) -> torch.Tensor:
-    """int64 [n]: ``argmax(x + noise)`` over whole rows, the reference's token. x float32
-    [n, V] (-inf = dropped), keys int32 [n]; ``offsets``: ``token_offsets(arange(V))`` (made
-    here when None); ``workspace`` lends the chunk buffers; ``chunk_elements``: logits per
-    chunk of the full race (its buffers stay in the cache).
+                     workspace=None, chunk_elements: int = 1 << 17,
+                     kept: Optional[torch.Tensor] = None):
+    """``argmax(x + noise)`` over whole rows, the reference's token. x float32 [n, V] (-inf =
+    dropped), keys int32 [n]; ``offsets``: ``token_offsets(arange(V))`` (made here when
+    None); ``workspace`` lends the chunk buffers; ``chunk_elements``: logits per chunk of
+    the full race (its buffers stay in the cache); ``kept``: float32 [n, V] weights, when
+    tokens with weight 0 are dropped too (a probability cut not yet applied to x).
 
-    Rows where at most half of the groups of ``GROUP`` tokens can hold the winner race over
-    those groups only (see the module docstring); the others over every token."""
+    Returns ``(token ids int64 [n], ok bool [n])``, ok False where the winner's score is not
+    finite (every token dropped, or +inf from float32 overflow upstream). Rows where at most
+    half of the groups of ``GROUP`` tokens can hold the winner race over those groups only
+    (see the module docstring); the others over every token."""
     n, V = x.shape
     maxima = group_maxima(x)
     top = maxima.amax(dim=-1, keepdim=True)
@@ -71,34 +76,46 @@ def draw_seeded_rows(x: torch.Tensor, keys: torch.Tensor, offsets: Optional[torc
     live = maxima >= cut                                                  # (n, groups)
     most = int(live.sum(dim=-1).max())
     if 0 < most <= maxima.shape[1] // 2:
-        return race_live_groups(x, keys, live, most)
+        return race_live_groups(x, keys, live, most, kept)
     if offsets is None:
         offsets = token_offsets(torch.arange(V))
     rows = max(1, chunk_elements // V)
     ids = torch.empty(n, dtype=torch.long)
+    best = torch.empty(n)
     for r0 in range(0, n, rows):
         r1 = min(r0 + rows, n)
         shape = (r1 - r0, V)
         scores = _take(workspace, "noise_scores", shape, torch.float32)
         scratch = (_take(workspace, "noise_hash", shape, torch.int32),
                    _take(workspace, "noise_shift", shape, torch.int32))
-        seeded_gumbel_into(scores, keys[r0:r1, None], offsets[None, :], scratch)
-        ids[r0:r1] = first_argmax(scores.add_(x[r0:r1]))
-    return ids
+        seeded_gumbel_into(scores, keys[r0:r1, None], offsets[None, :], scratch, x[r0:r1])
+        if kept is not None:
+            # sign(w) - 0.5 is -0.5 where w == 0, 0.5 where w > 0: copysign and min drop the
+            # former (the hash's buffer is free again by now)
+            mask = torch.sign(kept[r0:r1], out=scratch[0].view(torch.float32)).sub_(0.5)
+            torch.minimum(scores, torch.copysign(_INF, mask, out=mask), out=scores)
+        winner = first_argmax(scores)
+        ids[r0:r1], best[r0:r1] = winner, scores.gather(1, winner[:, None])[:, 0]
+    return ids, torch.isfinite(best)
 
 
-def race_live_groups(x: torch.Tensor, keys: torch.Tensor, live: torch.Tensor, most: int) -> torch.Tensor:
-    """int64 [n]: the seeded race over the live groups only (bool [n, groups], at most
-    ``most`` per row). Their tokens are gathered in ascending id order, so the first maximum
-    is the lowest id among ties, as over the whole row."""
+def race_live_groups(x: torch.Tensor, keys: torch.Tensor, live: torch.Tensor, most: int,
+                     kept: Optional[torch.Tensor] = None):
+    """``draw_seeded_rows`` over the live groups only (bool [n, groups], at most ``most`` per
+    row). Their tokens are gathered in ascending id order, so the first maximum is the
+    lowest id among ties, as over the whole row."""
     n, V = x.shape
     groups = live.shape[1]
     order = torch.where(live, torch.arange(groups), groups).sort(dim=-1).values[:, :most]
     raw = (order[:, :, None] * GROUP + torch.arange(GROUP)).reshape(n, -1)   # (n, most * GROUP)
     cols = raw.clamp(max=V - 1)
-    values = x.gather(1, cols).masked_fill_(raw >= V, float("-inf"))       # padding, short group
+    dead = raw >= V                                                          # padding, short group
+    if kept is not None:
+        dead |= kept.gather(1, cols) == 0
+    values = x.gather(1, cols).masked_fill_(dead, float("-inf"))
     scores = values + seeded_gumbel(keys[:, None], cols.to(torch.int32))
-    return cols.gather(1, scores.argmax(dim=-1, keepdim=True))[:, 0]
+    winner = scores.argmax(dim=-1, keepdim=True)
+    return cols.gather(1, winner)[:, 0], torch.isfinite(scores.gather(1, winner)[:, 0])
 
 
 def _take(workspace, name: str, shape: tuple, dtype: torch.dtype) -> torch.Tensor:

@@ -517,31 +517,51 @@ class CpuSampler(Sampler):
         seeded = [row for row in rows if bp.seeded[row]]
         unseeded = [row for row in rows if not bp.seeded[row]]
         if seeded:
-            self.apply_cuts(blk, seeded)
-            x = pick_rows(blk.x, seeded, bp)
-            seeded_ids = draw_seeded_rows(x, keys[bp.r0:bp.r1][bp.index(seeded)],
-                                          self.offsets(x.shape[1]), self.workspace, self.NOISE_CHUNK)
+            seeded_ids, seeded_ok = self.draw_seeded_whole(blk, seeded, keys)
             if not unseeded:
-                return seeded_ids, torch.ones(len(rows), dtype=torch.bool)
+                return seeded_ids, seeded_ok
         ids, ok = draw_from_weights(self.weights_of(blk, unseeded), self.generator)
         if not seeded:
             return ids, ok
-        merged = torch.empty(len(rows), dtype=torch.long)
-        merged_ok = torch.ones(len(rows), dtype=torch.bool)
         at = {row: j for j, row in enumerate(rows)}
-        unseeded_at = torch.tensor([at[row] for row in unseeded], dtype=torch.long)
-        merged[torch.tensor([at[row] for row in seeded], dtype=torch.long)] = seeded_ids
-        merged[unseeded_at], merged_ok[unseeded_at] = ids, ok
+        merged = torch.empty(len(rows), dtype=torch.long)
+        merged_ok = torch.empty(len(rows), dtype=torch.bool)
+        for subset, values, flags in ((seeded, seeded_ids, seeded_ok), (unseeded, ids, ok)):
+            where = torch.tensor([at[row] for row in subset], dtype=torch.long)
+            merged[where], merged_ok[where] = values, flags
         return merged, merged_ok
+
+    def draw_seeded_whole(self, blk: Block, rows: list, keys: torch.Tensor):
+        """(int64 [m] ids, bool [m] ok) for seeded whole rows: the reference's race over their
+        final logits. Rows cut by one probability filter race over x with the cut's weights
+        as the mask (x itself stays unmasked); others have their cuts applied first."""
+        bp = blk.plan
+        record, at = self.common_cut(blk, rows)
+        kept = None
+        if record is not None:
+            kept = record.weights if at == list(range(len(record.rows))) else record.weights[at]
+        else:
+            self.apply_cuts(blk, rows)
+        x = pick_rows(blk.x, rows, bp)
+        return draw_seeded_rows(x, keys[bp.r0:bp.r1][bp.index(rows)], self.offsets(x.shape[1]),
+                                self.workspace, self.NOISE_CHUNK, kept)
+
+    @staticmethod
+    def common_cut(blk: Block, rows: list):
+        """(the Cut every given row belongs to and the rows' places in it), or (None, None)."""
+        cuts = [blk.cuts.get(row) for row in rows]
+        first = cuts[0]
+        if first is None or any(c is None or c[0] is not first[0] for c in cuts):
+            return None, None
+        return first[0], [j for _, j in cuts]
 
     def weights_of(self, blk: Block, rows: list) -> torch.Tensor:
         """float32 [m, V]: the draw weights of whole rows: their cut's kept probabilities, or
         exp(x - max) for rows no probability filter touched."""
-        cuts = [blk.cuts.get(row) for row in rows]
-        if cuts[0] is not None and all(c is not None and c[0] is cuts[0][0] for c in cuts):
-            record = cuts[0][0]
-            at = [j for _, j in cuts]
+        record, at = self.common_cut(blk, rows)
+        if record is not None:
             return record.weights if at == list(range(len(record.rows))) else record.weights[at]
+        cuts = [blk.cuts.get(row) for row in rows]
         if all(c is None for c in cuts):
             x = pick_rows(blk.x, rows, blk.plan)
             return exp_weights(x, self.workspace.take("weights", tuple(x.shape)))

@@ -168,14 +168,17 @@ def select_by_histogram(probs: torch.Tensor, top_p: torch.Tensor, workspace=None
                         for i in range(n)])
     bucket, above = lowest_qualifying(mass, torch.zeros_like(p64), p64)   # (n,), (n, 1)
 
-    # Passes 2 and 3 over the bucket's tokens only.
-    rows, cols = (keys == bucket[:, None].to(torch.int32)).nonzero(as_tuple=True)
-    low = bits[rows, cols] & ((1 << _KEY_SHIFT) - 1)                   # (m,)
+    # Passes 2 and 3 over the bucket's tokens only (flat indices: 1-D gathers are ~10x
+    # cheaper than indexing with row and column tensors).
+    at = (keys == bucket[:, None].to(torch.int32)).view(-1).nonzero()[:, 0]   # (m,)
+    rows = at // V
+    band = bits.view(-1).index_select(0, at)                          # float32 bits, (m,)
+    low = band & ((1 << _KEY_SHIFT) - 1)
     middle = low >> _SUB_BITS
-    sub, above = lowest_qualifying(bin_mass(rows, middle, probs[rows, cols], n), above, p64)
-    inside = (middle == sub[rows]).nonzero().flatten()
-    rows, low = rows[inside], low[inside]
-    mass3 = bin_mass(rows, low & ((1 << _SUB_BITS) - 1), probs[rows, cols[inside]], n)
+    sub, above = lowest_qualifying(bin_mass(rows, middle, band.view(torch.float32), n), above, p64)
+    inside = (middle == sub[rows]).nonzero()[:, 0]
+    rows, band = rows[inside], band[inside]
+    mass3 = bin_mass(rows, band & ((1 << _SUB_BITS) - 1), band.view(torch.float32), n)
     last, above = lowest_qualifying(mass3, above, p64)
 
     threshold_bits = ((bucket << _KEY_SHIFT) | (sub << _SUB_BITS) | last).to(torch.int32)

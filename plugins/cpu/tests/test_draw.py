@@ -148,7 +148,9 @@ def test_seeded_rows_equal_the_reference_race_with_and_without_pruning():
         x = seeded_rows_cases(V, V)
         for position in range(4):
             keys = keys_for(x.shape[0], seed=position)
-            assert torch.equal(draw_seeded_rows(x, keys, chunk_elements=V), reference_seeded(x, keys)), (V, position)
+            ids, ok = draw_seeded_rows(x, keys, chunk_elements=V)
+            assert torch.equal(ids, reference_seeded(x, keys)), (V, position)
+            assert ok.tolist() == [True, True, True, True, True, True]
 
 
 def test_wide_rows_race_over_few_groups():
@@ -161,4 +163,23 @@ def test_wide_rows_race_over_few_groups():
     assert int(live.sum(dim=-1).max()) <= maxima.shape[1] // 2       # the pruned path is taken
     keys = keys_for(4, seed=9)
     most = int(live.sum(dim=-1).max())
-    assert torch.equal(race_live_groups(x, keys, live, most), reference_seeded(x, keys))
+    ids, ok = race_live_groups(x, keys, live, most)
+    assert torch.equal(ids, reference_seeded(x, keys)) and bool(ok.all())
+
+
+def test_seeded_rows_with_a_weight_mask_race_over_the_kept_tokens_only():
+    V = 4096 + 77
+    x = seeded_rows_cases(V, 5)
+    g = torch.Generator().manual_seed(6)
+    kept = torch.where(torch.rand(x.shape, generator=g) < 0.5, 0.0, torch.rand(x.shape, generator=g))
+    kept[3, V - 1] = 0.3                       # row 3 keeps its only finite token
+    kept[5] = 0.0                              # a row that keeps nothing is reported
+    masked = x.masked_fill(kept == 0, NEG_INF)
+    keys = keys_for(x.shape[0], seed=2)
+    for chunk in (V, 1 << 30):
+        ids, ok = draw_seeded_rows(x, keys, chunk_elements=chunk, kept=kept)
+        assert torch.equal(ids[:5], reference_seeded(masked, keys)[:5])
+        assert ok.tolist() == [True, True, True, True, True, False]
+    wide = [1, 2, 4]                            # only wide rows: the race over live groups
+    ids, ok = draw_seeded_rows(x[wide], keys[wide], kept=kept[wide])
+    assert torch.equal(ids, reference_seeded(masked[wide], keys[wide])) and bool(ok.all())
