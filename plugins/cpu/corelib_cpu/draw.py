@@ -125,10 +125,12 @@ def _take(workspace, name: str, shape: tuple, dtype: torch.dtype) -> torch.Tenso
 
 
 # ---------------------------------------------------------------------- whole rows, unseeded
-def exp_weights(x: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+def exp_weights(x: torch.Tensor, out: Optional[torch.Tensor] = None,
+                top: Optional[torch.Tensor] = None) -> torch.Tensor:
     """float32 [n, V]: ``exp(x - max)`` per row, the unnormalised softmax of x (only ratios
-    matter to the draw, and it costs one exp per logit against softmax's two passes more)."""
-    top = x.amax(dim=-1, keepdim=True)
+    matter to the draw, and it costs one exp per logit against softmax's two passes more).
+    ``top``: x's row maxima (float32 [n, 1]) when the caller has them."""
+    top = x.amax(dim=-1, keepdim=True) if top is None else top
     out = torch.sub(x, top) if out is None else torch.sub(x, top, out=out)
     return out.exp_()
 

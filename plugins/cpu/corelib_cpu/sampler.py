@@ -116,6 +116,7 @@ class Block:
     cand: Optional[Candidates] = None
     cuts: dict = field(default_factory=dict)     # block row -> (Cut, j), latest cut first
     masked: set = field(default_factory=set)     # rows whose cut is applied to x
+    top: Optional[torch.Tensor] = None           # float32 [n, 1]: x's row maxima, or None
     _maxima: Optional[torch.Tensor] = None
 
     @property
@@ -131,6 +132,7 @@ class Block:
     def changed(self) -> None:
         """x was written: forget what was derived from it."""
         self._maxima = None
+        self.top = None
 
 
 class CpuSampler(Sampler):
@@ -289,6 +291,8 @@ class CpuSampler(Sampler):
         if not bool(valid.all()):
             self.own(blk).masked_fill_(~valid[:, None], 0.0)
             blk.changed()
+        else:
+            blk.top = top[:, None]
         return valid
 
     @staticmethod
@@ -353,12 +357,15 @@ class CpuSampler(Sampler):
     def divide(self, blk: Block) -> None:
         """Step 10 in place on every row of blk.x (greedy rows divide by 1). Divides while
         copying when x is still the caller's."""
+        top = blk.top
         if blk.owned:
             blk.x.div_(blk.plan.temperature)
         else:
             out = self.workspace.take("x", tuple(blk.x.shape))
             blk.x, blk.owned = torch.div(blk.x, blk.plan.temperature, out=out), True
         blk.changed()
+        # x / T rounds monotonically, so the maxima divided are the divided row's maxima
+        blk.top = None if top is None else top / blk.plan.temperature
 
     def min_p_rows(self, blk: Block, rows: list) -> None:
         """Step 11 on the given rows of blk.x float32 [n, V]: tokens whose probability is
@@ -564,7 +571,8 @@ class CpuSampler(Sampler):
         cuts = [blk.cuts.get(row) for row in rows]
         if all(c is None for c in cuts):
             x = pick_rows(blk.x, rows, blk.plan)
-            return exp_weights(x, self.workspace.take("weights", tuple(x.shape)))
+            top = None if blk.top is None else pick_rows(blk.top, rows, blk.plan)
+            return exp_weights(x, self.workspace.take("weights", tuple(x.shape)), top)
         weights = self.workspace.take("weights", (len(rows), blk.x.shape[1]))
         for j, (row, c) in enumerate(zip(rows, cuts)):
             if c is None:
