@@ -102,16 +102,16 @@ def seeded_gumbel_into(out: torch.Tensor, keys: torch.Tensor, offsets: torch.Ten
     """``seeded_gumbel(keys, token_ids)`` written into ``out`` (float32) without allocating:
     ``offsets = token_offsets(token_ids)``, keys broadcastable against them (e.g. ``[B, 1]``
     against ``[1, V]``), ``scratch`` two int32 buffers of out's shape. With ``logits``
-    (float32, out's shape) it writes the race's scores ``logits + noise`` instead, as
-    ``logits - log(-log(u))`` (equal bits: negation is exact). The same operations in the
-    same order as :func:`seeded_gumbel`, so the same bits. Returns out."""
+    (float32, out's shape) it writes the race's scores ``logits + noise`` instead. The same
+    operations in the same order as :func:`seeded_gumbel`, so the same bits. Returns out."""
     h, shifted = scratch
     torch.add(keys, offsets, out=h)
     mix32_(h, shifted)
     torch.bitwise_right_shift(h, 32 - _UNIFORM_BITS, out=h).bitwise_and_((1 << _UNIFORM_BITS) - 1)
-    torch.add(h, 0.5, out=out)                       # exact: h < 2**23
-    out.mul_(_UNIFORM_SCALE).log_().neg_().log_()    # log(-log(u)) = -noise
-    return out.neg_() if logits is None else torch.sub(logits, out, out=out)
+    # Conversion first, then in-place float ops: torch.add(int, 0.5, out=float) and
+    # torch.sub(a, out, out=out) go through a temporary tensor. Exact: h < 2**23.
+    out.copy_(h).add_(0.5).mul_(_UNIFORM_SCALE).log_().neg_().log_().neg_()
+    return out if logits is None else out.add_(logits)
 
 
 def gumbel_from_uniform(u: torch.Tensor) -> torch.Tensor:
