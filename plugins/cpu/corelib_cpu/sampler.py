@@ -55,6 +55,7 @@ from .select import (
     SCRATCH,
     kth_largest,
     mask_below,
+    nucleus_contains,
     nucleus_threshold,
     top_k_candidates,
     top_p_candidates,
@@ -93,12 +94,23 @@ class Candidates:
 class Cut:
     """Whole rows filtered by a probability threshold (min-p, top-p): token t of row
     ``rows[j]`` is kept when its probability is >= ``cut[j]`` (a NaN cut keeps none).
-    ``weights`` float32 [m, V] holds the kept probabilities, 0 elsewhere: the draw's
-    weights, and where a positive cut leaves the mask."""
+    ``weights`` float32 [m, V]: once the cut is known, the kept probabilities, 0 elsewhere
+    (the draw's weights, and where a positive cut leaves the mask).
+
+    A top-p cut starts pending (``cut[j]`` None, ``weights`` the row's probabilities,
+    ``top_p[j]`` its parameter): the draw tries tokens of the whole distribution and keeps
+    one when it is in the nucleus (:func:`~corelib_cpu.select.nucleus_contains`), and the
+    threshold is found (:meth:`CpuSampler.resolve`) only when that fails or the whole kept
+    set is read."""
 
     rows: list
     weights: torch.Tensor
     cut: list
+    top_p: Optional[list] = None
+
+    def pending(self, at: list) -> list:
+        """The places among ``at`` whose cut is not known yet."""
+        return [j for j in at if self.cut[j] is None]
 
 
 @dataclass
@@ -152,6 +164,8 @@ class CpuSampler(Sampler):
     #: Extra candidate columns beyond the largest top_k, to catch ties at the k-th value
     #: without masking the whole row.
     TIE_SLACK = 8
+    #: Draws from the whole distribution a top-p row tries before it finds its threshold.
+    NUCLEUS_TRIES = 2
 
     def __init__(self, device: torch.device | str | None = None,
                  generator: Optional[torch.Generator] = None,
@@ -381,15 +395,40 @@ class CpuSampler(Sampler):
 
     def set_cut(self, blk: Block, rows: list, probs: torch.Tensor, cut: torch.Tensor) -> None:
         """Record a cut (see :class:`Cut`) of the given rows: probs float32 [m, V] become the
-        kept probabilities in place, one threshold pass per row (``probs > the float32 just
-        below the cut`` keeps exactly ``probs >= cut``; NaN keeps nothing)."""
-        below = torch.nextafter(cut, torch.tensor(NEG_INF))[:, 0].tolist()
-        for j, value in enumerate(below):
-            torch.threshold_(probs[j], value, 0.0)
-        record = Cut(rows, probs, cut[:, 0].tolist())
-        for j, row in enumerate(rows):
+        kept probabilities in place (see :meth:`threshold_rows`)."""
+        record = Cut(rows, probs, [None] * len(rows))
+        self.threshold_rows(record, list(range(len(rows))), cut[:, 0].tolist())
+        self.attach(blk, record)
+
+    @staticmethod
+    def attach(blk: Block, record: Cut) -> None:
+        for j, row in enumerate(record.rows):
             blk.cuts[row] = (record, j)
             blk.masked.discard(row)
+
+    @staticmethod
+    def threshold_rows(record: Cut, at: list, cuts: list) -> None:
+        """Set the cuts of places ``at`` and zero their weights below them, one threshold
+        pass per row (``p > the float32 just below the cut`` keeps exactly ``p >= cut``; a
+        NaN cut keeps nothing)."""
+        below = torch.nextafter(torch.tensor(cuts), torch.tensor(NEG_INF)).tolist()
+        for j, cut, value in zip(at, cuts, below):
+            torch.threshold_(record.weights[j], value, 0.0)
+            record.cut[j] = cut
+
+    def resolve(self, record: Cut, at: list) -> None:
+        """Find the pending top-p cuts of places ``at``: the nucleus threshold by histogram
+        select over the rows' probabilities (``select.nucleus_threshold``)."""
+        at = record.pending(at)
+        if not at:
+            return
+        index = torch.tensor(at, dtype=torch.long)
+        probs = record.weights if len(at) == len(record.rows) else record.weights.index_select(0, index)
+        top_p = torch.tensor([record.top_p[j] for j in at], dtype=torch.float32)
+        threshold = nucleus_threshold(probs, top_p, self.workspace)
+        # a row with a NaN (float32 overflow upstream) is NaN throughout: it keeps nothing
+        threshold = torch.where(torch.isnan(probs[:, 0]), float("nan"), threshold)
+        self.threshold_rows(record, at, threshold.tolist())
 
     def apply_cuts(self, blk: Block, rows: list) -> None:
         """Mask x where the cut of the given rows drops tokens (-inf), for stages that read
@@ -401,6 +440,7 @@ class CpuSampler(Sampler):
         x = self.own(blk)
         for row in pending:
             record, j = blk.cuts[row]
+            self.resolve(record, [j])
             if record.cut[j] != 0.0:
                 # sign(w) - 0.5 is -0.5 where w == 0 and 0.5 where w > 0; copysign makes that
                 # -inf / +inf and min() masks. (No subtraction of a tiny value: subnormal
@@ -457,15 +497,13 @@ class CpuSampler(Sampler):
         cand.values = values
 
     def top_p_whole_rows(self, blk: Block, rows: list) -> None:
-        """Step 13 on whole rows of blk.x float32 [n, V] (top_p float32 [n], < 1 there): the
-        threshold by histogram select, kept as a cut (x is masked when read)."""
+        """Step 13 on whole rows of blk.x float32 [n, V] (top_p float32 [n], < 1 there): their
+        probabilities, kept as a pending cut (see :class:`Cut`; x is masked when read)."""
         self.apply_cuts(blk, rows)                        # min-p first: top-p renormalises
         sub, index = take_rows(blk.x, rows, blk.plan)
         probs = torch.softmax(sub, dim=-1, out=self.workspace.take("top_p_probs", tuple(sub.shape)))
-        threshold = nucleus_threshold(probs, blk.plan.top_p[index], self.workspace)[:, None]
-        # a row with a NaN (float32 overflow upstream) is NaN throughout: it keeps nothing
-        threshold = torch.where(torch.isnan(probs[:, :1]), float("nan"), threshold)
-        self.set_cut(blk, rows, probs, threshold)
+        top_p = blk.plan.top_p[index].tolist()
+        self.attach(blk, Cut(rows, probs, [None] * len(rows), top_p))
 
     # ------------------------------------------------------------------ step 14
     def draw_block(self, blk: Block, keys: Optional[torch.Tensor]):
@@ -523,35 +561,78 @@ class CpuSampler(Sampler):
         bp = blk.plan
         seeded = [row for row in rows if bp.seeded[row]]
         unseeded = [row for row in rows if not bp.seeded[row]]
-        if seeded:
-            seeded_ids, seeded_ok = self.draw_seeded_whole(blk, seeded, keys)
-            if not unseeded:
-                return seeded_ids, seeded_ok
-        ids, ok = draw_from_weights(self.weights_of(blk, unseeded), self.generator)
         if not seeded:
-            return ids, ok
+            return self.draw_unseeded_whole(blk, unseeded)
+        if not unseeded:
+            return self.draw_seeded_whole(blk, seeded, keys)
         at = {row: j for j, row in enumerate(rows)}
         merged = torch.empty(len(rows), dtype=torch.long)
         merged_ok = torch.empty(len(rows), dtype=torch.bool)
-        for subset, values, flags in ((seeded, seeded_ids, seeded_ok), (unseeded, ids, ok)):
+        for subset, (ids, ok) in ((seeded, self.draw_seeded_whole(blk, seeded, keys)),
+                                  (unseeded, self.draw_unseeded_whole(blk, unseeded))):
             where = torch.tensor([at[row] for row in subset], dtype=torch.long)
-            merged[where], merged_ok[where] = values, flags
+            merged[where], merged_ok[where] = ids, ok
         return merged, merged_ok
+
+    def draw_unseeded_whole(self, blk: Block, rows: list):
+        """(int64 [m] ids, bool [m] ok): inverse-CDF draws for unseeded whole rows."""
+        record, at = self.common_cut(blk, rows)
+        if record is not None and record.pending(at) == at:
+            return self.draw_in_nucleus(record, at)
+        return draw_from_weights(self.weights_of(blk, rows), self.generator)
+
+    def draw_in_nucleus(self, record: Cut, at: list):
+        """Unseeded draws from pending top-p cuts (places ``at`` of ``record``) without their
+        thresholds: a token drawn from the whole distribution is kept when it is in the
+        nucleus (rejection sampling: an accepted token follows the renormalised nucleus
+        exactly); rows rejected ``NUCLEUS_TRIES`` times resolve their cut and draw from it.
+        A row's acceptance rate is its nucleus mass, >= top_p."""
+        probs = rows_of(record.weights, at)
+        top_p = torch.tensor([record.top_p[j] for j in at], dtype=torch.float32)
+        ids, ok = draw_from_weights(probs, self.generator)
+        settled = nucleus_contains(probs, ids, top_p) | ~ok
+        for _ in range(self.NUCLEUS_TRIES - 1):
+            if bool(settled.all()):
+                return ids, ok
+            redo = (~settled).nonzero()[:, 0]
+            again, again_ok = draw_from_weights(probs[redo], self.generator)
+            ids[redo], ok[redo] = again, again_ok
+            settled[redo] = nucleus_contains(probs[redo], again, top_p[redo]) | ~again_ok
+        if not bool(settled.all()):
+            redo = (~settled).nonzero()[:, 0]
+            places = [at[j] for j in redo.tolist()]
+            self.resolve(record, places)
+            ids[redo], ok[redo] = draw_from_weights(rows_of(record.weights, places), self.generator)
+        return ids, ok
 
     def draw_seeded_whole(self, blk: Block, rows: list, keys: torch.Tensor):
         """(int64 [m] ids, bool [m] ok) for seeded whole rows: the reference's race over their
-        final logits. Rows cut by one probability filter race over x with the cut's weights
-        as the mask (x itself stays unmasked); others have their cuts applied first."""
+        final logits. Rows with a pending top-p cut race over the whole row first: when the
+        winner is in the nucleus it also wins among the kept tokens (the lowest id of the
+        best score over a superset); the others resolve their cut and race over the kept
+        tokens, with the cut's weights as the mask (x itself stays unmasked)."""
         bp = blk.plan
         record, at = self.common_cut(blk, rows)
-        kept = None
-        if record is not None:
-            kept = record.weights if at == list(range(len(record.rows))) else record.weights[at]
-        else:
+        if record is None:
             self.apply_cuts(blk, rows)
         x = pick_rows(blk.x, rows, bp)
-        return draw_seeded_rows(x, keys[bp.r0:bp.r1][bp.index(rows)], self.offsets(x.shape[1]),
-                                self.workspace, self.NOISE_CHUNK, kept)
+        row_keys = keys[bp.r0:bp.r1][bp.index(rows)]
+        race = lambda x, keys, kept=None: draw_seeded_rows(                      # noqa: E731
+            x, keys, self.offsets(x.shape[1]), self.workspace, self.NOISE_CHUNK, kept)
+        if record is None:
+            return race(x, row_keys)
+        if record.pending(at) != at:
+            self.resolve(record, at)
+            return race(x, row_keys, rows_of(record.weights, at))
+        ids, ok = race(x, row_keys)
+        top_p = torch.tensor([record.top_p[j] for j in at], dtype=torch.float32)
+        settled = nucleus_contains(rows_of(record.weights, at), ids, top_p)
+        if not bool(settled.all()):
+            redo = (~settled).nonzero()[:, 0]
+            places = [at[j] for j in redo.tolist()]
+            self.resolve(record, places)
+            ids[redo], ok[redo] = race(x[redo], row_keys[redo], rows_of(record.weights, places))
+        return ids, ok
 
     @staticmethod
     def common_cut(blk: Block, rows: list):
@@ -563,11 +644,12 @@ class CpuSampler(Sampler):
         return first[0], [j for _, j in cuts]
 
     def weights_of(self, blk: Block, rows: list) -> torch.Tensor:
-        """float32 [m, V]: the draw weights of whole rows: their cut's kept probabilities, or
-        exp(x - max) for rows no probability filter touched."""
+        """float32 [m, V]: the draw weights of whole rows: their cut's kept probabilities
+        (cuts resolved first), or exp(x - max) for rows no probability filter touched."""
         record, at = self.common_cut(blk, rows)
         if record is not None:
-            return record.weights if at == list(range(len(record.rows))) else record.weights[at]
+            self.resolve(record, at)
+            return rows_of(record.weights, at)
         cuts = [blk.cuts.get(row) for row in rows]
         if all(c is None for c in cuts):
             x = pick_rows(blk.x, rows, blk.plan)
@@ -578,6 +660,7 @@ class CpuSampler(Sampler):
             if c is None:
                 exp_weights(blk.x[row:row + 1], weights[j:j + 1])
             else:
+                self.resolve(c[0], [c[1]])
                 weights[j].copy_(c[0].weights[c[1]])
         return weights
 
@@ -639,6 +722,11 @@ def take_rows(x: torch.Tensor, rows: list, bp: BlockPlan) -> tuple[torch.Tensor,
     if len(rows) == x.shape[0]:
         return x, index
     return x.index_select(0, index), index
+
+
+def rows_of(x: torch.Tensor, at: list) -> torch.Tensor:
+    """x[at] for places ``at`` (ascending), without a copy when they are all of x's rows."""
+    return x if at == list(range(x.shape[0])) else x[at]
 
 
 def pick_rows(x: torch.Tensor, rows: list, bp: BlockPlan) -> torch.Tensor:

@@ -145,6 +145,22 @@ def nucleus_threshold(probs: torch.Tensor, top_p: torch.Tensor, workspace=None) 
     return threshold
 
 
+def nucleus_contains(probs: torch.Tensor, tokens: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """bool [n]: token ``tokens[row]`` is in the row's nucleus, by the reference's rule, without
+    its threshold. probs float32 [n, V] (a softmax), tokens int64 [n], top_p float32 [n].
+
+    The reference keeps the tokens whose probability is >= v*, the smallest value whose
+    mass strictly before it (sorted, descending) is < top_p; so a token with probability p
+    is kept exactly when the mass of the probabilities > p is < top_p. That mass is summed
+    in float64, one threshold pass per row; it is exact when p >= 2**-29 (every term is a
+    multiple of 2**-52), as the reference's own sums are. False (undecided) for smaller or
+    NaN probabilities: the caller then finds the threshold."""
+    picked = probs.gather(1, tokens[:, None])[:, 0]
+    above = torch.stack([torch.threshold(probs[row], p, 0.0).sum(dtype=torch.float64)
+                         for row, p in enumerate(picked.tolist())])
+    return (above < top_p.double()) & (picked >= 2.0 ** -29)
+
+
 def select_by_histogram(probs: torch.Tensor, top_p: torch.Tensor, workspace=None):
     """The nucleus threshold by radix select. probs float32 [n, V], top_p float32 [n].
 
