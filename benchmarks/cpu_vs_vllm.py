@@ -184,7 +184,8 @@ def main(argv=None) -> int:
     parser.add_argument("--batch-sizes", default=",".join(map(str, BATCH_SIZES)))
     parser.add_argument("--configs", default=None,
                         help="comma-separated indices (0-5) of the configs to run (default: all)")
-    parser.add_argument("--repeats", type=int, default=5, help="timed calls per cell (median)")
+    parser.add_argument("--repeats", type=int, default=None,
+                        help="timed calls per cell, median reported (default: 15 for B <= 8, else 5)")
     parser.add_argument("--no-vllm", action="store_true", help="time corelib alone")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -198,11 +199,12 @@ def main(argv=None) -> int:
         import vllm as vllm_module
         version = f", vLLM {vllm_module.__version__}"
     print(f"{machine_description()}{version}, {args.threads} torch thread(s), V = {V}, "
-          f"flat logits, median of {args.repeats}; load average {os.getloadavg()[0]:.2f} at start")
+          f"flat logits, median of {args.repeats or '15 (B <= 8) or 5'} calls; load average {os.getloadavg()[0]:.2f} at start")
     cells = []
     for name in names:
         for B in batch_sizes:
-            cells.append(bench_cell(vllm, name, B, args.repeats))
+            repeats = args.repeats or (15 if B <= 8 else 5)
+            cells.append(bench_cell(vllm, name, B, repeats))
             sys.stderr.write(f"\r{len(cells)}/{len(names) * len(batch_sizes)}   ")
             sys.stderr.flush()
     sys.stderr.write("\n")

@@ -152,11 +152,12 @@ def nucleus_contains(probs: torch.Tensor, tokens: torch.Tensor, top_p: torch.Ten
     The reference keeps the tokens whose probability is >= v*, the smallest value whose
     mass strictly before it (sorted, descending) is < top_p; so a token with probability p
     is kept exactly when the mass of the probabilities > p is < top_p. That mass is summed
-    in float64, one threshold pass per row; it is exact when p >= 2**-29 (every term is a
-    multiple of 2**-52), as the reference's own sums are. False (undecided) for smaller or
-    NaN probabilities: the caller then finds the threshold."""
+    in float64 (converted first: ``sum(dtype=float64)`` is slower), one threshold pass per
+    row; it is exact when p >= 2**-29 (every term is a multiple of 2**-52), as the
+    reference's own sums are. False (undecided) for smaller or NaN probabilities: the
+    caller then finds the threshold."""
     picked = probs.gather(1, tokens[:, None])[:, 0]
-    above = torch.stack([torch.threshold(probs[row], p, 0.0).sum(dtype=torch.float64)
+    above = torch.stack([torch.threshold(probs[row], p, 0.0).double().sum()
                          for row, p in enumerate(picked.tolist())])
     return (above < top_p.double()) & (picked >= 2.0 ** -29)
 
