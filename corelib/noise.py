@@ -43,12 +43,31 @@ def mix32_(x: torch.Tensor, scratch: torch.Tensor) -> torch.Tensor:
     """``mix32`` in place, for backends that keep their buffers: x (int32, any shape) becomes
     mix32(x), with ``scratch`` (int32, x's shape) holding the shifted copies. Same bits as
     ``mix32``; allocates nothing. Returns x."""
-    for bits, multiplier in ((16, _MIX_MUL_1), (15, _MIX_MUL_2), (16, None)):
-        torch.bitwise_right_shift(x, bits, out=scratch).bitwise_and_((1 << (32 - bits)) - 1)
+    c = _constants(x.device)
+    for shift, mask, multiplier in ((c["16"], c["mask16"], c["mul1"]), (c["15"], c["mask17"], c["mul2"]),
+                                    (c["16"], c["mask16"], None)):
+        torch.bitwise_right_shift(x, shift, out=scratch).bitwise_and_(mask)
         x.bitwise_xor_(scratch)
         if multiplier is not None:
             x.mul_(multiplier)
     return x
+
+
+_CONSTANTS: dict = {}
+
+
+def _constants(device: torch.device) -> dict:
+    """0-dim tensors of the in-place forms' constants: an op with a Python number wraps it
+    into a tensor on every call (~1 us each), which is most of the cost on small tensors."""
+    found = _CONSTANTS.get(device)
+    if found is None:
+        ints = {"16": 16, "15": 15, "mask16": 0xFFFF, "mask17": 0x1FFFF, "mul1": _MIX_MUL_1,
+                "mul2": _MIX_MUL_2, "top": 32 - _UNIFORM_BITS, "mask_top": (1 << _UNIFORM_BITS) - 1}
+        found = {name: torch.tensor(v, dtype=torch.int32, device=device) for name, v in ints.items()}
+        found["half"] = torch.tensor(0.5, dtype=torch.float32, device=device)
+        found["scale"] = torch.tensor(_UNIFORM_SCALE, dtype=torch.float32, device=device)
+        _CONSTANTS[device] = found
+    return found
 
 
 def split_seed(seed: int) -> tuple[int, int]:
@@ -105,12 +124,13 @@ def seeded_gumbel_into(out: torch.Tensor, keys: torch.Tensor, offsets: torch.Ten
     (float32, out's shape) it writes the race's scores ``logits + noise`` instead. The same
     operations in the same order as :func:`seeded_gumbel`, so the same bits. Returns out."""
     h, shifted = scratch
+    c = _constants(h.device)
     torch.add(keys, offsets, out=h)
     mix32_(h, shifted)
-    torch.bitwise_right_shift(h, 32 - _UNIFORM_BITS, out=h).bitwise_and_((1 << _UNIFORM_BITS) - 1)
+    torch.bitwise_right_shift(h, c["top"], out=h).bitwise_and_(c["mask_top"])
     # Conversion first, then in-place float ops: torch.add(int, 0.5, out=float) and
     # torch.sub(a, out, out=out) go through a temporary tensor. Exact: h < 2**23.
-    out.copy_(h).add_(0.5).mul_(_UNIFORM_SCALE).log_().neg_().log_().neg_()
+    out.copy_(h).add_(c["half"]).mul_(c["scale"]).log_().neg_().log_().neg_()
     return out if logits is None else out.add_(logits)
 
 
