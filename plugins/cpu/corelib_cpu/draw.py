@@ -43,7 +43,9 @@ def race_seeded_candidates(values: torch.Tensor, ids: torch.Tensor, keys: torch.
     win. values float32 [n, W] (-inf = dropped), ids int64 [n, W] distinct per row, keys int32
     [n] (``corelib.noise.row_keys``). Ties of ``value + noise`` go to the lowest id, as the
     reference's argmax over the vocabulary does."""
-    scores = values + seeded_gumbel(keys[:, None], ids.to(torch.int32))
+    scratch = (torch.empty(ids.shape, dtype=torch.int32), torch.empty(ids.shape, dtype=torch.int32))
+    scores = seeded_gumbel_into(torch.empty(values.shape), keys[:, None], token_offsets(ids),
+                                scratch, values)
     best = scores.amax(dim=-1, keepdim=True)
     return torch.where(scores == best, ids, _LONG_MAX).argmin(dim=-1, keepdim=True)
 

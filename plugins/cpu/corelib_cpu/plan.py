@@ -16,7 +16,7 @@ from typing import Optional
 
 import torch
 from corelib import StepState
-from corelib.noise import mix32, row_key_prefix
+from corelib.noise import mix32_, row_key_prefix
 
 
 @dataclass
@@ -73,10 +73,16 @@ class StepPlan:
     sparse_penalties: bool
 
     def row_keys(self, s: StepState) -> Optional[torch.Tensor]:
-        """int32 [B]: ``corelib.noise.row_keys`` of every row at its current position."""
+        """int32 [B]: ``corelib.noise.row_keys`` of every row at its current position (a
+        buffer of the plan's, rewritten each step)."""
         if self.key_prefix is None:
             return None
-        return mix32(self.key_prefix ^ s.position)
+        keys, scratch = self._key_buffers
+        return mix32_(torch.bitwise_xor(self.key_prefix, s.position, out=keys), scratch)
+
+    def __post_init__(self):
+        size = 0 if self.key_prefix is None else self.key_prefix.shape[0]
+        self._key_buffers = (torch.empty(size, dtype=torch.int32), torch.empty(size, dtype=torch.int32))
 
 
 def make_plan(s: StepState, rows_per_block: int, sparse_penalties: bool) -> StepPlan:
