@@ -64,8 +64,7 @@ def _constants(device: torch.device) -> dict:
         ints = {"16": 16, "15": 15, "mask16": 0xFFFF, "mask17": 0x1FFFF, "mul1": _MIX_MUL_1,
                 "mul2": _MIX_MUL_2, "top": 32 - _UNIFORM_BITS, "mask_top": (1 << _UNIFORM_BITS) - 1}
         found = {name: torch.tensor(v, dtype=torch.int32, device=device) for name, v in ints.items()}
-        found["half"] = torch.tensor(0.5, dtype=torch.float32, device=device)
-        found["scale"] = torch.tensor(_UNIFORM_SCALE, dtype=torch.float32, device=device)
+        found["tiny"] = torch.tensor(_UNIFORM_SCALE / 2, dtype=torch.float32, device=device)
         _CONSTANTS[device] = found
     return found
 
@@ -121,17 +120,22 @@ def seeded_gumbel_into(out: torch.Tensor, keys: torch.Tensor, offsets: torch.Ten
     """``seeded_gumbel(keys, token_ids)`` written into ``out`` (float32) without allocating:
     ``offsets = token_offsets(token_ids)``, keys broadcastable against them (e.g. ``[B, 1]``
     against ``[1, V]``), ``scratch`` two int32 buffers of out's shape. With ``logits``
-    (float32, out's shape) it writes the race's scores ``logits + noise`` instead. The same
-    operations in the same order as :func:`seeded_gumbel`, so the same bits. Returns out."""
+    (float32, out's shape) it writes the race's scores ``logits + noise`` instead. Every
+    step is exact or the same float32 operation as in :func:`seeded_gumbel`, so the bits
+    are the same. Returns out."""
     h, shifted = scratch
     c = _constants(h.device)
     torch.add(keys, offsets, out=h)
     mix32_(h, shifted)
     torch.bitwise_right_shift(h, c["top"], out=h).bitwise_and_(c["mask_top"])
-    # Conversion first, then in-place float ops: torch.add(int, 0.5, out=float) and
-    # torch.sub(a, out, out=out) go through a temporary tensor. Exact: h < 2**23.
-    out.copy_(h).add_(c["half"]).mul_(c["scale"]).log_().neg_().log_().neg_()
-    return out if logits is None else out.add_(logits)
+    # Conversion first, then in-place float ops (torch.add(int, 0.5, out=float) goes through
+    # a temporary tensor). u = top * 2**-23 + 2**-24 in one op: both steps are exact (top <
+    # 2**23), so it equals (top + 0.5) * 2**-23 bit for bit.
+    u = torch.add(c["tiny"], out.copy_(h), alpha=_UNIFORM_SCALE, out=out)
+    minus_noise = u.log_().neg_().log_()                                   # log(-log(u))
+    if logits is None:
+        return minus_noise.neg_()
+    return torch.sub(logits, minus_noise, out=out)   # logits + noise: negation is exact
 
 
 def gumbel_from_uniform(u: torch.Tensor) -> torch.Tensor:
