@@ -474,6 +474,9 @@ class CpuSampler(Sampler):
             whole = x[spilled] if temperature is None else x[spilled] / temperature[spill]
             x[spilled] = mask_below(whole, kth_largest(values[spill], k[spill]))
             blk.changed()
+            for row in spilled.tolist():       # x now holds their min-p cut and more
+                blk.cuts.pop(row, None)
+                blk.masked.discard(row)
             keep = complete.nonzero().flatten()
             if keep.numel() == 0:
                 return

@@ -258,3 +258,20 @@ def test_small_nuclei_fall_back_to_their_threshold_and_keep_the_distribution():
         counts += torch.bincount(cpu.sample(logits.expand(rows, vocab), batch).token_ids, minlength=vocab)
     assert int(counts[~kept].sum()) == 0
     assert chi_square_p_value(counts[kept], torch.softmax(final, dim=-1)[kept]) > 1e-6
+
+
+def test_rows_that_spill_past_their_candidates_after_min_p_draw_from_the_top_k():
+    # min-p leaves a cut on the row; top-k then finds ties past its columns and masks the
+    # whole row: the draw must use the masked row, not the min-p cut's probabilities.
+    vocab = 64
+    logits = torch.zeros(1, vocab)
+    logits[0, :40] = 2.0                              # 40 tokens tied at the top
+    logits[0, 40:] = torch.arange(24, dtype=torch.float32) * 0.01
+    params = SamplingParams(top_k=3, min_p=0.05, temperature=2.3, n=3)
+    cpu, reference = CpuSampler(generator=torch.Generator().manual_seed(1)), Sampler("cpu")
+    mine = build(cpu, [("r", params, [], None)], vocab)
+    kept = torch.isfinite(reference.processed_logits(logits, build(reference, [("r", params, [], None)], vocab)))
+    for _ in range(200):
+        out = cpu.sample(logits, mine)
+        assert bool(out.valid.all())
+        assert bool(kept[0, out.token_ids].all()), out.token_ids
