@@ -120,13 +120,29 @@ def top_p_candidates_fast(values: torch.Tensor, top_p: torch.Tensor):
     differ by at most (2W + 4) ulps per value, and every float64 prefix sum by as much
     relative to the mass. A row is settled when no prefix sum lies within twice that of
     top_p and no other value lies that close to the threshold: both rules then pick the
-    same tokens. (Exact boundaries, which hand-made cases hit, are never settled.)"""
+    same tokens. (Exact boundaries, which hand-made cases hit, are never settled.) The
+    probabilities follow the values' descending order, up to rounding between nearly equal
+    values, which the second rule leaves unsettled next to the threshold: no sort needed."""
     W = values.shape[-1]
     probs = torch.softmax(values, dim=-1)
-    keep, margin = nucleus_of_candidates(values, probs, top_p)
+    p64 = probs.double()
+    before = p64.cumsum(dim=-1).sub_(p64)                                # mass before each
+    top = top_p.double()[:, None]
+    # When every candidate, zeros included, is in the nucleus, the reference's last position
+    # is one of its zeros too: the threshold is 0 in both.
+    last = (before < top).sum(dim=-1, keepdim=True).clamp_(min=1).sub_(1)
+    threshold = probs.gather(1, last)
+    t64 = threshold.double()
+    sums_gap = (before - top).abs_().amin(dim=-1)
+    # Other values' distance from the threshold, relative, ignoring tokens whose logit equals
+    # the threshold token's (equal in any sum).
+    relative = (p64 - t64).abs_().div_(t64.clamp(min=1e-300))
+    value_gap = relative.masked_fill_(values == values.gather(1, last), float("inf")).amin(dim=-1)
     tolerance = (4 * W + 40) * 2.0 ** -24
-    settled = (margin > tolerance) | (top_p >= 1.0)
-    return values.masked_fill(~keep, NEG_INF), settled
+    # Relative bounds mean nothing for subnormal probabilities: never settle on those.
+    tiny = (t64[:, 0] > 0) & (t64[:, 0] < 2.0 ** -100)
+    settled = ((torch.minimum(sums_gap, value_gap) > tolerance) & ~tiny) | (top_p >= 1.0)
+    return values.masked_fill(~(probs >= threshold) & (top < 1.0), NEG_INF), settled
 
 
 def nucleus_threshold(probs: torch.Tensor, top_p: torch.Tensor, workspace=None) -> torch.Tensor:
