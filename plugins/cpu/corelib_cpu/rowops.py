@@ -15,6 +15,7 @@ import torch
 
 #: Tokens per group: large groups make the per-group maxima cheap, small ones the gather.
 GROUP = 128
+_COLUMNS = torch.arange(GROUP)
 
 
 def group_maxima(x: torch.Tensor, group: int = GROUP) -> torch.Tensor:
@@ -31,7 +32,7 @@ def group_maxima(x: torch.Tensor, group: int = GROUP) -> torch.Tensor:
 def group_columns(groups: torch.Tensor, V: int, group: int = GROUP) -> torch.Tensor:
     """int64 [n, g * group]: the token ids of the given groups (int64 [n, g]), clamped to
     V - 1 past the end of a short last group (callers mask those columns)."""
-    cols = groups[:, :, None] * group + torch.arange(group)
+    cols = groups[:, :, None] * group + (_COLUMNS if group == GROUP else torch.arange(group))
     return cols.reshape(groups.shape[0], -1).clamp_(max=V - 1)
 
 

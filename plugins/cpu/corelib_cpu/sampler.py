@@ -461,10 +461,10 @@ class CpuSampler(Sampler):
         bp = blk.plan
         self.apply_cuts(blk, rows)
         sub, index = take_rows(blk.x, rows, bp)
-        k = bp.top_k[index]
+        k = pick_rows(bp.top_k, rows, bp)
         width = min(blk.x.shape[1], bp.top_k_max + self.TIE_SLACK)
         divide = bp.candidates_only and bp.temperature_on
-        temperature = bp.temperature[index] if divide else None
+        temperature = pick_rows(bp.temperature, rows, bp) if divide else None
         maxima = blk.maxima() if sub is blk.x else None
         values, ids, complete = top_k_candidates(sub, k, width, temperature, maxima)
         if not bool(complete.all()):
@@ -489,7 +489,7 @@ class CpuSampler(Sampler):
         From the softmax of the candidates alone when that provably picks the reference's
         tokens (``select.top_p_candidates_fast``); the other rows take the reference's
         softmax of the whole masked row."""
-        p = top_p[cand.index]
+        p = top_p if len(cand.rows) == top_p.shape[0] else top_p[cand.index]
         values, settled = top_p_candidates_fast(cand.values, p)
         if not bool(settled.all()):
             rows = (~settled).nonzero().flatten()
