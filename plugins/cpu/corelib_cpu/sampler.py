@@ -298,8 +298,10 @@ class CpuSampler(Sampler):
                 self.ban_in_place(x, rs.stop_ids, rs.stop_valid & pending)      # step 5
             blk.changed()
         # NaN with a NaN, +inf with a +inf, -inf if all masked; from the group maxima when a
-        # later stage reads them anyway (greedy rows, candidates of undivided rows)
-        wants_maxima = blk.plan.any_greedy or blk.plan.candidates_only
+        # later stage reads them anyway (greedy rows, candidates of undivided rows) and steps
+        # 6-8 do not change x first
+        wants_maxima = ((blk.plan.any_greedy or blk.plan.candidates_only)
+                        and not (s.any_bias or s.any_penalties))
         top = blk.maxima().amax(dim=-1) if wants_maxima else blk.x.amax(dim=-1)
         valid = torch.isfinite(top) if finite is None else finite & (top > NEG_INF)
         if not bool(valid.all()):
