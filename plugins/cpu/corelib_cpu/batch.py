@@ -7,6 +7,10 @@ penalties, the distinct seen tokens in slots: ``slot_ids`` int64 ``[rows, S]`` a
 ``slot_counts`` int32 ``[rows, S]`` (how often the token was generated; 0 for prompt-only
 tokens), the first ``slot_len[row]`` slots being real. ``append`` updates them with ``[B, S]``
 work, never reading a history; ``remove`` moves them with the rows, as the core moves its own.
+
+It also keeps the sampler's step plan (:meth:`CpuBatch.cached_plan`): facts derived from the
+rows' parameters, dropped whenever a request joins, leaves or moves (``add``, ``remove``,
+``swap_rows``: every row change goes through them or the core's ``_move_rows``).
 """
 
 from __future__ import annotations

@@ -17,11 +17,12 @@ What differs from the reference (``corelib.Sampler``), stage by stage:
   when every random row of a block has a top-k, step 10 divides the candidates only;
 - step 13 on candidates uses the candidates' own softmax when an error bound proves it picks
   the reference's tokens (else the reference's softmax of the masked row); on whole rows it
-  finds the threshold by a radix select over the probabilities' bits
-  (``select.nucleus_threshold``) and keeps it as a cut on the probabilities: the draw
-  reads the kept probabilities, and the logits are masked only when something reads them
-  (a seeded draw, logprobs); masks use thresholds and copysign/min, never boolean fills
-  (which run ~40x slower than arithmetic on CPUs);
+  keeps the probabilities as a pending cut (:class:`Cut`): the draw tries a token first
+  and keeps it when it is in the nucleus (``select.nucleus_contains``), and only rows that
+  miss, or logprobs of the final distribution, find the threshold by a radix select over
+  the probabilities' bits (``select.nucleus_threshold``); the logits are masked only when
+  something reads them; masks use thresholds and copysign/min, never boolean fills (which
+  run ~40x slower than arithmetic on CPUs);
 - step 14 draws candidate rows with noise for the candidates only (seeded rows with the
   contract's noise, so their tokens are the reference's), whole unseeded rows with one
   uniform per row through the inverse CDF, and whole seeded rows with the contract's noise
