@@ -20,7 +20,7 @@ from typing import Optional
 import torch
 from corelib.noise import gumbel_from_uniform, seeded_gumbel, seeded_gumbel_into, token_offsets
 
-from .rowops import GROUP, first_argmax, group_maxima
+from .rowops import GROUP, first_argmax, group_maxima, is_finite
 
 # Tokens per block of the inverse-CDF search: the second search reads one block per row.
 CDF_BLOCK = 256
@@ -98,7 +98,7 @@ def draw_seeded_rows(x: torch.Tensor, keys: torch.Tensor, offsets: Optional[torc
             torch.minimum(scores, torch.copysign(_INF, mask, out=mask), out=scores)
         winner = first_argmax(scores)
         ids[r0:r1], best[r0:r1] = winner, scores.gather(1, winner[:, None])[:, 0]
-    return ids, torch.isfinite(best)
+    return ids, is_finite(best)
 
 
 def race_live_groups(x: torch.Tensor, keys: torch.Tensor, live: torch.Tensor, most: int,
@@ -117,7 +117,7 @@ def race_live_groups(x: torch.Tensor, keys: torch.Tensor, live: torch.Tensor, mo
     values = x.gather(1, cols).masked_fill_(dead, float("-inf"))
     scores = values + seeded_gumbel(keys[:, None], cols.to(torch.int32))
     winner = scores.argmax(dim=-1, keepdim=True)
-    return cols.gather(1, winner)[:, 0], torch.isfinite(scores.gather(1, winner)[:, 0])
+    return cols.gather(1, winner)[:, 0], is_finite(scores.gather(1, winner)[:, 0])
 
 
 def _take(workspace, name: str, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
@@ -158,7 +158,7 @@ def draw_from_weights(weights: torch.Tensor, generator: Optional[torch.Generator
     blocks = block_sums(weights)                                           # (n, nb) float64
     cum = blocks.cumsum(dim=-1)
     total = cum[:, -1:]
-    ok = (torch.isfinite(total) & (total > 0))[:, 0]
+    ok = ((total > 0) & (total < _INF64))[:, 0]                 # False for NaN
     target = torch.minimum(torch.rand((n, 1), dtype=torch.float64, generator=generator) * total,
                            torch.nextafter(total, _ZERO64))
     block = torch.searchsorted(cum, target, right=True).clamp_(max=blocks.shape[1] - 1)
@@ -175,6 +175,7 @@ def draw_from_weights(weights: torch.Tensor, generator: Optional[torch.Generator
 
 
 _ZERO64 = torch.zeros((), dtype=torch.float64)
+_INF64 = torch.tensor(float("inf"), dtype=torch.float64)
 _CDF_COLUMNS = torch.arange(CDF_BLOCK)[None, :]
 
 

@@ -51,7 +51,7 @@ from .draw import (
     race_unseeded_candidates,
 )
 from .plan import BlockPlan, StepPlan, make_plan
-from .rowops import count_at_least, first_argmax, group_maxima, top_values
+from .rowops import count_at_least, first_argmax, group_maxima, is_finite, top_values
 from .select import (
     SCRATCH,
     kth_largest,
@@ -304,7 +304,7 @@ class CpuSampler(Sampler):
         wants_maxima = ((blk.plan.any_greedy or blk.plan.candidates_only)
                         and not (s.any_bias or s.any_penalties))
         top = blk.maxima().amax(dim=-1) if wants_maxima else blk.x.amax(dim=-1)
-        valid = torch.isfinite(top) if finite is None else finite & (top > NEG_INF)
+        valid = is_finite(top) if finite is None else finite & (top > NEG_INF)
         if not bool(valid.all()):
             self.own(blk).masked_fill_(~valid[:, None], 0.0)
             blk.changed()
@@ -524,7 +524,7 @@ class CpuSampler(Sampler):
         whole = [i for i in range(n) if not bp.greedy[i] and i not in candidate_rows]
         if cand is not None and len(cand.rows) == n:           # the common top-k block
             pos = self.race_candidates(cand, bp, keys)
-            return cand.ids.gather(1, pos)[:, 0], torch.isfinite(cand.values.gather(1, pos)[:, 0])
+            return cand.ids.gather(1, pos)[:, 0], is_finite(cand.values.gather(1, pos)[:, 0])
         tokens = blk.greedy_ids.clone() if bp.any_greedy else torch.zeros(n, dtype=torch.long)
         ok = None
         if whole:
@@ -538,13 +538,13 @@ class CpuSampler(Sampler):
         if cand is not None:
             pos = self.race_candidates(cand, bp, keys)
             tokens[cand.index] = cand.ids.gather(1, pos)[:, 0]
-            finite[cand.index] = torch.isfinite(cand.values.gather(1, pos)[:, 0])
+            finite[cand.index] = is_finite(cand.values.gather(1, pos)[:, 0])
         return tokens, finite if ok is None else finite & ok
 
     @staticmethod
     def finite_at(x: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         """bool [n]: x[row, tokens[row]] is finite (tokens int64 [n], all in [0, V))."""
-        return torch.isfinite(x.gather(1, tokens[:, None])[:, 0])
+        return is_finite(x.gather(1, tokens[:, None])[:, 0])
 
     def race_candidates(self, cand: Candidates, bp: BlockPlan, keys: Optional[torch.Tensor]) -> torch.Tensor:
         """int64 [nc, 1]: each candidate row's winning column (seeded rows: the contract's
