@@ -53,7 +53,6 @@ from .draw import (
 from .plan import BlockPlan, StepPlan, make_plan
 from .rowops import count_at_least, first_argmax, group_maxima, is_finite, top_values
 from .select import (
-    SCRATCH,
     kth_largest,
     mask_below,
     nucleus_contains,
