@@ -118,15 +118,16 @@ class Block:
     """One block of rows after steps 1-13."""
 
     plan: BlockPlan
-    x: torch.Tensor                      # float32 [n, V]: step 8's logits, then filtered in
-                                         # place for whole rows (candidate rows: see cand;
-                                         # rows with a cut: masked lazily, see cuts)
+    x: torch.Tensor                      # float32 [n, V]: step 8's logits, divided in place
+                                         # by step 10 unless the block divides candidates
+                                         # only (candidate rows: see cand; rows with a cut:
+                                         # masked when read, see cuts)
     owned: bool                          # x is the workspace's copy (else the caller's rows)
     raw: Optional[torch.Tensor] = None   # float32 [n, V] raw logprobs (step 1), or None
     valid: Optional[torch.Tensor] = None # bool [n]
     greedy_ids: Optional[torch.Tensor] = None   # int64 [n] argmax after step 8
     cand: Optional[Candidates] = None
-    cuts: dict = field(default_factory=dict)     # block row -> (Cut, j), latest cut first
+    cuts: dict = field(default_factory=dict)     # block row -> (its latest Cut, place in it)
     masked: set = field(default_factory=set)     # rows whose cut is applied to x
     top: Optional[torch.Tensor] = None           # float32 [n, 1]: x's row maxima, or None
     _maxima: Optional[torch.Tensor] = None
