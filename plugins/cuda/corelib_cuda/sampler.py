@@ -191,21 +191,7 @@ class CudaSampler(Sampler):
         batch's history arrays ``dry_history`` int64 [B, H], ``dry_match`` int32 [B, H], O(B H)),
         with the penalties scattered into x itself instead of into a copy, so the vocabulary is
         touched only where a history token lands. ``dry_multiplier`` 0 disables it."""
-        history, H = s.dry_history, s.dry_history.shape[1]
-        column = torch.arange(H, device=x.device)[None, :]
-        length = s.dry_length.to(torch.long)[:, None]
-        window = s.dry_range.to(torch.long)[:, None]
-        start = torch.where(window > 0, (length - window).clamp(min=0), 0)            # (B, 1)
-        in_window = (column >= start) & (column < length)
-        breaker = (history[:, :, None] == s.dry_breakers[:, None, :]).any(dim=-1)     # (B, H)
-        repeat = torch.minimum(s.dry_match.to(torch.long), column - start)
-        repeat = torch.minimum(repeat, s.dry_since_breaker.to(torch.long)[:, None])
-        allowed = s.dry_allowed_length.to(torch.long)[:, None]
-        penalised = in_window & ~breaker & (repeat >= allowed) & (s.dry_multiplier > 0)[:, None]
-        exponent = (repeat - allowed).clamp(min=0, max=30).to(torch.float32)
-        penalty = s.dry_multiplier[:, None] * torch.pow(s.dry_base[:, None], exponent)
-        penalty = torch.where(penalised, penalty, 0.0)
-        tokens = torch.where(in_window, history, 0)
+        tokens, penalty = self.dry_penalties(s)
         # x[t] - (the largest penalty on t): an amin over the history's entries for t.
         return x.scatter_reduce_(1, tokens, x.gather(1, tokens) - penalty, reduce="amin")
 
