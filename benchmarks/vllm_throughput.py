@@ -3,7 +3,7 @@
 Runs in the vLLM venv (``bash scripts/test.sh`` or ``ensure_vllm_venv`` in scripts/lib.sh):
 
     .venv-vllm/bin/python benchmarks/vllm_throughput.py [--requests 32] [--tokens 64]
-        [--vocab 512] [--repeats 5] [--csv out.csv]
+        [--vocab 512] [--repeats 5] [--speculative] [--csv out.csv]
 
 Both engines run in this process on the same tiny random Llama (tests/integrations/vllm/
 tiny_llama.py), with the same settings; only the sampler differs (``CORELIB_VLLM=cpu`` or
@@ -15,6 +15,12 @@ size over the median time of the steps in which all requests decode (``execute_m
 through ``sample_tokens`` on the model runner); the sampler's ``forward`` is timed inside the
 same steps. Medians, because other processes on a shared machine make wall-clock totals
 jump; the wall-clock rate is printed as well.
+
+With ``--speculative`` both engines decode speculatively with vLLM's ngram drafter (3 drafts
+per step, prompts that repeat a pattern so it finds proposals): vLLM's rejection sampler
+against corelib's ``verify``. A step then emits a varying number of tokens per request, so
+throughput is the generated tokens over the summed time of all steps; the verification is
+timed per full-batch step, and the acceptance rate comes from vLLM's per-request metrics.
 
 One torch thread (``--threads``), not pinned to a core (``VLLM_CPU_OMP_THREADS_BIND=nobind``
 unless set), the same for both engines.
@@ -41,6 +47,17 @@ WORKLOADS = {
 }
 
 
+# No top_k: vLLM 0.32's own verification fails on it on the CPU (its CPU replacement for the
+# Triton kernel that spreads per-request top_k over the draft slots yields bad indices).
+SPECULATIVE_WORKLOADS = {
+    "greedy": dict(temperature=0.0),
+    "random": dict(temperature=1.0),
+    "top-p": dict(temperature=0.8, top_p=0.95),
+}
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3,
+         "prompt_lookup_min": 1}
+
+
 def _setup_environment() -> None:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -57,68 +74,90 @@ def _setup_environment() -> None:
 
 class StepTimer:
     """Times each engine step on the runner (``execute_model`` start to ``sample_tokens``
-    end) and the sampler's ``forward`` inside it, keeping the steps where every request of
-    the batch was decoding (``rows`` rows)."""
+    end) and the sampler inside it (``sampler.forward``, or ``rejection_sampler`` when the
+    engine speculates), keeping the sampler times of the steps where every request of the
+    batch was decoding (``rows`` rows) and every step's time."""
 
-    def __init__(self, runner, rows: int):
+    def __init__(self, runner, rows: int, speculative: bool = False):
         self.rows = rows
-        self.steps: list[float] = []
-        self.sampler: list[float] = []
+        self.steps: list[float] = []       # full-batch steps
+        self.sampler: list[float] = []     # the sampler in those steps
+        self.all_steps: list[float] = []   # every step
         self._start = self._sampled = 0.0
-        execute, sample_tokens, forward = runner.execute_model, runner.sample_tokens, runner.sampler.forward
+        execute, sample_tokens = runner.execute_model, runner.sample_tokens
 
         def timed_execute(*args, **kwargs):
             self._start = time.perf_counter()
             return execute(*args, **kwargs)
 
-        def timed_forward(logits, *args, **kwargs):
-            start = time.perf_counter()
-            out = forward(logits, *args, **kwargs)
-            self._sampled = time.perf_counter() - start if logits.shape[0] == self.rows else -1.0
-            return out
+        def timed(call, rows_of):
+            def timed_call(*args, **kwargs):
+                start = time.perf_counter()
+                out = call(*args, **kwargs)
+                full = rows_of(*args, **kwargs) == self.rows
+                self._sampled = time.perf_counter() - start if full else -1.0
+                return out
+            return timed_call
 
         def timed_sample_tokens(*args, **kwargs):
             self._sampled = -1.0
             out = sample_tokens(*args, **kwargs)
+            elapsed = time.perf_counter() - self._start
+            self.all_steps.append(elapsed)
             if self._sampled >= 0:
-                self.steps.append(time.perf_counter() - self._start)
+                self.steps.append(elapsed)
                 self.sampler.append(self._sampled)
             return out
         runner.execute_model, runner.sample_tokens = timed_execute, timed_sample_tokens
-        runner.sampler.forward = timed_forward
+        if speculative:
+            runner.rejection_sampler = timed(runner.rejection_sampler,
+                                             lambda metadata, *_: len(metadata.num_draft_tokens))
+        else:
+            runner.sampler.forward = timed(runner.sampler.forward, lambda logits, *_, **__: logits.shape[0])
 
     def reset(self) -> None:
-        self.steps, self.sampler = [], []
+        self.steps, self.sampler, self.all_steps = [], [], []
 
 
-def make_engine(model_dir: Path, backend, requests: int):
+def make_engine(model_dir: Path, backend, requests: int, speculative: bool = False):
     from vllm import LLM
     previous = os.environ.pop("CORELIB_VLLM", None)
     if backend is not None:
         os.environ["CORELIB_VLLM"] = backend
+    options = dict(speculative_config=NGRAM, per_request_spec_decode_metrics="summary") \
+        if speculative else {}
     try:
         llm = LLM(model=str(model_dir), dtype="float32", enforce_eager=True, max_model_len=512,
-                  max_num_seqs=requests, seed=0, skip_tokenizer_init=True)
+                  max_num_seqs=requests, seed=0, skip_tokenizer_init=True, **options)
     finally:
         os.environ.pop("CORELIB_VLLM", None)
         if previous is not None:
             os.environ["CORELIB_VLLM"] = previous
     runner = llm.llm_engine.model_executor.driver_worker.worker.model_runner
-    print(f"engine with CORELIB_VLLM={backend}: sampler {type(runner.sampler).__name__}")
-    return llm, StepTimer(runner, requests)
+    print(f"engine with CORELIB_VLLM={backend}: sampler {type(runner.sampler).__name__}"
+          + (f", verification {type(runner.rejection_sampler).__name__}" if speculative else ""))
+    return llm, StepTimer(runner, requests, speculative)
 
 
 def run_once(llm, timer, prompts, params) -> dict:
     """One generate call: wall-clock tokens/s, and the median full-batch step and sampler
-    time (medians resist the bursts of other processes on a shared machine)."""
+    time (medians resist the bursts of other processes on a shared machine). Speculating,
+    throughput is the tokens over the summed step times, and the acceptance rate is added."""
     timer.reset()
     start = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
     elapsed = time.perf_counter() - start
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     step, sampler = statistics.median(timer.steps), statistics.median(timer.sampler)
-    return dict(wall_tokens_per_s=tokens / elapsed, tokens_per_s=timer.rows / step,
-                step_ms=1e3 * step, sampler_ms=1e3 * sampler, sampler_share=sampler / step)
+    result = dict(wall_tokens_per_s=tokens / elapsed, tokens_per_s=timer.rows / step,
+                  step_ms=1e3 * step, sampler_ms=1e3 * sampler, sampler_share=sampler / step)
+    metrics = [o.outputs[0].spec_decode_metrics for o in outs]
+    if metrics[0] is not None:
+        drafts = sum(m.num_draft_tokens for m in metrics)
+        accepted = sum(j * n for m in metrics for j, n in enumerate(m.histogram))
+        result.update(tokens_per_s=tokens / sum(timer.all_steps),
+                      acceptance=accepted / max(drafts, 1))
+    return result
 
 
 def main(argv=None) -> int:
@@ -128,6 +167,8 @@ def main(argv=None) -> int:
     parser.add_argument("--vocab", type=int, default=512)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--speculative", action="store_true",
+                        help="both engines speculate with ngram drafts (3 per step)")
     parser.add_argument("--csv", type=Path)
     args = parser.parse_args(argv)
 
@@ -136,18 +177,26 @@ def main(argv=None) -> int:
     torch.set_num_threads(args.threads)
     sys.path.insert(0, str(ROOT / "tests" / "integrations" / "vllm"))
     import tiny_llama
+    import vllm_cpu
+    vllm_cpu.allow_engines_after_ngram()    # two speculating engines in this process
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
     model_dir = Path(tempfile.mkdtemp(prefix="tiny-llama-"))
     tiny_llama.make_model(model_dir, vocab_size=args.vocab)
-    engines = {"vllm": make_engine(model_dir, None, args.requests),
-               "corelib-cpu": make_engine(model_dir, "cpu", args.requests)}
-    prompts = [TokensPrompt(prompt_token_ids=[1] + [(7 * i + j) % (args.vocab - 3) + 3
-                                                    for j in range(8 + i % 8)])
-               for i in range(args.requests)]
+    engines = {"vllm": make_engine(model_dir, None, args.requests, args.speculative),
+               "corelib-cpu": make_engine(model_dir, "cpu", args.requests, args.speculative)}
+    if args.speculative:
+        # a pattern of 3-6 tokens, twice: the drafter finds its continuation in the prompt
+        prompts = [TokensPrompt(prompt_token_ids=[1] + 2 * [(7 * i + j) % (args.vocab - 3) + 3
+                                                            for j in range(3 + i % 4)])
+                   for i in range(args.requests)]
+    else:
+        prompts = [TokensPrompt(prompt_token_ids=[1] + [(7 * i + j) % (args.vocab - 3) + 3
+                                                        for j in range(8 + i % 8)])
+                   for i in range(args.requests)]
     rows = []
-    for workload, options in WORKLOADS.items():
+    for workload, options in (SPECULATIVE_WORKLOADS if args.speculative else WORKLOADS).items():
         params = [SamplingParams(max_tokens=args.tokens, ignore_eos=True, seed=i, **options)
                   for i in range(args.requests)]
         results = {name: [] for name in engines}
@@ -163,13 +212,16 @@ def main(argv=None) -> int:
                              requests=args.requests, tokens=args.tokens, **m,
                              ratio=m["tokens_per_s"] / medians["vllm"]["tokens_per_s"]))
     print(f"vLLM CPU engine, tiny Llama (vocab {args.vocab}), {args.requests} concurrent requests x "
-          f"{args.tokens} tokens, {torch.get_num_threads()} torch thread(s), median of {args.repeats}")
+          f"{args.tokens} tokens, {torch.get_num_threads()} torch thread(s), median of {args.repeats}"
+          + (", ngram speculation (3 drafts)" if args.speculative else ""))
     print(f"{'workload':<12} {'sampler':<12} {'tokens/s':>9} {'vs vLLM':>8} {'step ms':>8} "
-          f"{'sampler ms':>11} {'share':>6} {'wall tokens/s':>14}")
+          f"{'sampler ms':>11} {'share':>6} {'wall tokens/s':>14}"
+          + (f" {'accepted':>9}" if args.speculative else ""))
     for r in rows:
         print(f"{r['workload']:<12} {r['sampler']:<12} {r['tokens_per_s']:>9.0f} {r['ratio']:>8.2f} "
               f"{r['step_ms']:>8.2f} {r['sampler_ms']:>11.3f} {100 * r['sampler_share']:>5.1f}% "
-              f"{r['wall_tokens_per_s']:>14.0f}")
+              f"{r['wall_tokens_per_s']:>14.0f}"
+              + (f" {100 * r['acceptance']:>8.1f}%" if args.speculative else ""))
     if args.csv:
         with open(args.csv, "w", newline="") as f:
             writer = csv.DictWriter(f, fieldnames=list(rows[0]))

@@ -52,9 +52,16 @@ class DraftLayout:
     def max_drafts(self) -> int:
         return self.has_draft.shape[1]
 
+    @property
+    def uniform(self) -> bool:
+        """Every row has K drafts: vLLM's flat rows are already ``[B, K + 1]`` in order."""
+        return all(n == self.max_drafts for n in self.num_drafts)
+
     def logits(self, flat: torch.Tensor) -> torch.Tensor:
-        """``[B, K + 1, V]`` from vLLM's ``[sum(1 + drafts), V]`` target logits (a gather; the
-        caller's tensor is not modified)."""
+        """``[B, K + 1, V]`` from vLLM's ``[sum(1 + drafts), V]`` target logits: a view when
+        every row has K drafts, else a gather (corelib's verify never writes to its logits)."""
+        if self.uniform:
+            return flat.reshape(len(self.num_drafts), self.max_drafts + 1, flat.shape[-1])
         return flat[self.slot_rows]
 
     def bitmask(self, flat: Optional[torch.Tensor]) -> Optional[torch.Tensor]:

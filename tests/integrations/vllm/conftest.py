@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 HERE = Path(__file__).parent
+sys.path.insert(0, str(HERE))   # tiny_llama and vllm_cpu, shared with the benchmark
 HAVE_VLLM = importlib.util.find_spec("vllm") is not None
 if not HAVE_VLLM:
     if os.environ.get("CORELIB_REQUIRE_VLLM"):
@@ -33,26 +34,10 @@ else:
     from vllm.plugins import load_general_plugins
     load_general_plugins()
 
-    def _kernel_overrides_without_llvmlite():
-        """vLLM 0.32's CPU worker start rebinds Triton kernels by scanning the namespace of
-        every module in sys.modules and reading ``vars()`` of each value; llvmlite's library
-        wrapper (imported with numba by vLLM's ngram drafter) answers ``vars()`` with a function
-        wrapper, and the scan raises. A process that started an ngram engine could start no
-        other engine; the suite starts many, so the scan runs with that one module out of
-        sys.modules (it imports nothing meanwhile)."""
-        from vllm.platforms.cpu import CpuPlatform
-        register = CpuPlatform.register_triton_kernel_overrides
-
-        def register_without_llvmlite(cls):
-            hidden = sys.modules.pop("llvmlite.binding.ffi", None)
-            try:
-                register()
-            finally:
-                if hidden is not None:
-                    sys.modules["llvmlite.binding.ffi"] = hidden
-        CpuPlatform.register_triton_kernel_overrides = classmethod(register_without_llvmlite)
-    _kernel_overrides_without_llvmlite()
-sys.path.insert(0, str(HERE))   # tiny_llama, shared with the benchmark
+    # vLLM's CPU build cannot start an engine in a process that started an ngram engine;
+    # the suite starts many (vllm_cpu).
+    import vllm_cpu
+    vllm_cpu.allow_engines_after_ngram()
 
 MAX_NUM_SEQS = 4   # fewer than most tests' prompts: requests join and leave mid-generation
 # KV cache per engine: room for 64k tokens of the tiny model, far more than the tests use. The

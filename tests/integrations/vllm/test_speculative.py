@@ -75,6 +75,10 @@ def test_draft_layout_regroups_vllms_flat_tensors():
     assert regrouped[0, :2].tolist() == [0, 1] and regrouped[2].tolist() == [2, 3, 4]
     mask = torch.arange(8, dtype=torch.int32)[:, None]
     assert layout.bitmask(mask)[:, :, 0].tolist() == [[0, 1, 2, 2], [3, 3, 3, 3], [4, 5, 6, 7]]
+    uniform = DraftLayout.of([2, 2], torch.device("cpu"))      # vLLM's rows as they are
+    flat = torch.arange(6.0)[:, None].expand(6, 5)
+    assert uniform.logits(flat)[:, :, 0].tolist() == [[0, 1, 2], [3, 4, 5]]
+    assert uniform.logits(flat).data_ptr() == flat.data_ptr()
 
 
 def test_drafts_are_verified_by_corelib(ngram_llm):
