@@ -21,6 +21,9 @@ per step, prompts that repeat a pattern so it finds proposals): vLLM's rejection
 against corelib's ``verify``. A step then emits a varying number of tokens per request, so
 throughput is the generated tokens over the summed time of all steps; the verification is
 timed per full-batch step, and the acceptance rate comes from vLLM's per-request metrics.
+"repeats" (the share of generated tokens that repeat an earlier bigram of their sequence)
+checks that verification keeps the text's distribution: both engines sample the same model
+with the same parameters, so it should agree up to sampling noise.
 
 One torch thread (``--threads``), not pinned to a core (``VLLM_CPU_OMP_THREADS_BIND=nobind``
 unless set), the same for both engines.
@@ -155,9 +158,27 @@ def run_once(llm, timer, prompts, params) -> dict:
     if metrics[0] is not None:
         drafts = sum(m.num_draft_tokens for m in metrics)
         accepted = sum(j * n for m in metrics for j, n in enumerate(m.histogram))
+        repeats = [repeated_bigrams(list(o.prompt_token_ids), list(o.outputs[0].token_ids))
+                   for o in outs]
         result.update(tokens_per_s=tokens / sum(timer.all_steps),
-                      acceptance=accepted / max(drafts, 1))
+                      acceptance=accepted / max(drafts, 1),
+                      repeats=statistics.mean(repeats))
     return result
+
+
+def repeated_bigrams(prompt: list[int], output: list[int]) -> float:
+    """The share of generated tokens that, with the token before them, repeat a bigram seen
+    earlier in the sequence: a property of the text's distribution, which verification must
+    not change (the same sampling parameters give the same value with and without
+    speculation, up to sampling noise)."""
+    sequence = prompt + output
+    seen = {tuple(sequence[i - 1:i + 1]) for i in range(1, len(prompt))}
+    hits = 0
+    for i in range(len(prompt), len(sequence)):
+        bigram = tuple(sequence[i - 1:i + 1])
+        hits += bigram in seen
+        seen.add(bigram)
+    return hits / max(len(output), 1)
 
 
 def main(argv=None) -> int:
@@ -216,12 +237,13 @@ def main(argv=None) -> int:
           + (", ngram speculation (3 drafts)" if args.speculative else ""))
     print(f"{'workload':<12} {'sampler':<12} {'tokens/s':>9} {'vs vLLM':>8} {'step ms':>8} "
           f"{'sampler ms':>11} {'share':>6} {'wall tokens/s':>14}"
-          + (f" {'accepted':>9}" if args.speculative else ""))
+          + (f" {'accepted':>9} {'repeats':>8}" if args.speculative else ""))
     for r in rows:
         print(f"{r['workload']:<12} {r['sampler']:<12} {r['tokens_per_s']:>9.0f} {r['ratio']:>8.2f} "
               f"{r['step_ms']:>8.2f} {r['sampler_ms']:>11.3f} {100 * r['sampler_share']:>5.1f}% "
               f"{r['wall_tokens_per_s']:>14.0f}"
-              + (f" {100 * r['acceptance']:>8.1f}%" if args.speculative else ""))
+              + (f" {100 * r['acceptance']:>8.1f}% {100 * r['repeats']:>7.1f}%"
+                 if args.speculative else ""))
     if args.csv:
         with open(args.csv, "w", newline="") as f:
             writer = csv.DictWriter(f, fieldnames=list(rows[0]))
