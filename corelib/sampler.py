@@ -252,6 +252,11 @@ class Sampler:
         """float32 ``[B, V]``: the final distribution's logits (steps 2-13b; greedy rows stop
         after step 8a); dropped tokens are -inf. Its log_softmax is the processed logprobs."""
         s = self.with_bitmask(self.step_state(logits, batch), batch, token_bitmask)
+        return self.processed_state(logits, batch, s)
+
+    def processed_state(self, logits: torch.Tensor, batch: SamplingBatch, s: StepState) -> torch.Tensor:
+        """``processed_logits`` for a given step state (split from it as ``sample_state`` is
+        from ``sample``, so a backend can run it per block of rows)."""
         x, _, _ = self.prepare(logits, batch, s)
         final = self.filter(x, s) if s.any_random else x
         return self.processed_source(x, final, s, normalise=False)
