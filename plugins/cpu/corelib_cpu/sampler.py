@@ -1,32 +1,53 @@
 """The ``cpu`` backend's sampler: the contract's stages at close to memory speed on CPUs.
 
-What differs from the reference (``corelib.Sampler``), stage by stage:
+How it is built on the core. The stage order lives in one place, the core template
+(``Sampler.sample_state``, ``verify_state``, ``processed_state`` with ``prepare``,
+``choose_tokens`` and ``filter``); this class overrides stages, never the order:
 
-- rows are processed in blocks of about ``BLOCK_ELEMENTS`` logits held in a per-thread
-  workspace, so every stage of a block runs on data still in the cache, nothing is
-  allocated per step, and no temporary reaches ``B x V``;
+- ``sample_state``, ``verify_state`` and ``processed_state`` cut the rows into blocks of about
+  ``BLOCK_ELEMENTS`` logits (a verification block holds whole rows, all their slots) and run
+  the core template on each block, with the block's view of the step state
+  (:class:`~corelib_cpu.state.BlockState`: tensors sliced to the block, the block's own
+  flags). One block (B = 1 to 8 at V = 128256) is one template run, nothing more.
+- The value the template passes between stages is a :class:`Block`: the block's dense logits
+  (the caller's rows until a stage writes, then a copy in the per-thread workspace) plus, once
+  step 12 ran, a candidate set for the rows with a top-k, and pending probability cuts of
+  min-p and top-p. The template only hands it from stage to stage; every stage here reads and
+  updates it in place, and returns it. ``draw``, ``drawn_is_finite``, ``processed_source``,
+  ``gather_logprobs`` and ``rejection_sample`` read it as well.
+
+What the stages do differently from the reference (``corelib.Sampler``):
+
+- nothing is allocated per step and no temporary reaches ``B x V``: every block-sized buffer
+  lives in the workspace, so every stage of a block runs on data still in the cache;
 - the facts of a step that only change when requests join or leave (which rows use which
-  stage, effective parameters, blocks) are kept by the batch (``plan.StepPlan``), so a
-  step's Python work is a few dozen tensor calls;
+  stage, effective parameters, blocks) are kept by the batch (``plan.StepPlan``);
 - step 2's copy is made only when a stage writes: rows that only read the logits (top-k
   candidates, the draws, softmax) read the caller's tensor, which is never modified;
-- steps 3-8 work in place; penalties touch only the tokens a row has seen, from the running
-  slots kept by :class:`~corelib_cpu.batch.CpuBatch`;
+- steps 3-8a work in place: the token bitmask is added while the logits are copied
+  (``bitmask``), penalties touch only the tokens a row has seen, from the running slots
+  kept by :class:`~corelib_cpu.batch.CpuBatch`, DRY only its history's tokens;
 - step 9 and step 15's top-N use group maxima (``rowops``) instead of torch.argmax/topk;
+- step 10a (top-n-sigma) computes the reference's mean and deviation with the same float32
+  reductions, and cuts each row with one threshold pass;
 - step 12 selects candidates (k-th value and ties as the reference) from group maxima;
   when every random row of a block has a top-k, step 10 divides the candidates only;
 - step 13 on candidates uses the candidates' own softmax when an error bound proves it picks
   the reference's tokens (else the reference's softmax of the masked row); on whole rows it
   keeps the probabilities as a pending cut (:class:`Cut`): the draw tries a token first
   and keeps it when it is in the nucleus (``select.nucleus_contains``), and only rows that
-  miss, or logprobs of the final distribution, find the threshold by a radix select over
-  the probabilities' bits (``select.nucleus_threshold``); the logits are masked only when
-  something reads them; masks use thresholds and copysign/min, never boolean fills (which
-  run ~40x slower than arithmetic on CPUs);
+  miss, or a later stage that reads the row, find the threshold by a radix select over
+  the probabilities' bits (``select.nucleus_threshold``); masks use thresholds and
+  copysign/min, never boolean fills (which run ~10-40x slower than arithmetic on CPUs);
+- steps 13a (typical-p) and 13b (XTC) work on the rows that use them, as whole rows; XTC
+  first tosses each row's coin, and only rows whose coin says so compute anything;
 - step 14 draws candidate rows with noise for the candidates only (seeded rows with the
   contract's noise, so their tokens are the reference's), whole unseeded rows with one
   uniform per row through the inverse CDF, and whole seeded rows with the contract's noise
-  for the tokens that can still win (``draw.draw_seeded_rows``).
+  for the tokens that can still win (``draw.draw_seeded_rows``);
+- verification: the draft slots' target probabilities are the reference's softmax of their
+  final rows, and the residual draws use step 14's machinery (seeded rows the contract's
+  race over ``log(max(p - q, 0))``, unseeded rows the inverse CDF of the residual itself).
 
 Every kept set equals the reference's (the conformance suite checks it), and so do seeded
 tokens. Shapes: ``B`` rows, ``V`` vocabulary, ``n`` rows of a block, ``W`` candidates.
@@ -34,15 +55,18 @@ tokens. Shapes: ``B`` rows, ``V`` vocabulary, ``n`` rows of a block, ``W`` candi
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
 from corelib import Logprobs, Sampler, SamplerOutput, SamplingBatch, StepState
-from corelib.noise import token_offsets
-from corelib.sampler import INVALID_TOKEN, NEG_INF
+from corelib.noise import STREAM_XTC, token_offsets
+from corelib.sampler import NEG_INF, Drafts, VerifyOutput
+from corelib.stages import run_stage
 
 from .batch import CpuBatch
+from .bitmask import apply_bitmask_rows
 from .draw import (
     draw_from_weights,
     draw_seeded_rows,
@@ -50,6 +74,7 @@ from .draw import (
     race_seeded_candidates,
     race_unseeded_candidates,
 )
+from .filters import top_n_sigma_thresholds, typical_rows_, xtc_drops
 from .plan import BlockPlan, StepPlan, make_plan
 from .rowops import count_at_least, first_argmax, group_maxima, is_finite, top_values
 from .select import (
@@ -61,23 +86,10 @@ from .select import (
     top_p_candidates,
     top_p_candidates_fast,
 )
+from .state import BlockState
 from .workspace import Workspace
 
-
-class RowSlice:
-    """The step state of rows ``r0:r1``: tensor fields sliced on first use, others as is.
-
-    Duck-types ``StepState`` for the reference's stage methods."""
-
-    def __init__(self, s: StepState, r0: int, r1: int):
-        self._s, self._rows = s, slice(r0, r1)
-
-    def __getattr__(self, name):
-        value = getattr(self._s, name)
-        if isinstance(value, torch.Tensor):
-            value = value[self._rows]
-        setattr(self, name, value)
-        return value
+_TRUE = torch.tensor(True)
 
 
 @dataclass
@@ -115,22 +127,27 @@ class Cut:
 
 @dataclass
 class Block:
-    """One block of rows after steps 1-13."""
+    """What the template passes between the stages of one block: its logits and what the
+    filters have decided so far (see the module docstring)."""
 
-    plan: BlockPlan
-    x: torch.Tensor                      # float32 [n, V]: step 8's logits, divided in place
-                                         # by step 10 unless the block divides candidates
-                                         # only (candidate rows: see cand; rows with a cut:
-                                         # masked when read, see cuts)
-    owned: bool                          # x is the workspace's copy (else the caller's rows)
-    raw: Optional[torch.Tensor] = None   # float32 [n, V] raw logprobs (step 1), or None
-    valid: Optional[torch.Tensor] = None # bool [n]
-    greedy_ids: Optional[torch.Tensor] = None   # int64 [n] argmax after step 8
+    state: BlockState
+    x: torch.Tensor                      # float32 [n, V]: the logits after the stages so far;
+                                         # candidate rows: see cand; rows with a cut: masked
+                                         # when read, see cuts; undivided when the block
+                                         # divides candidates only (plan.candidates_only)
+    owned: bool                          # x is ours to write (else the caller's rows)
     cand: Optional[Candidates] = None
     cuts: dict = field(default_factory=dict)     # block row -> (its latest Cut, place in it)
     masked: set = field(default_factory=set)     # rows whose cut is applied to x
     top: Optional[torch.Tensor] = None           # float32 [n, 1]: x's row maxima, or None
+    finite_pending: bool = False                 # the NaN/+inf check waits for step 5's maxima
+    row_max: Optional[torch.Tensor] = None       # float32 [n]: maxima after steps 3-5
+    drawn_finite: Optional[torch.Tensor] = None  # bool [n]: step 14's token has a finite logit
     _maxima: Optional[torch.Tensor] = None
+
+    @property
+    def plan(self) -> BlockPlan:
+        return self.state.plan
 
     @property
     def candidate_rows(self) -> set:
@@ -152,7 +169,8 @@ class CpuSampler(Sampler):
     """The ``cpu`` backend (see the module docstring). Block-sized buffers live in
     ``self.workspace`` (one set per thread) and serve every step.
 
-    ``block_elements``: logits per block (rows per block = block_elements // V, at least 1).
+    ``block_elements``: logits per block (rows per block = block_elements // V, at least 1;
+    a verification block holds whole rows, so block_elements // (V (K + 1)) rows, at least 1).
     """
 
     name = "cpu"
@@ -180,222 +198,326 @@ class CpuSampler(Sampler):
         self.workspace = Workspace()
         self._offsets: dict[int, torch.Tensor] = {}
 
-    # ------------------------------------------------------------------ public API
-    def sample(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
-        """Sample one token per row. logits ``[B, V]`` or ``[num_requests, V]``, any float
-        dtype; never modified."""
-        s = self.step_state(logits, batch)
-        if s.num_rows == 0:
-            return self.empty_output(s)
-        plan = self.plan(logits, batch, s)
-        keys = plan.row_keys(s)
-        request_index = batch.request_index(s.num_rows) if logits.shape[0] != s.num_rows else None
-        if len(plan.blocks) == 1:
-            token_ids, valid, logprobs = self.sample_block(logits, batch, s, plan, plan.blocks[0],
-                                                           keys, request_index)
-        else:
-            token_ids = torch.empty(s.num_rows, dtype=torch.long)
-            valid = torch.empty(s.num_rows, dtype=torch.bool)
-            pieces = []
-            for bp in plan.blocks:
-                ids, ok, lp = self.sample_block(logits, batch, s, plan, bp, keys, request_index)
-                token_ids[bp.r0:bp.r1], valid[bp.r0:bp.r1] = ids, ok
-                pieces.append(lp)
-            logprobs = join_logprobs(pieces) if s.num_logprobs is not None else None
-        token_ids = torch.where(valid, token_ids, INVALID_TOKEN)
-        return SamplerOutput(token_ids, valid, logprobs)
+    # ------------------------------------------------------------------ the template, per block
+    def sample_state(self, logits: torch.Tensor, batch: SamplingBatch, s: StepState) -> SamplerOutput:
+        """Steps 1-15: the core template (``Sampler.sample_state``) on each block of rows."""
+        outputs = []
+        for bs in self.block_states(logits, batch, s):
+            outputs.append(Sampler.sample_state(self, logits, batch, bs))
+        return outputs[0] if len(outputs) == 1 else join_samples(outputs)
 
-    def sample_block(self, logits, batch, s, plan, bp, keys, request_index):
-        """Steps 1-15 for one block: (int64 [n] ids, bool [n] valid, logprobs or None)."""
-        blk = self.run_block(logits, batch, s, plan, bp, request_index)        # steps 1-13
-        ids, finite = self.draw_block(blk, keys)                               # step 14
-        logprobs = None
-        if s.num_logprobs is not None:                                         # step 15
-            logprobs = self.block_logprobs(blk, ids, s)
-        return ids, blk.valid & finite, logprobs
+    def verify_state(self, logits: torch.Tensor, batch: SamplingBatch, s: StepState,
+                     drafts: Drafts) -> VerifyOutput:
+        """Verification: the core template (``Sampler.verify_state``) on each block of whole
+        rows (every slot of a row in the same block), with the block's drafts."""
+        S = drafts.slots
+        outputs = []
+        for bs in self.block_states(logits, batch, s, slots=S):
+            rows = slice(bs.plan.r0 // S, bs.plan.r1 // S)
+            outputs.append(Sampler.verify_state(self, logits, batch, bs, drafts_of(drafts, rows)))
+        return outputs[0] if len(outputs) == 1 else join_verifications(outputs)
 
-    def processed_logits(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-        """float32 ``[B, V]``: the final distribution's logits (steps 2-13; greedy rows stop
-        after step 8), dropped tokens -inf: the reference's result, from this backend's stages."""
-        s = self.step_state(logits, batch)
+    def processed_state(self, logits: torch.Tensor, batch: SamplingBatch, s: StepState) -> torch.Tensor:
+        """Steps 2-13b (``Sampler.processed_state``) on each block, into a new float32 [B, V]."""
         out = torch.empty((s.num_rows, s.vocab_size), dtype=torch.float32)
         if s.num_rows == 0:
             return out
-        plan = self.plan(logits, batch, s)
-        request_index = batch.request_index(s.num_rows) if logits.shape[0] != s.num_rows else None
-        for bp in plan.blocks:
-            out[bp.r0:bp.r1] = self.materialize(self.run_block(logits, batch, s, plan, bp, request_index))
+        for bs in self.block_states(logits, batch, s):
+            out[bs.plan.r0:bs.plan.r1] = Sampler.processed_state(self, logits, batch, bs)
         return out
 
-    # ------------------------------------------------------------------ plan
-    def plan(self, logits: torch.Tensor, batch: SamplingBatch, s: StepState) -> StepPlan:
+    def speculative_step_state(self, batch: SamplingBatch, drafts: Drafts) -> StepState:
+        """The verification state; a ``CpuBatch`` gives each slot its penalty slots and leaves
+        out the dense penalty state (``[B (K+1), V]`` copies this backend never reads)."""
+        if isinstance(batch, CpuBatch):
+            return batch.speculative_state(drafts.token_ids, slots_only=True)
+        return super().speculative_step_state(batch, drafts)
+
+    def block_states(self, logits: torch.Tensor, batch: SamplingBatch, s: StepState,
+                     slots: int = 1) -> list[BlockState]:
+        """The step's blocks, each as the state the template runs on (``slots``: verification
+        slots per row, which a block never splits)."""
+        plan = self.plan(logits, batch, s, slots)
+        keys = plan.row_keys(s)
+        request_index = batch.request_index(s.num_rows) if logits.shape[0] != s.num_rows else None
+        return [BlockState(s, bp, keys, request_index) for bp in plan.blocks]
+
+    def plan(self, logits: torch.Tensor, batch: SamplingBatch, s: StepState, slots: int = 1) -> StepPlan:
         """The step's host facts (see ``plan.StepPlan``), kept by a ``CpuBatch`` until its
         rows change."""
-        rows_per_block = max(1, self.block_elements // s.vocab_size)
-        sparse = s.any_penalties and isinstance(batch, CpuBatch) and batch.has_penalty_slots
+        rows_per_block = max(1, self.block_elements // (s.vocab_size * slots)) * slots
+        sparse = s.any_penalties and getattr(s, "slot_ids", None) is not None
         build = lambda: make_plan(s, rows_per_block, sparse)                   # noqa: E731
         if isinstance(batch, CpuBatch):
-            return batch.cached_plan((s.num_rows, rows_per_block), build)
+            return batch.cached_plan((s.num_rows, rows_per_block, slots), build)
         return build()
 
-    # ------------------------------------------------------------------ steps 1-13
-    def run_block(self, logits: torch.Tensor, batch: SamplingBatch, s: StepState, plan: StepPlan,
-                  bp: BlockPlan, request_index: Optional[torch.Tensor]) -> Block:
-        """Steps 1-13 for the rows of ``bp``."""
-        rs = s if len(plan.blocks) == 1 else RowSlice(s, bp.r0, bp.r1)
-        blk = self.block_source(logits, bp, request_index)                     # step 2
-        if s.num_logprobs is not None and s.logprobs_mode == "raw":             # step 1
-            blk.raw = torch.log_softmax(blk.x, dim=-1, out=self.workspace.take("raw", tuple(blk.x.shape)))
-        blk.valid = self.mask_block(blk, s, rs)                                 # steps 3-5
-        if s.any_bias:
-            self.own(blk).scatter_add_(1, rs.bias_ids, rs.bias_values)          # step 6
-            blk.changed()
-        if s.any_penalties:
-            self.penalize_block(blk, batch, rs, plan)                           # steps 7-8
-        if bp.any_greedy:
-            blk.greedy_ids = first_argmax(blk.x, blk.maxima())                  # step 9
-        if not bp.all_greedy:
-            self.filter_block(blk)                                              # steps 10-13
-        return blk
-
-    def block_source(self, logits: torch.Tensor, bp: BlockPlan,
-                     request_index: Optional[torch.Tensor]) -> Block:
+    # ------------------------------------------------------------------ steps 1-8a
+    def working_copy(self, logits: torch.Tensor, batch: SamplingBatch, s: BlockState) -> Block:
         """Step 2, lazily: a Block whose x is the caller's float32 rows when they can be read
         as they are (copied into the workspace by :meth:`own` before any write), else a
-        float32 copy in the workspace (per-request logits expanded to rows)."""
-        if request_index is None:
+        float32 copy in the workspace (per-request logits expanded to rows). Never writes
+        ``logits``."""
+        bp = s.plan
+        if s.request_index is None:
             rows = logits[bp.r0:bp.r1]
             if rows.dtype == torch.float32 and rows.is_contiguous():
-                return Block(bp, rows, owned=False)
+                return Block(s, rows, owned=False)
         else:
-            rows = logits.index_select(0, request_index[bp.r0:bp.r1])
+            rows = logits.index_select(0, s.request_index[bp.r0:bp.r1])
         x = self.workspace.take("x", (bp.n, logits.shape[1]))
-        return Block(bp, x.copy_(rows), owned=True)
+        return Block(s, x.copy_(rows), owned=True)
 
     def own(self, blk: Block) -> torch.Tensor:
-        """blk.x as the workspace's copy, ready to be written in place."""
+        """blk.x as our copy, ready to be written in place."""
         if not blk.owned:
             blk.x = self.workspace.take("x", tuple(blk.x.shape)).copy_(blk.x)
             blk.owned = True
         return blk.x
 
-    def mask_block(self, blk: Block, s: StepState, rs) -> torch.Tensor:
-        """Steps 3-5 in place on blk.x float32 [n, V]; returns bool [n] valid rows (no NaN/+inf
-        before masking, a token left after it). Invalid rows become zeros, as in the
-        reference, so they cannot disturb later stages."""
-        finite = None
-        if s.any_allowed or s.any_bad_words or s.any_min_tokens:
-            x = self.own(blk)
-            if s.any_allowed:
-                # masked_fill can hide a NaN or +inf; the others below add -inf, which keeps
-                # them (NaN + -inf and +inf + -inf are NaN), so one maximum after them is enough.
-                top = x.amax(dim=-1)
-                finite = ~(torch.isnan(top) | (top == float("inf")))
-                x.masked_fill_(~rs.allowed_mask, NEG_INF)                       # step 3
-            if s.any_bad_words:
-                self.ban_in_place(x, rs.bad_last, self.bad_word_hits(rs))       # step 4
-            if s.any_min_tokens:
-                pending = (rs.position < rs.min_tokens)[:, None]
-                self.ban_in_place(x, rs.stop_ids, rs.stop_valid & pending)      # step 5
-            blk.changed()
-        # NaN with a NaN, +inf with a +inf, -inf if all masked; from the group maxima when a
-        # later stage reads them anyway (greedy rows, candidates of undivided rows) and steps
-        # 6-8 do not change x first
-        wants_maxima = ((blk.plan.any_greedy or blk.plan.candidates_only)
-                        and not (s.any_bias or s.any_penalties))
-        top = blk.maxima().amax(dim=-1) if wants_maxima else blk.x.amax(dim=-1)
-        valid = is_finite(top) if finite is None else finite & (top > NEG_INF)
+    def log_softmax(self, x) -> torch.Tensor:
+        """float32 [n, V] log-probabilities of a Block's logits (into the workspace; step 1's
+        raw logprobs) or of a tensor (new). Not in place."""
+        if isinstance(x, Block):
+            return torch.log_softmax(x.x, dim=-1, out=self.workspace.take("raw", tuple(x.x.shape)))
+        return torch.log_softmax(x, dim=-1)
+
+    def finite_rows(self, x: Block) -> torch.Tensor:
+        """bool [n]: rows free of NaN and +inf. Only step 3's allowed ids can hide them (a
+        fill overwrites); the other masks of steps 3-5 add -inf, which keeps NaN and turns
+        +inf into NaN. Without allowed ids the check is left to ``any_token_left``, which
+        reads the rows' maxima after the masks anyway: a 0-dim True then."""
+        if x.state.any_allowed:
+            top = x.x.amax(dim=-1)
+            return ~(torch.isnan(top) | (top == float("inf")))
+        x.finite_pending = True
+        return _TRUE
+
+    def apply_allowed_ids(self, x: Block, s: StepState) -> Block:
+        """Step 3: tokens outside a row's allowed set (``s.allowed_mask`` bool [n, V]) -> -inf,
+        in place on the block's copy."""
+        self.own(x).masked_fill_(~s.allowed_mask, NEG_INF)
+        x.changed()
+        return x
+
+    def apply_token_bitmask(self, x: Block, s: StepState) -> Block:
+        """Step 3, structured output: tokens whose bit is 0 in ``s.token_bitmask`` (int32
+        [n, ceil(V / 32)]; a row of -1 words is unconstrained) -> -inf, in place on the block's
+        copy, made by this stage when no earlier one made it (``bitmask.apply_bitmask_rows``:
+        a table lookup per byte and one addition per row, no [n, V] boolean)."""
+        out = x.x if x.owned else self.workspace.take("x", tuple(x.x.shape))
+        x.x = apply_bitmask_rows(x.x, s.token_bitmask, out, self.workspace)
+        x.owned = True
+        x.changed()
+        return x
+
+    def apply_bad_words(self, x: Block, s: StepState) -> Block:
+        """Step 4 (the reference's rule, ``Sampler.apply_bad_words``), in place: -inf is added
+        at each banned word's last token."""
+        recent = s.recent[:, None, :]
+        hits = ((s.bad_prefix == recent) | (s.bad_prefix == -2)).all(dim=-1) & s.bad_valid
+        ban_in_place(self.own(x), s.bad_last, hits)
+        x.changed()
+        return x
+
+    def apply_min_tokens(self, x: Block, s: StepState) -> Block:
+        """Step 5, in place: while ``position < min_tokens``, -inf is added at the stop ids."""
+        pending = (s.position < s.min_tokens)[:, None]
+        ban_in_place(self.own(x), s.stop_ids, s.stop_valid & pending)
+        x.changed()
+        return x
+
+    def any_token_left(self, x: Block) -> torch.Tensor:
+        """bool [n]: rows with a token above -inf; where ``finite_rows`` left the check here,
+        also free of NaN/+inf. From one maximum per row, taken from the group maxima when a
+        later stage reads those anyway (greedy rows, candidates of undivided rows) and steps
+        6-8a leave x as it is."""
+        s, bp = x.state, x.plan
+        later = s.any_bias or s.any_penalties or s.any_dry or bool(s.stages_at("after_penalties"))
+        wants_maxima = (bp.any_greedy or bp.candidates_only) and not later
+        top = x.maxima().amax(dim=-1) if wants_maxima else x.x.amax(dim=-1)
+        x.row_max = top
+        return is_finite(top) if x.finite_pending else top > NEG_INF
+
+    def neutralise_rows(self, x: Block, valid: torch.Tensor) -> Block:
+        """Invalid rows become zeros (uniform), in place, so they cannot disturb later stages;
+        when every row is valid, the maxima just read are kept for later stages."""
         if not bool(valid.all()):
-            self.own(blk).masked_fill_(~valid[:, None], 0.0)
-            blk.changed()
+            self.own(x).masked_fill_(~valid[:, None], 0.0)
+            x.changed()
         else:
-            blk.top = top[:, None]
-        return valid
+            x.top = x.row_max[:, None]
+        return x
 
-    @staticmethod
-    def bad_word_hits(rs) -> torch.Tensor:
-        """bool [n, W]: bad words whose prefix the row's generated tokens end with (the
-        reference's rule; see ``Sampler.apply_bad_words``)."""
-        recent = rs.recent[:, None, :]
-        matches = ((rs.bad_prefix == recent) | (rs.bad_prefix == -2)).all(dim=-1)
-        return matches & rs.bad_valid
+    def apply_logit_bias(self, x: Block, s: StepState) -> Block:
+        """Step 6, in place: ``x[row, bias_ids] += bias_values``."""
+        self.own(x).scatter_add_(1, s.bias_ids, s.bias_values)
+        x.changed()
+        return x
 
-    @staticmethod
-    def ban_in_place(x: torch.Tensor, ids: torch.Tensor, banned: torch.Tensor) -> None:
-        """x[row, ids[row, j]] += -inf where banned[row, j] (the reference's ``_add_at``, in
-        place). ids int64 [n, J], banned bool [n, J]."""
-        x.scatter_add_(1, ids, torch.where(banned, NEG_INF, 0.0).to(x.dtype))
-
-    def penalize_block(self, blk: Block, batch: SamplingBatch, rs, plan: StepPlan) -> None:
-        """Steps 7-8 in place on blk.x float32 [n, V]: repetition penalty over seen tokens,
-        then frequency and presence penalties over generated ones. From the batch's slots
-        when it keeps them (only the seen tokens are read and written), else from its dense
-        counts."""
-        x = self.own(blk)
-        blk.changed()
-        if not plan.sparse_penalties:
-            x.copy_(self.apply_penalties(x, rs))
-            return
-        r0, r1 = blk.plan.r0, blk.plan.r1
-        ids, counts, length = batch.penalty_slots(plan.num_rows)
-        length = length[r0:r1]
+    def apply_penalties(self, x: Block, s: StepState) -> Block:
+        """Steps 7-8 in place on the block's copy: repetition penalty over seen tokens, then
+        frequency and presence penalties over generated ones. From the batch's slots when it
+        keeps them (``s.slot_ids`` int64 [n, S], ``slot_counts`` int32 [n, S], ``slot_len``
+        int64 [n]: only the seen tokens are read and written), else from the dense counts.
+        Penalties 1, 0, 0 disable them."""
+        xx = self.own(x)
+        x.changed()
+        if getattr(s, "slot_ids", None) is None:
+            xx.copy_(Sampler.apply_penalties(self, xx, s))
+            return x
+        ids, counts, length = s.slot_ids, s.slot_counts, s.slot_len
         width = int(length.max())
         if width == 0:
-            return
+            return x
         real = torch.arange(width)[None, :] < length[:, None]                   # (n, width)
         rows, slots = real.nonzero(as_tuple=True)
-        flat = rows * x.shape[1] + ids[r0:r1, :width][rows, slots]
-        xf = x.view(-1)
+        flat = rows * xx.shape[1] + ids[:, :width][rows, slots]
+        xf = xx.view(-1)
         v = xf[flat]
-        r = rs.repetition_penalty[rows]
+        r = s.repetition_penalty[rows]
         v = torch.where(v > 0, v / r, v * r)                                    # step 7
-        c = counts[r0:r1, :width][rows, slots].to(torch.float32)
+        c = counts[:, :width][rows, slots].to(torch.float32)
         occurred = (c > 0).to(torch.float32)
         # Same expression, in the same order, as the reference's dense step 8.
-        xf[flat] = v - rs.frequency_penalty[rows] * c - rs.presence_penalty[rows] * occurred
+        xf[flat] = v - s.frequency_penalty[rows] * c - s.presence_penalty[rows] * occurred
+        return x
 
-    def filter_block(self, blk: Block) -> None:
-        """Steps 10-13 for the block's random rows (greedy rows have neutral parameters)."""
-        bp = blk.plan
-        if bp.temperature_on and not bp.candidates_only:
-            self.divide(blk)                                                    # step 10
-        if bp.min_p_rows:
-            self.min_p_rows(blk, bp.min_p_rows)                                 # step 11
-        if bp.top_k_rows:
-            self.top_k_rows(blk, bp.top_k_rows)                                 # step 12
-        if bp.top_p_rows:                                                       # step 13
-            candidate_rows = blk.candidate_rows
-            whole = [i for i in bp.top_p_rows if i not in candidate_rows]
-            if len(whole) < len(bp.top_p_rows):
-                self.top_p_candidate_rows(blk.cand, bp.top_p, blk.x.shape[1])
-            if whole:
-                self.top_p_whole_rows(blk, whole)
+    def apply_dry(self, x: Block, s: StepState) -> Block:
+        """Step 8a, DRY, in place: each history token's penalty (the reference's
+        ``dry_penalties``, O(n H)) scattered into the block's copy with the same amin, so only
+        the history's tokens are touched. ``dry_multiplier`` 0 disables it."""
+        tokens, penalty = self.dry_penalties(s)
+        xx = self.own(x)
+        xx.scatter_reduce_(1, tokens, xx.gather(1, tokens) - penalty, reduce="amin")
+        x.changed()
+        return x
 
-    def divide(self, blk: Block) -> None:
-        """Step 10 in place on every row of blk.x (greedy rows divide by 1). Divides while
-        copying when x is still the caller's."""
-        top = blk.top
-        if blk.owned:
-            blk.x.div_(blk.plan.temperature)
+    def apply_custom_stages(self, x: Block, s: StepState, slot: str) -> Block:
+        """The plugins' stages at ``slot`` on the block's rows (``corelib.stages.run_stage``:
+        rows that do not use a stage keep their logits; a failing stage raises
+        ``StageError``). After the filters they run on the final logits of the random rows
+        (candidates and cuts written out first); greedy rows skip them, as in the reference
+        (whose greedy results never read them)."""
+        entries = s.stages_at(slot)
+        if not entries:
+            return x
+        bp = x.plan
+        if slot == "after_filters":
+            self.densify(x, bp.random_rows)
+        y = self.own(x)
+        for spec, inputs, plugin in entries:
+            if slot == "after_filters" and bp.any_greedy:
+                inputs = dataclasses.replace(inputs, active=inputs.active & ~s.greedy)
+            y = run_stage(spec, self.stage_implementation(spec), y, inputs, plugin)
+        x.x = y
+        x.changed()
+        return x
+
+    # ------------------------------------------------------------------ steps 9-13b
+    def argmax(self, x: Block) -> torch.Tensor:
+        """Step 9: int64 [n], the lowest id among each row's maxima, from the group maxima."""
+        return first_argmax(x.x, x.maxima())
+
+    def apply_temperature(self, x: Block, s: StepState) -> Block:
+        """Step 10 in place on every row of the block (greedy rows divide by 1), dividing while
+        copying when x is still the caller's; skipped when the block divides its top-k
+        candidates only (``BlockPlan.candidates_only``: ``apply_top_k_top_p`` does it)."""
+        bp = x.plan
+        if bp.candidates_only:
+            return x
+        top = x.top
+        if x.owned:
+            x.x.div_(bp.temperature)
         else:
-            out = self.workspace.take("x", tuple(blk.x.shape))
-            blk.x, blk.owned = torch.div(blk.x, blk.plan.temperature, out=out), True
-        blk.changed()
+            out = self.workspace.take("x", tuple(x.x.shape))
+            x.x, x.owned = torch.div(x.x, bp.temperature, out=out), True
+        x.changed()
         # x / T rounds monotonically, so the maxima divided are the divided row's maxima
-        blk.top = None if top is None else top / blk.plan.temperature
+        x.top = None if top is None else top / bp.temperature
+        return x
 
-    def min_p_rows(self, blk: Block, rows: list) -> None:
-        """Step 11 on the given rows of blk.x float32 [n, V]: tokens whose probability is
-        < min_p * the row's largest are cut (min_p float32 [n]; 0 keeps all). Rows that a
-        later stage reads in full get the cut applied to x at once."""
-        sub, index = take_rows(blk.x, rows, blk.plan)
+    def apply_top_n_sigma(self, x: Block, s: StepState) -> Block:
+        """Step 10a on the rows that use it (``s.top_n_sigma`` float32 [n], 0 = off): tokens
+        below max - n * sigma over the row's finite logits -> -inf, in place, one threshold
+        pass per row; the threshold is the reference's, bit for bit
+        (``filters.top_n_sigma_thresholds``)."""
+        rows = x.plan.top_n_sigma_rows
+        xx = self.own(x)
+        sub, index = take_rows(xx, rows, x.plan)
+        top = None if x.top is None else pick_rows(x.top, rows, x.plan)
+        thresholds = top_n_sigma_thresholds(sub, s.top_n_sigma[index], top, self.workspace)
+        below = torch.nextafter(thresholds, torch.tensor(NEG_INF)).tolist()
+        for row, value in zip(rows, below):
+            torch.threshold_(xx[row], value, NEG_INF)          # keeps x > below, i.e. x >= threshold
+        x.changed()
+        return x
+
+    def apply_min_p(self, x: Block, s: StepState) -> Block:
+        """Step 11 on the rows with min_p > 0: tokens whose probability is < min_p * the
+        row's largest are cut (a :class:`Cut`; x is masked when a later stage reads it)."""
+        rows = x.plan.min_p_rows
+        sub, index = take_rows(x.x, rows, x.plan)
         probs = torch.softmax(sub, dim=-1, out=self.workspace.take("min_p_probs", tuple(sub.shape)))
         # amax is NaN when probs hold a NaN: the row then keeps nothing
-        cut = blk.plan.min_p[index][:, None] * probs.amax(dim=-1, keepdim=True)
-        self.set_cut(blk, rows, probs, cut)
-        later = set(blk.plan.top_k_rows) | set(blk.plan.top_p_rows)
-        self.apply_cuts(blk, [row for row in rows if row in later])
+        cut = x.plan.min_p[index][:, None] * probs.amax(dim=-1, keepdim=True)
+        self.set_cut(x, rows, probs, cut)
+        later = set(x.plan.top_k_rows) | set(x.plan.top_p_rows)
+        self.apply_cuts(x, [row for row in rows if row in later])
+        return x
 
+    def apply_top_k_top_p(self, x: Block, s: StepState) -> Block:
+        """Steps 12-13: top-k rows become candidate rows (``top_k_rows``); top-p on
+        candidates (``top_p_candidate_rows``) or on whole rows as a pending cut
+        (``top_p_whole_rows``)."""
+        bp = x.plan
+        if bp.top_k_rows:
+            self.top_k_rows(x, bp.top_k_rows)                                   # step 12
+        if bp.top_p_rows:                                                       # step 13
+            candidate_rows = x.candidate_rows
+            whole = [i for i in bp.top_p_rows if i not in candidate_rows]
+            if len(whole) < len(bp.top_p_rows):
+                self.top_p_candidate_rows(x.cand, bp.top_p, x.x.shape[1])
+            if whole:
+                self.top_p_whole_rows(x, whole)
+        return x
+
+    def apply_typical_p(self, x: Block, s: StepState) -> Block:
+        """Step 13a on the rows with typical_p < 1, as whole rows: their final logits so far
+        (candidates and cuts written out), then the reference's kept set
+        (``filters.typical_thresholds``) applied in place."""
+        rows = x.plan.typical_p_rows
+        self.densify(x, rows)
+        xx = self.own(x)
+        sub, index = take_rows(xx, rows, x.plan)
+        typical_rows_(sub, s.typical_p[index], self.workspace)
+        if sub is not xx:
+            xx.index_copy_(0, index, sub)
+        x.changed()
+        return x
+
+    def apply_xtc(self, x: Block, s: StepState) -> Block:
+        """Step 13b: each XTC row's coin first (``row_uniforms`` on the XTC stream, as the
+        reference); rows whose coin says act lose every kept token with probability >=
+        xtc_threshold but the least likely of them, when two or more are (the reference's
+        rule on the reference's softmax of the row, ``filters.xtc_drops``). Rows whose coin
+        says no are untouched."""
+        coin = (self.row_uniforms(s, STREAM_XTC) < s.xtc_probability).tolist()
+        rows = [row for row in x.plan.xtc_rows if coin[row]]
+        if not rows:
+            return x
+        self.densify(x, rows)
+        xx = self.own(x)
+        sub, index = take_rows(xx, rows, x.plan)
+        drop = xtc_drops(sub, s.xtc_threshold[index])
+        if drop is not None:
+            sub.masked_fill_(drop, NEG_INF)
+            if sub is not xx:
+                xx.index_copy_(0, index, sub)
+            x.changed()
+        return x
+
+    # ------------------------------------------------------------------ steps 11-13 on rows
     def set_cut(self, blk: Block, rows: list, probs: torch.Tensor, cut: torch.Tensor) -> None:
         """Record a cut (see :class:`Cut`) of the given rows: probs float32 [m, V] become the
         kept probabilities in place (see :meth:`threshold_rows`)."""
@@ -451,6 +573,38 @@ class CpuSampler(Sampler):
                 sign = torch.sign(record.weights[j], out=self.workspace.take("sign", (x.shape[1],)))
                 torch.minimum(x[row], torch.copysign(_INF, sign.sub_(0.5), out=sign), out=x[row])
             blk.masked.add(row)
+        blk.changed()
+
+    def densify(self, blk: Block, rows: list) -> None:
+        """Make the given rows whole rows of x holding their final logits so far (their cuts
+        applied, their candidates written out and dropped from the candidate set), for a
+        stage that reads them in full."""
+        self.apply_cuts(blk, rows)
+        cand = blk.cand
+        if cand is None:
+            return
+        wanted = set(rows)
+        inside = [j for j, row in enumerate(cand.rows) if row in wanted]
+        if not inside:
+            return
+        x = self.own(blk)
+        if len(inside) == len(cand.rows):
+            at, rest = None, []
+        else:
+            at = torch.tensor(inside, dtype=torch.long)
+            rest = [j for j in range(len(cand.rows)) if j not in set(inside)]
+        ids = cand.ids if at is None else cand.ids[at]
+        values = cand.values if at is None else cand.values[at]
+        index = cand.index if at is None else cand.index[at]
+        full = torch.full((len(inside), x.shape[1]), NEG_INF)
+        full.scatter_(1, ids, values)
+        x.index_copy_(0, index, full)
+        if rest:
+            keep = torch.tensor(rest, dtype=torch.long)
+            blk.cand = Candidates([cand.rows[j] for j in rest], cand.index[keep], cand.values[keep],
+                                  cand.ids[keep])
+        else:
+            blk.cand = None
         blk.changed()
 
     def top_k_rows(self, blk: Block, rows: list) -> None:
@@ -512,34 +666,45 @@ class CpuSampler(Sampler):
         self.attach(blk, Cut(rows, probs, [None] * len(rows), top_p))
 
     # ------------------------------------------------------------------ step 14
-    def draw_block(self, blk: Block, keys: Optional[torch.Tensor]):
-        """Step 14 for a block: (int64 [n] token ids, bool [n] finite): finite is False where
-        the drawn token's final logit is not finite (the core's ``drawn_is_finite``: float32
-        overflow after step 5 flags the row instead of returning an arbitrary id)."""
-        bp = blk.plan
+    def draw(self, x: Block, s: StepState) -> torch.Tensor:
+        """Step 14 for the block's random rows: int64 [n] token ids (greedy rows 0: the
+        template takes their argmax). Candidate rows race over their candidates, whole rows
+        draw from their kept probabilities or race with the contract's noise (see the module
+        docstring). Records ``drawn_finite`` for ``drawn_is_finite``."""
+        bp = x.plan
         n = bp.n
-        if bp.all_greedy:
-            return blk.greedy_ids, self.finite_at(blk.x, blk.greedy_ids)
-        cand, candidate_rows = blk.cand, blk.candidate_rows
-        whole = [i for i in range(n) if not bp.greedy[i] and i not in candidate_rows]
+        cand, candidate_rows = x.cand, x.candidate_rows
         if cand is not None and len(cand.rows) == n:           # the common top-k block
-            pos = self.race_candidates(cand, bp, keys)
-            return cand.ids.gather(1, pos)[:, 0], is_finite(cand.values.gather(1, pos)[:, 0])
-        tokens = blk.greedy_ids.clone() if bp.any_greedy else torch.zeros(n, dtype=torch.long)
+            pos = self.race_candidates(cand, bp, s.keys)
+            x.drawn_finite = is_finite(cand.values.gather(1, pos)[:, 0])
+            return cand.ids.gather(1, pos)[:, 0]
+        tokens = torch.zeros(n, dtype=torch.long)
         ok = None
+        whole = [i for i in bp.random_rows if i not in candidate_rows]
         if whole:
-            ids, ok = self.draw_whole(blk, whole, keys)
+            ids, ok = self.draw_whole(x, whole, s.keys)
             if len(whole) == n:
                 tokens = ids
             else:
                 tokens[bp.index(whole)] = ids
                 ok = torch.ones(n, dtype=torch.bool).index_put_((bp.index(whole),), ok)
-        finite = self.finite_at(blk.x, tokens)
+        finite = self.finite_at(x.x, tokens)
         if cand is not None:
-            pos = self.race_candidates(cand, bp, keys)
+            pos = self.race_candidates(cand, bp, s.keys)
             tokens[cand.index] = cand.ids.gather(1, pos)[:, 0]
             finite[cand.index] = is_finite(cand.values.gather(1, pos)[:, 0])
-        return tokens, finite if ok is None else finite & ok
+        x.drawn_finite = finite if ok is None else finite & ok
+        return tokens
+
+    def drawn_is_finite(self, x: Block, final: Block, token_ids: torch.Tensor, s: StepState) -> torch.Tensor:
+        """bool [n]: the chosen token's logit is finite where it was chosen (step 9's x for
+        greedy rows, the final distribution for random rows: see ``draw``). False where
+        float32 overflowed after step 5."""
+        if final.drawn_finite is None:                         # every row greedy
+            return self.finite_at(final.x, token_ids)
+        if not final.plan.any_greedy:
+            return final.drawn_finite
+        return torch.where(s.greedy, self.finite_at(final.x, token_ids), final.drawn_finite)
 
     @staticmethod
     def finite_at(x: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
@@ -552,7 +717,7 @@ class CpuSampler(Sampler):
         seeded = [i for i, row in enumerate(cand.rows) if bp.seeded[row]]
         if not seeded:
             return race_unseeded_candidates(cand.values, self.generator)
-        row_keys = keys[bp.r0:bp.r1][cand.index]
+        row_keys = keys[cand.index]
         if len(seeded) == len(cand.rows):
             return race_seeded_candidates(cand.values, cand.ids, row_keys)
         pos = race_unseeded_candidates(cand.values, self.generator)
@@ -622,23 +787,26 @@ class CpuSampler(Sampler):
         if record is None:
             self.apply_cuts(blk, rows)
         x = pick_rows(blk.x, rows, bp)
-        row_keys = keys[bp.r0:bp.r1][bp.index(rows)]
-        race = lambda x, keys, kept=None: draw_seeded_rows(                      # noqa: E731
-            x, keys, self.offsets(x.shape[1]), self.workspace, self.NOISE_CHUNK, kept)
+        row_keys = keys[bp.index(rows)]
         if record is None:
-            return race(x, row_keys)
+            return self.race_rows(x, row_keys)
         if record.pending(at) != at:
             self.resolve(record, at)
-            return race(x, row_keys, rows_of(record.weights, at))
-        ids, ok = race(x, row_keys)
+            return self.race_rows(x, row_keys, rows_of(record.weights, at))
+        ids, ok = self.race_rows(x, row_keys)
         top_p = torch.tensor([record.top_p[j] for j in at], dtype=torch.float32)
         settled = nucleus_contains(rows_of(record.weights, at), ids, top_p)
         if not bool(settled.all()):
             redo = (~settled).nonzero()[:, 0]
             places = [at[j] for j in redo.tolist()]
             self.resolve(record, places)
-            ids[redo], ok[redo] = race(x[redo], row_keys[redo], rows_of(record.weights, places))
+            ids[redo], ok[redo] = self.race_rows(x[redo], row_keys[redo], rows_of(record.weights, places))
         return ids, ok
+
+    def race_rows(self, x: torch.Tensor, keys: torch.Tensor, kept: Optional[torch.Tensor] = None):
+        """The contract's seeded race over whole rows x float32 [m, V] with keys int32 [m]
+        (``draw.draw_seeded_rows``; ``kept``: weights whose zeros drop tokens too)."""
+        return draw_seeded_rows(x, keys, self.offsets(x.shape[1]), self.workspace, self.NOISE_CHUNK, kept)
 
     @staticmethod
     def common_cut(blk: Block, rows: list):
@@ -677,11 +845,54 @@ class CpuSampler(Sampler):
             offsets = self._offsets[V] = token_offsets(torch.arange(V))
         return offsets
 
+    # ------------------------------------------------------------------ verification
+    def rejection_sample(self, final: Block, s: StepState, drafts: Drafts) -> tuple[torch.Tensor, torch.Tensor]:
+        """Lossless speculative sampling at the draft slots of the block's random rows
+        (``Sampler.rejection_sample``'s rule): p is the reference's softmax of each slot's
+        final row, draft d passes when ``u * q(d) < p(d)``, and a rejected slot draws from
+        max(p - q, 0) renormalised (p where that is all zero) with step 14's own noise:
+        seeded rows by the contract's race over its logarithm (the reference's token),
+        unseeded rows by the inverse CDF of the residual itself. Returns (bool [b, K] passed,
+        int64 [b, K] recovered); greedy rows' entries are unused."""
+        B, K = drafts.token_ids.shape
+        S = K + 1
+        bp = final.plan
+        V = final.x.shape[1]
+        places = [(r, j) for r in range(B) for j in range(K) if not bp.greedy[r * S + j]]
+        passed = torch.zeros((B, K), dtype=torch.bool)
+        recovered = torch.zeros((B, K), dtype=torch.long)
+        if not places:
+            return passed, recovered
+        rows = [r * S + j for r, j in places]
+        self.densify(final, rows)
+        p = torch.softmax(pick_rows(final.x, rows, bp), dim=-1)                 # (m, V)
+        where = torch.tensor([r * K + j for r, j in places], dtype=torch.long)
+        q = drafts.probs.reshape(B * K, V).index_select(0, where)
+        d = drafts.token_ids.clamp(min=0).reshape(-1)[where][:, None]
+        u = self.acceptance_uniforms(s)[bp.index(rows)]
+        passed.view(-1)[where] = u * q.gather(1, d)[:, 0] < p.gather(1, d)[:, 0]
+        residual = p.sub_(q).clamp_(min=0.0)
+        empty = (~(residual.sum(dim=-1) > 0)).nonzero()[:, 0]
+        if empty.numel():
+            residual[empty] = torch.softmax(pick_rows(final.x, rows, bp)[empty], dim=-1)
+        seeded = [i for i, row in enumerate(rows) if bp.seeded[row]]
+        ids = torch.empty(len(rows), dtype=torch.long)
+        if len(seeded) < len(rows):
+            plain = torch.tensor([i for i in range(len(rows)) if not bp.seeded[rows[i]]], dtype=torch.long)
+            ids[plain] = draw_from_weights(residual[plain], self.generator)[0]
+        if seeded:
+            at = torch.tensor(seeded, dtype=torch.long)
+            keys = s.keys[bp.index(rows)][at]
+            ids[at] = self.race_rows(residual[at].log_(), keys)[0]
+        recovered.view(-1)[where] = ids
+        return passed, recovered
+
     # ------------------------------------------------------------------ step 15
-    def block_logprobs(self, blk: Block, token_ids: torch.Tensor, s: StepState) -> Logprobs:
-        """Step 15 for a block: from the raw logprobs, or from the final distribution."""
-        source = blk.raw if blk.raw is not None else torch.log_softmax(self.materialize(blk), dim=-1)
-        return self.gather_logprobs(source, token_ids, s.num_logprobs)
+    def processed_source(self, x: Block, final: Block, s: StepState, normalise: bool = True) -> torch.Tensor:
+        """The final distribution's logits of the block (greedy rows: step 8a's), float32
+        [n, V]; its log_softmax when ``normalise``. A view of the block's copy."""
+        out = self.materialize(final)
+        return torch.log_softmax(out, dim=-1) if normalise else out
 
     def gather_logprobs(self, logprobs: torch.Tensor, token_ids: torch.Tensor,
                         num_logprobs: int) -> Logprobs:
@@ -706,19 +917,17 @@ class CpuSampler(Sampler):
     def materialize(self, blk: Block) -> torch.Tensor:
         """float32 [n, V]: the block's final logits (cuts applied, candidate rows written out
         in full, -inf for dropped tokens). Reuses blk.x."""
-        self.apply_cuts(blk, list(blk.cuts))
-        x = self.own(blk)
-        if blk.cand is not None:
-            c = blk.cand
-            full = torch.full((c.values.shape[0], x.shape[1]), NEG_INF)
-            full.scatter_(1, c.ids, c.values)
-            x.index_copy_(0, c.index, full)
-            blk.cand = None
-            blk.changed()
-        return x
+        self.densify(blk, list(blk.cuts) + (blk.cand.rows if blk.cand is not None else []))
+        return self.own(blk)
 
 
 _INF = torch.tensor(float("inf"))
+
+
+def ban_in_place(x: torch.Tensor, ids: torch.Tensor, banned: torch.Tensor) -> None:
+    """x[row, ids[row, j]] += -inf where banned[row, j] (the reference's ``_add_at``, in
+    place). ids int64 [n, J], banned bool [n, J]."""
+    x.scatter_add_(1, ids, torch.where(banned, NEG_INF, 0.0).to(x.dtype))
 
 
 def take_rows(x: torch.Tensor, rows: list, bp: BlockPlan) -> tuple[torch.Tensor, torch.Tensor]:
@@ -740,7 +949,27 @@ def pick_rows(x: torch.Tensor, rows: list, bp: BlockPlan) -> torch.Tensor:
     return x if len(rows) == x.shape[0] else x.index_select(0, bp.index(rows))
 
 
+def drafts_of(drafts: Drafts, rows: slice) -> Drafts:
+    """The drafts of the rows ``rows`` (views)."""
+    return Drafts(drafts.token_ids[rows], drafts.count[rows],
+                  None if drafts.probs is None else drafts.probs[rows], drafts.usable[rows])
+
+
 def join_logprobs(pieces: list) -> Logprobs:
     return Logprobs(torch.cat([p.token_ids for p in pieces]),
                     torch.cat([p.logprobs for p in pieces]),
                     torch.cat([p.ranks for p in pieces]))
+
+
+def join_samples(outputs: list) -> SamplerOutput:
+    """The blocks' outputs as one, in row order."""
+    logprobs = None if outputs[0].logprobs is None else join_logprobs([o.logprobs for o in outputs])
+    return SamplerOutput(torch.cat([o.token_ids for o in outputs]), torch.cat([o.valid for o in outputs]),
+                         logprobs)
+
+
+def join_verifications(outputs: list) -> VerifyOutput:
+    """The blocks' verification outputs as one, in row order."""
+    logprobs = None if outputs[0].logprobs is None else join_logprobs([o.logprobs for o in outputs])
+    return VerifyOutput(torch.cat([o.token_ids for o in outputs]), torch.cat([o.num_emitted for o in outputs]),
+                        torch.cat([o.valid for o in outputs]), logprobs)
