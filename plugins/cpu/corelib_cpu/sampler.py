@@ -86,7 +86,7 @@ from .select import (
     top_p_candidates,
     top_p_candidates_fast,
 )
-from .state import BlockState
+from .state import BlockState, block_state
 from .workspace import Workspace
 
 _TRUE = torch.tensor(True)
@@ -240,7 +240,7 @@ class CpuSampler(Sampler):
         plan = self.plan(logits, batch, s, slots)
         keys = plan.row_keys(s)
         request_index = batch.request_index(s.num_rows) if logits.shape[0] != s.num_rows else None
-        return [BlockState(s, bp, keys, request_index) for bp in plan.blocks]
+        return [block_state(s, bp, keys, request_index) for bp in plan.blocks]
 
     def plan(self, logits: torch.Tensor, batch: SamplingBatch, s: StepState, slots: int = 1) -> StepPlan:
         """The step's host facts (see ``plan.StepPlan``), kept by a ``CpuBatch`` until its
@@ -333,7 +333,8 @@ class CpuSampler(Sampler):
         later stage reads those anyway (greedy rows, candidates of undivided rows) and steps
         6-8a leave x as it is."""
         s, bp = x.state, x.plan
-        later = s.any_bias or s.any_penalties or s.any_dry or bool(s.stages_at("after_penalties"))
+        later = (s.any_bias or s.any_penalties or s.any_dry
+                 or bool(s.stages and s.stages_at("after_penalties")))
         wants_maxima = (bp.any_greedy or bp.candidates_only) and not later
         top = x.maxima().amax(dim=-1) if wants_maxima else x.x.amax(dim=-1)
         x.row_max = top
@@ -416,8 +417,9 @@ class CpuSampler(Sampler):
 
     # ------------------------------------------------------------------ steps 9-13b
     def argmax(self, x: Block) -> torch.Tensor:
-        """Step 9: int64 [n], the lowest id among each row's maxima, from the group maxima."""
-        return first_argmax(x.x, x.maxima())
+        """Step 9: int64 [n], the lowest id among each row's maxima, from the group maxima
+        (and the row maxima, when step 5's are still x's)."""
+        return first_argmax(x.x, x.maxima(), x.top)
 
     def apply_temperature(self, x: Block, s: StepState) -> Block:
         """Step 10 in place on every row of the block (greedy rows divide by 1), dividing while
@@ -701,6 +703,8 @@ class CpuSampler(Sampler):
         greedy rows, the final distribution for random rows: see ``draw``). False where
         float32 overflowed after step 5."""
         if final.drawn_finite is None:                         # every row greedy
+            if final.top is not None:     # x is still step 5's, whose valid rows' maxima are finite
+                return _TRUE
             return self.finite_at(final.x, token_ids)
         if not final.plan.any_greedy:
             return final.drawn_finite

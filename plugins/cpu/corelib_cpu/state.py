@@ -20,6 +20,18 @@ from corelib import StageInputs, StepState
 from .plan import BlockPlan
 
 
+def block_state(s: StepState, plan: BlockPlan, keys: Optional[torch.Tensor],
+                request_index: Optional[torch.Tensor]):
+    """The state the template runs on for one block: a :class:`BlockState`, or, when the block
+    holds every row of the step, the step state itself with the block's ``plan``, ``keys``
+    and ``request_index`` set on it (its flags are the block's already; this spares the one
+    block of a small batch the wrapper's per-step cost)."""
+    if plan.r0 == 0 and plan.r1 == s.num_rows:
+        s.plan, s.keys, s.request_index = plan, keys, request_index
+        return s
+    return BlockState(s, plan, keys, request_index)
+
+
 class BlockState:
     """Rows ``plan.r0:plan.r1`` of step state ``s`` (duck-types ``StepState``).
 
