@@ -323,9 +323,15 @@ class Sampler:
                                  f"got {list(probs.shape)}")
             probs = probs.to(self.device, torch.float32, non_blocking=True)
             real = torch.arange(K, device=self.device)[None, :] < count[:, None]
-            sane = (torch.isfinite(probs) & (probs >= 0)).all(dim=-1) | ~real
+            sane = self.draft_probs_sane(probs) | ~real
             usable = usable & sane.all(dim=1)
         return Drafts(ids, count, probs, usable)
+
+    def draft_probs_sane(self, probs: torch.Tensor) -> torch.Tensor:
+        """bool ``[B, K]``: the draft distribution of each slot (float32 ``[B, K, V]``) is free
+        of NaN, +-inf and negative values (``check_drafts`` flags the rows where it is not).
+        Not in place; a backend may compute it in fewer passes over ``probs``."""
+        return (torch.isfinite(probs) & (probs >= 0)).all(dim=-1)
 
     def prepare(self, logits: torch.Tensor, batch: SamplingBatch, s: StepState):
         """Steps 1-8a and the custom stages after them. Returns (float32 [B, V] logits, raw
