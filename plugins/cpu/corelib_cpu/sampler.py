@@ -170,7 +170,7 @@ class CpuSampler(Sampler):
     ``self.workspace`` (one set per thread) and serve every step.
 
     ``block_elements``: logits per block (rows per block = block_elements // V, at least 1;
-    a verification block holds whole rows, so block_elements // (V (K + 1)) rows, at least 1).
+    a verification block holds whole rows: block_elements / (V (K + 1)) rounded, at least 1).
     """
 
     name = "cpu"
@@ -245,7 +245,10 @@ class CpuSampler(Sampler):
     def plan(self, logits: torch.Tensor, batch: SamplingBatch, s: StepState, slots: int = 1) -> StepPlan:
         """The step's host facts (see ``plan.StepPlan``), kept by a ``CpuBatch`` until its
         rows change."""
-        rows_per_block = max(1, self.block_elements // (s.vocab_size * slots)) * slots
+        if slots == 1:
+            rows_per_block = max(1, self.block_elements // s.vocab_size)
+        else:   # whole rows of K + 1 slots: the nearest count to block_elements
+            rows_per_block = max(1, round(self.block_elements / (s.vocab_size * slots))) * slots
         sparse = s.any_penalties and getattr(s, "slot_ids", None) is not None
         build = lambda: make_plan(s, rows_per_block, sparse)                   # noqa: E731
         if isinstance(batch, CpuBatch):
@@ -850,45 +853,49 @@ class CpuSampler(Sampler):
         return offsets
 
     # ------------------------------------------------------------------ verification
+    def draft_probs_sane(self, probs: torch.Tensor) -> torch.Tensor:
+        """bool [B, K]: each slot's draft distribution (float32 [B, K, V]) is free of NaN,
+        +-inf and negative values, from each slot's minimum and maximum (NaN makes both NaN,
+        so both comparisons fail): two reads of ``probs``, where torch.isfinite alone makes
+        four [B, K, V] temporaries (and ``aminmax`` runs ~5x slower than amin and amax on
+        these CPUs). Not in place."""
+        return (probs.amin(dim=-1) >= 0) & (probs.amax(dim=-1) < float("inf"))
+
     def rejection_sample(self, final: Block, s: StepState, drafts: Drafts) -> tuple[torch.Tensor, torch.Tensor]:
-        """Lossless speculative sampling at the draft slots of the block's random rows
-        (``Sampler.rejection_sample``'s rule): p is the reference's softmax of each slot's
-        final row, draft d passes when ``u * q(d) < p(d)``, and a rejected slot draws from
-        max(p - q, 0) renormalised (p where that is all zero) with step 14's own noise:
-        seeded rows by the contract's race over its logarithm (the reference's token),
-        unseeded rows by the inverse CDF of the residual itself. Returns (bool [b, K] passed,
-        int64 [b, K] recovered); greedy rows' entries are unused."""
+        """Lossless speculative sampling at the draft slots of the block's random rows, by
+        ``Sampler.rejection_sample``'s rule: with p the slot's final distribution, draft d
+        passes when ``u * q(d) < p(d)``, and a rejected slot draws from max(p - q, 0)
+        renormalised (p where that is all zero) with step 14's own noise. Returns (bool
+        [b, K] passed, int64 [b, K] recovered); greedy rows' entries are unused.
+
+        A row stops at its first rejected draft, so only the slots up to it are judged and
+        only that slot draws (the template emits nothing of the slots after it); see
+        :class:`SlotJudge` for how p is found."""
         B, K = drafts.token_ids.shape
         S = K + 1
         bp = final.plan
-        V = final.x.shape[1]
-        places = [(r, j) for r in range(B) for j in range(K) if not bp.greedy[r * S + j]]
         passed = torch.zeros((B, K), dtype=torch.bool)
         recovered = torch.zeros((B, K), dtype=torch.long)
-        if not places:
+        count = drafts.count.tolist()
+        rows = [r for r in range(B) if not bp.greedy[r * S] and count[r] > 0]
+        if not rows:
             return passed, recovered
-        rows = [r * S + j for r, j in places]
-        self.densify(final, rows)
-        p = torch.softmax(pick_rows(final.x, rows, bp), dim=-1)                 # (m, V)
-        where = torch.tensor([r * K + j for r, j in places], dtype=torch.long)
-        q = drafts.probs.reshape(B * K, V).index_select(0, where)
-        d = drafts.token_ids.clamp(min=0).reshape(-1)[where][:, None]
-        u = self.acceptance_uniforms(s)[bp.index(rows)]
-        passed.view(-1)[where] = u * q.gather(1, d)[:, 0] < p.gather(1, d)[:, 0]
-        residual = p.sub_(q).clamp_(min=0.0)
-        empty = (~(residual.sum(dim=-1) > 0)).nonzero()[:, 0]
-        if empty.numel():
-            residual[empty] = torch.softmax(pick_rows(final.x, rows, bp)[empty], dim=-1)
-        seeded = [i for i, row in enumerate(rows) if bp.seeded[row]]
-        ids = torch.empty(len(rows), dtype=torch.long)
-        if len(seeded) < len(rows):
-            plain = torch.tensor([i for i in range(len(rows)) if not bp.seeded[rows[i]]], dtype=torch.long)
-            ids[plain] = draw_from_weights(residual[plain], self.generator)[0]
-        if seeded:
-            at = torch.tensor(seeded, dtype=torch.long)
-            keys = s.keys[bp.index(rows)][at]
-            ids[at] = self.race_rows(residual[at].log_(), keys)[0]
-        recovered.view(-1)[where] = ids
+        u = self.acceptance_uniforms(s).view(B, S)[:, :K]
+        d = drafts.token_ids.clamp(min=0)
+        uq = (u * drafts.probs.gather(2, d[..., None])[..., 0]).tolist()      # the ratio test's u q(d)
+        judge = SlotJudge(self, final, torch.cat([d, torch.zeros_like(d[:, :1])], dim=1).view(-1))
+        d = d.tolist()
+        q = drafts.probs.view(B * K, -1)
+        for r in rows:
+            for j in range(count[r]):
+                row = r * S + j
+                if judge.passes(row, d[r][j], uq[r][j]):
+                    passed[r, j] = True
+                    continue
+                judge.reject(row, q[r * K + j], (r, j))
+                break
+        for (r, j), token in judge.residual_draws():
+            recovered[r, j] = token
         return passed, recovered
 
     # ------------------------------------------------------------------ step 15
@@ -923,6 +930,115 @@ class CpuSampler(Sampler):
         in full, -inf for dropped tokens). Reuses blk.x."""
         self.densify(blk, list(blk.cuts) + (blk.cand.rows if blk.cand is not None else []))
         return self.own(blk)
+
+
+class SlotJudge:
+    """The target distribution p at a verification block's draft slots, for
+    ``rejection_sample``: the ratio test of each slot, and the residual draw of each row's
+    rejected slot.
+
+    Candidate rows (top-k) use the candidates' softmax, computed once for the block: the
+    reference's softmax of the whole row differs from it by at most (2W + 4) float32 ulps
+    per value (see ``select.top_p_candidates_fast``), so a seeded slot whose ratio test lies
+    within twice that takes the reference's softmax, and a seeded row's residual always does
+    (its draw must be the reference's token). Their unseeded residual draws run together, over
+    the candidates (the residual is 0 elsewhere). Whole rows use the reference's softmax of
+    the slot's final row. Seeded residual draws race with the contract's noise over the
+    residual's support, the reference's token; unseeded ones draw from the residual itself.
+    ``tokens`` int64 [n]: the draft judged at each row of the block (0 at bonus slots)."""
+
+    def __init__(self, sampler: CpuSampler, blk: Block, tokens: torch.Tensor):
+        self.sampler, self.blk = sampler, blk
+        self.V = blk.x.shape[1]
+        cand = blk.cand
+        self.at = {} if cand is None else {row: j for j, row in enumerate(cand.rows)}
+        if cand is not None:
+            self.probs = torch.softmax(cand.values, dim=-1)
+            hit = cand.ids == tokens[cand.index][:, None]
+            self.p_draft = (self.probs * hit).sum(dim=-1).tolist()   # one candidate at most
+            self.tolerance = (4 * cand.values.shape[1] + 40) * 2.0 ** -24
+        self.batched: list = []            # unseeded candidate rows' rejections: (place, q, key)
+        self.drawn: list = []              # (key, token) of the other rejections
+
+    def exact(self, row: int) -> torch.Tensor:
+        """float32 [V]: the reference's softmax of the row's final logits (a workspace row,
+        valid until the next call)."""
+        blk = self.blk
+        place = self.at.get(row)
+        out = self.sampler.workspace.take("verify_p", (self.V,))
+        if place is None:
+            self.sampler.densify(blk, [row])
+            return torch.softmax(blk.x[row], dim=-1, out=out)
+        x = self.sampler.workspace.take("verify_x", (self.V,)).fill_(NEG_INF)
+        x.scatter_(0, blk.cand.ids[place], blk.cand.values[place])
+        return torch.softmax(x, dim=-1, out=out)
+
+    def passes(self, row: int, token: int, uq: float) -> bool:
+        """The ratio test ``u q(d) < p(d)`` at the slot of ``row``, with the reference's p(d)."""
+        place = self.at.get(row)
+        if place is None:
+            return uq < float(self.exact(row)[token])
+        p = self.p_draft[place]
+        if not self.blk.plan.seeded[row]:
+            return uq < p
+        if uq < p * (1.0 - self.tolerance):
+            return True
+        if uq >= p * (1.0 + self.tolerance):
+            return False
+        return uq < float(self.exact(row)[token])
+
+    def reject(self, row: int, q: torch.Tensor, key) -> None:
+        """Record the residual draw of a rejected slot (``q`` float32 [V], the draft's
+        distribution there): made now, or with the block's other unseeded candidate rows."""
+        place = self.at.get(row)
+        seeded = self.blk.plan.seeded[row]
+        if place is not None and not seeded:
+            self.batched.append((place, q, key))
+            return
+        if place is None:
+            p, ids = self.exact(row), None
+            residual = torch.sub(p, q, out=self.sampler.workspace.take("verify_residual", (self.V,)))
+        else:
+            ids = self.blk.cand.ids[place]
+            p = self.exact(row)[ids]
+            residual = p - q[ids]
+        residual.clamp_(min=0.0)
+        if not bool((residual > 0).any()):
+            residual = p
+        if seeded:
+            token = self.race(row, residual, ids)
+        else:
+            column = int(draw_from_weights(residual[None], self.sampler.generator)[0][0])
+            token = column if ids is None else int(ids[column])
+        self.drawn.append((key, token))
+
+    def race(self, row: int, weights: torch.Tensor, ids: Optional[torch.Tensor]) -> int:
+        """The contract's seeded race over ``log(weights)`` where weights > 0 (the reference's
+        race over the whole row: the others are -inf there); ids: the weights' token ids
+        (None: the vocabulary)."""
+        support = (weights > 0).nonzero()[:, 0]
+        if support.numel() == 0:                           # NaN (a flagged row): no token
+            return 0
+        tokens = support if ids is None else ids[support]
+        key = self.blk.state.keys[row:row + 1]
+        column = race_seeded_candidates(weights[support].log()[None], tokens[None], key)
+        return int(tokens[column[0, 0]])
+
+    def residual_draws(self) -> list:
+        """[(key, token)] for every rejected slot."""
+        if self.batched:
+            cand = self.blk.cand
+            places = torch.tensor([place for place, _, _ in self.batched], dtype=torch.long)
+            ids = cand.ids[places]
+            q = torch.stack([q_row[ids[i]] for i, (_, q_row, _) in enumerate(self.batched)])
+            p = self.probs[places]
+            residual = (p - q).clamp_(min=0.0)
+            empty = ~(residual > 0).any(dim=-1, keepdim=True)
+            weights = torch.where(empty, p, residual)
+            column = race_unseeded_candidates(weights.log(), self.sampler.generator)
+            tokens = ids.gather(1, column)[:, 0].tolist()
+            self.drawn += [(key, token) for (_, _, key), token in zip(self.batched, tokens)]
+        return self.drawn
 
 
 _INF = torch.tensor(float("inf"))
