@@ -74,7 +74,7 @@ from .draw import (
     race_seeded_candidates,
     race_unseeded_candidates,
 )
-from .filters import top_n_sigma_thresholds, typical_rows_, xtc_drops
+from .filters import dry_, top_n_sigma_thresholds, typical_rows_, xtc_rows_
 from .plan import BlockPlan, StepPlan, make_plan
 from .rowops import count_at_least, first_argmax, group_maxima, is_finite, top_values
 from .select import (
@@ -388,12 +388,11 @@ class CpuSampler(Sampler):
         return x
 
     def apply_dry(self, x: Block, s: StepState) -> Block:
-        """Step 8a, DRY, in place: each history token's penalty (the reference's
-        ``dry_penalties``, O(n H)) scattered into the block's copy with the same amin, so only
-        the history's tokens are touched. ``dry_multiplier`` 0 disables it."""
-        tokens, penalty = self.dry_penalties(s)
-        xx = self.own(x)
-        xx.scatter_reduce_(1, tokens, xx.gather(1, tokens) - penalty, reduce="amin")
+        """Step 8a, DRY, in place on the block's copy: the penalties of the history entries
+        that extend a repeat (``filters.dry_``: O(n H), the reference's values) with the same
+        amin per token, so only the history's tokens are touched. ``dry_multiplier`` 0
+        disables it."""
+        dry_(self.own(x), s)
         x.changed()
         return x
 
@@ -505,7 +504,8 @@ class CpuSampler(Sampler):
         """Step 13b: each XTC row's coin first (``row_uniforms`` on the XTC stream, as the
         reference); rows whose coin says act lose every kept token with probability >=
         xtc_threshold but the least likely of them, when two or more are (the reference's
-        rule on the reference's softmax of the row, ``filters.xtc_drops``). Rows whose coin
+        rule on the reference's softmax of the row, among its few largest logits:
+        ``filters.xtc_rows_``). Rows whose coin
         says no are untouched."""
         coin = (self.row_uniforms(s, STREAM_XTC) < s.xtc_probability).tolist()
         rows = [row for row in x.plan.xtc_rows if coin[row]]
@@ -514,9 +514,7 @@ class CpuSampler(Sampler):
         self.densify(x, rows)
         xx = self.own(x)
         sub, index = take_rows(xx, rows, x.plan)
-        drop = xtc_drops(sub, s.xtc_threshold[index])
-        if drop is not None:
-            sub.masked_fill_(drop, NEG_INF)
+        if xtc_rows_(sub, s.xtc_threshold[index], self.workspace):
             if sub is not xx:
                 xx.index_copy_(0, index, sub)
             x.changed()
