@@ -248,9 +248,9 @@ def xtc_rows_(x: torch.Tensor, threshold: torch.Tensor, workspace) -> bool:
     rest = [row for row in range(m) if width[row] > XTC_CANDIDATES]
     if few:
         index = torch.tensor(few, dtype=torch.long)
-        sub = x if len(few) == m else x.index_select(0, index)
+        sub, sub_p = (x, p) if len(few) == m else (x.index_select(0, index), p.index_select(0, index))
         values, ids, _ = top_values(sub, max(width[row] for row in few))
-        probs = p.index_select(0, index).gather(1, ids)                 # (f, W), descending
+        probs = sub_p.gather(1, ids)                                      # (f, W), descending
         t = threshold[index][:, None]
         complete = probs[:, -1] < t[:, 0] * _XTC_SLACK
         above = probs >= t

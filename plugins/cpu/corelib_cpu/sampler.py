@@ -446,14 +446,13 @@ class CpuSampler(Sampler):
         below max - n * sigma over the row's finite logits -> -inf, in place, one threshold
         pass per row; the threshold is the reference's, bit for bit
         (``filters.top_n_sigma_thresholds``)."""
-        rows = x.plan.top_n_sigma_rows
         xx = self.own(x)
-        sub, index = take_rows(xx, rows, x.plan)
-        top = None if x.top is None else pick_rows(x.top, rows, x.plan)
-        thresholds = top_n_sigma_thresholds(sub, s.top_n_sigma[index], top, self.workspace)
-        below = torch.nextafter(thresholds, torch.tensor(NEG_INF)).tolist()
-        for row, value in zip(rows, below):
-            torch.threshold_(xx[row], value, NEG_INF)          # keeps x > below, i.e. x >= threshold
+        for r0, r1 in runs(x.plan.top_n_sigma_rows):
+            top = None if x.top is None else x.top[r0:r1]
+            thresholds = top_n_sigma_thresholds(xx[r0:r1], s.top_n_sigma[r0:r1], top, self.workspace)
+            below = torch.nextafter(thresholds, torch.tensor(NEG_INF)).tolist()
+            for row, value in zip(range(r0, r1), below):
+                torch.threshold_(xx[row], value, NEG_INF)      # keeps x > below, i.e. x >= threshold
         x.changed()
         return x
 
@@ -489,14 +488,12 @@ class CpuSampler(Sampler):
     def apply_typical_p(self, x: Block, s: StepState) -> Block:
         """Step 13a on the rows with typical_p < 1, as whole rows: their final logits so far
         (candidates and cuts written out), then the reference's kept set
-        (``filters.typical_thresholds``) applied in place."""
+        (``filters.typical_rows_``) applied in place, runs of consecutive rows at a time."""
         rows = x.plan.typical_p_rows
         self.densify(x, rows)
         xx = self.own(x)
-        sub, index = take_rows(xx, rows, x.plan)
-        typical_rows_(sub, s.typical_p[index], self.workspace)
-        if sub is not xx:
-            xx.index_copy_(0, index, sub)
+        for r0, r1 in runs(rows):
+            typical_rows_(xx[r0:r1], s.typical_p[r0:r1], self.workspace)
         x.changed()
         return x
 
@@ -505,7 +502,7 @@ class CpuSampler(Sampler):
         reference); rows whose coin says act lose every kept token with probability >=
         xtc_threshold but the least likely of them, when two or more are (the reference's
         rule on the reference's softmax of the row, among its few largest logits:
-        ``filters.xtc_rows_``). Rows whose coin
+        ``filters.xtc_rows_``), in place, runs of consecutive rows at a time. Rows whose coin
         says no are untouched."""
         coin = (self.row_uniforms(s, STREAM_XTC) < s.xtc_probability).tolist()
         rows = [row for row in x.plan.xtc_rows if coin[row]]
@@ -513,10 +510,10 @@ class CpuSampler(Sampler):
             return x
         self.densify(x, rows)
         xx = self.own(x)
-        sub, index = take_rows(xx, rows, x.plan)
-        if xtc_rows_(sub, s.xtc_threshold[index], self.workspace):
-            if sub is not xx:
-                xx.index_copy_(0, index, sub)
+        changed = False
+        for r0, r1 in runs(rows):
+            changed |= xtc_rows_(xx[r0:r1], s.xtc_threshold[r0:r1], self.workspace)
+        if changed:
             x.changed()
         return x
 
@@ -1046,6 +1043,17 @@ def ban_in_place(x: torch.Tensor, ids: torch.Tensor, banned: torch.Tensor) -> No
     """x[row, ids[row, j]] += -inf where banned[row, j] (the reference's ``_add_at``, in
     place). ids int64 [n, J], banned bool [n, J]."""
     x.scatter_add_(1, ids, torch.where(banned, NEG_INF, 0.0).to(x.dtype))
+
+
+def runs(rows: list) -> list[tuple[int, int]]:
+    """Ascending rows as runs of consecutive ones: [(r0, r1), ...], rows r0..r1-1 each."""
+    out = []
+    for row in rows:
+        if out and out[-1][1] == row:
+            out[-1] = (out[-1][0], row + 1)
+        else:
+            out.append((row, row + 1))
+    return out
 
 
 def take_rows(x: torch.Tensor, rows: list, bp: BlockPlan) -> tuple[torch.Tensor, torch.Tensor]:
