@@ -143,6 +143,8 @@ class Block:
     finite_pending: bool = False                 # the NaN/+inf check waits for step 5's maxima
     row_max: Optional[torch.Tensor] = None       # float32 [n]: maxima after steps 3-5
     drawn_finite: Optional[torch.Tensor] = None  # bool [n]: step 14's token has a finite logit
+    weights: dict = field(default_factory=dict)  # whole row -> float32 [V] draw weights (its
+                                                 # final distribution, unnormalised)
     _maxima: Optional[torch.Tensor] = None
 
     @property
@@ -819,9 +821,16 @@ class CpuSampler(Sampler):
             return None, None
         return first[0], [j for _, j in cuts]
 
-    def weights_of(self, blk: Block, rows: list) -> torch.Tensor:
+    def weights_of(self, blk: Block, rows: list, buffer: str = "weights") -> torch.Tensor:
         """float32 [m, V]: the draw weights of whole rows: their cut's kept probabilities
-        (cuts resolved first), or exp(x - max) for rows no probability filter touched."""
+        (cuts resolved first), or exp(x - max) for rows no probability filter touched (into
+        the workspace buffer ``buffer``). Recorded in ``blk.weights`` for verification."""
+        weights = self._weights(blk, rows, buffer)
+        for j, row in enumerate(rows):
+            blk.weights[row] = weights[j]
+        return weights
+
+    def _weights(self, blk: Block, rows: list, buffer: str) -> torch.Tensor:
         record, at = self.common_cut(blk, rows)
         if record is not None:
             self.resolve(record, at)
@@ -830,8 +839,8 @@ class CpuSampler(Sampler):
         if all(c is None for c in cuts):
             x = pick_rows(blk.x, rows, blk.plan)
             top = None if blk.top is None else pick_rows(blk.top, rows, blk.plan)
-            return exp_weights(x, self.workspace.take("weights", tuple(x.shape)), top)
-        weights = self.workspace.take("weights", (len(rows), blk.x.shape[1]))
+            return exp_weights(x, self.workspace.take(buffer, tuple(x.shape)), top)
+        weights = self.workspace.take(buffer, (len(rows), blk.x.shape[1]))
         for j, (row, c) in enumerate(zip(rows, cuts)):
             if c is None:
                 exp_weights(blk.x[row:row + 1], weights[j:j + 1])
@@ -850,11 +859,18 @@ class CpuSampler(Sampler):
     # ------------------------------------------------------------------ verification
     def draft_probs_sane(self, probs: torch.Tensor) -> torch.Tensor:
         """bool [B, K]: each slot's draft distribution (float32 [B, K, V]) is free of NaN,
-        +-inf and negative values, from each slot's minimum and maximum (NaN makes both NaN,
-        so both comparisons fail): two reads of ``probs``, where torch.isfinite alone makes
-        four [B, K, V] temporaries (and ``aminmax`` runs ~5x slower than amin and amax on
-        these CPUs). Not in place."""
-        return (probs.amin(dim=-1) >= 0) & (probs.amax(dim=-1) < float("inf"))
+        +-inf and negative values, from two integer reductions over the float bits (torch's
+        float min/max run ~2x slower, and torch.isfinite makes four [B, K, V] temporaries):
+        as int32, non-negative finite floats are exactly the values in [0, 0x7F800000), +inf
+        and NaN lie above, negative floats below 0, and so does -0.0 (INT_MIN), which is sane:
+        slots holding a negative sign bit take the float check. Not in place."""
+        bits = probs.view(torch.int32)
+        signed = bits.amin(dim=-1) < 0
+        sane = ~signed & (bits.amax(dim=-1) < _INF_BITS)
+        if bool(signed.any()):
+            at = signed.nonzero(as_tuple=True)
+            sane[at] = super().draft_probs_sane(probs[at])
+        return sane
 
     def rejection_sample(self, final: Block, s: StepState, drafts: Drafts) -> tuple[torch.Tensor, torch.Tensor]:
         """Lossless speculative sampling at the draft slots of the block's random rows, by
@@ -954,6 +970,7 @@ class SlotJudge:
             self.tolerance = (4 * cand.values.shape[1] + 40) * 2.0 ** -24
         self.batched: list = []            # unseeded candidate rows' rejections: (place, q, key)
         self.drawn: list = []              # (key, token) of the other rejections
+        self.totals: dict = {}             # unseeded whole row -> its weights' sum
 
     def exact(self, row: int) -> torch.Tensor:
         """float32 [V]: the reference's softmax of the row's final logits (a workspace row,
@@ -968,10 +985,25 @@ class SlotJudge:
         x.scatter_(0, blk.cand.ids[place], blk.cand.values[place])
         return torch.softmax(x, dim=-1, out=out)
 
+    def weights(self, row: int) -> tuple[torch.Tensor, float]:
+        """An unseeded whole row's final distribution, unnormalised, and its sum: the weights
+        its draw used, or computed now (into a buffer of their own)."""
+        w = self.blk.weights.get(row)
+        if w is None:
+            w = self.sampler.weights_of(self.blk, [row], buffer="verify_weights")[0]
+        total = self.totals.get(row)
+        if total is None:
+            total = self.totals[row] = float(w.sum())
+        return w, total
+
     def passes(self, row: int, token: int, uq: float) -> bool:
-        """The ratio test ``u q(d) < p(d)`` at the slot of ``row``, with the reference's p(d)."""
+        """The ratio test ``u q(d) < p(d)`` at the slot of ``row``, with the reference's p(d)
+        (an unseeded whole row: its draw weights, normalised)."""
         place = self.at.get(row)
         if place is None:
+            if not self.blk.plan.seeded[row]:
+                w, total = self.weights(row)
+                return uq < float(w[token]) / total
             return uq < float(self.exact(row)[token])
         p = self.p_draft[place]
         if not self.blk.plan.seeded[row]:
@@ -989,6 +1021,15 @@ class SlotJudge:
         seeded = self.blk.plan.seeded[row]
         if place is not None and not seeded:
             self.batched.append((place, q, key))
+            return
+        if place is None and not seeded:
+            # max(w / S - q, 0) scaled by S: the residual's own distribution
+            w, total = self.weights(row)
+            residual = torch.add(w, q, alpha=-total, out=self.sampler.workspace.take("verify_residual", (self.V,)))
+            token, ok = draw_from_weights(residual.clamp_(min=0.0)[None], self.sampler.generator)
+            if not bool(ok[0]):                        # all zero: p itself
+                token, _ = draw_from_weights(w[None], self.sampler.generator)
+            self.drawn.append((key, int(token[0])))
             return
         if place is None:
             p, ids = self.exact(row), None
@@ -1037,6 +1078,7 @@ class SlotJudge:
 
 
 _INF = torch.tensor(float("inf"))
+_INF_BITS = 0x7F800000
 
 
 def ban_in_place(x: torch.Tensor, ids: torch.Tensor, banned: torch.Tensor) -> None:
