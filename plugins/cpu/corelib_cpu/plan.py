@@ -58,6 +58,7 @@ class BlockPlan:
         self.any_unseeded = any(not self.seeded[i] for i in random)
         top_k, whole = set(self.top_k_rows), set(self.min_p_rows) | set(self.top_n_sigma_rows)
         self.candidates_only = bool(random) and all(i in top_k and i not in whole for i in random)
+        self.temperature_below_one = self.temperature_on and bool((self.temperature < 1.0).any())
 
     @property
     def n(self) -> int:

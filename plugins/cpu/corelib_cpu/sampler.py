@@ -25,8 +25,9 @@ What the stages do differently from the reference (``corelib.Sampler``):
 - step 2's copy is made only when a stage writes: rows that only read the logits (top-k
   candidates, the draws, softmax) read the caller's tensor, which is never modified;
 - steps 3-8a work in place: the token bitmask is added while the logits are copied
-  (``bitmask``), penalties touch only the tokens a row has seen, from the running slots
-  kept by :class:`~corelib_cpu.batch.CpuBatch`, DRY only its history's tokens;
+  (``bitmask``: a byte table, no [B, V] boolean), penalties touch only the tokens a row has
+  seen, from the running slots kept by :class:`~corelib_cpu.batch.CpuBatch`, DRY only the
+  tokens of the history entries that extend a repeat (``filters.dry_``);
 - step 9 and step 15's top-N use group maxima (``rowops``) instead of torch.argmax/topk;
 - step 10a (top-n-sigma) computes the reference's mean and deviation with the same float32
   reductions, and cuts each row with one threshold pass;
@@ -39,15 +40,21 @@ What the stages do differently from the reference (``corelib.Sampler``):
   miss, or a later stage that reads the row, find the threshold by a radix select over
   the probabilities' bits (``select.nucleus_threshold``); masks use thresholds and
   copysign/min, never boolean fills (which run ~10-40x slower than arithmetic on CPUs);
-- steps 13a (typical-p) and 13b (XTC) work on the rows that use them, as whole rows; XTC
-  first tosses each row's coin, and only rows whose coin says so compute anything;
+- step 13a (typical-p) computes the reference's log-softmax, entropy and scores and replaces
+  its sort by a radix select over the scores' bits with float64 masses (``filters``);
+- step 13b (XTC) first tosses each row's coin, and only rows whose coin says so compute
+  anything: the reference's softmax, and the rule on the row's few largest logits;
 - step 14 draws candidate rows with noise for the candidates only (seeded rows with the
   contract's noise, so their tokens are the reference's), whole unseeded rows with one
   uniform per row through the inverse CDF, and whole seeded rows with the contract's noise
   for the tokens that can still win (``draw.draw_seeded_rows``);
-- verification: the draft slots' target probabilities are the reference's softmax of their
-  final rows, and the residual draws use step 14's machinery (seeded rows the contract's
-  race over ``log(max(p - q, 0))``, unseeded rows the inverse CDF of the residual itself).
+- verification (:class:`SlotJudge`): a row's slots are judged up to its first rejected draft
+  and only that slot draws its residual (the template emits nothing after it); candidate
+  rows judge with the candidates' softmax (seeded decisions within its rounding bound, and
+  seeded residuals, take the reference's softmax), whole rows with the reference's softmax
+  (seeded) or their draw weights (unseeded); seeded residual draws race with the contract's
+  noise over the residual's support, unseeded ones draw from the residual itself; the draft
+  probabilities are checked by two integer reductions over their bits.
 
 Every kept set equals the reference's (the conformance suite checks it), and so do seeded
 tokens. Shapes: ``B`` rows, ``V`` vocabulary, ``n`` rows of a block, ``W`` candidates.
@@ -143,8 +150,9 @@ class Block:
     finite_pending: bool = False                 # the NaN/+inf check waits for step 5's maxima
     row_max: Optional[torch.Tensor] = None       # float32 [n]: maxima after steps 3-5
     drawn_finite: Optional[torch.Tensor] = None  # bool [n]: step 14's token has a finite logit
-    weights: dict = field(default_factory=dict)  # whole row -> float32 [V] draw weights (its
-                                                 # final distribution, unnormalised)
+    weights: list = field(default_factory=list)  # (whole rows, float32 [m, V] their draw
+                                                 # weights: the final distribution, unnormalised)
+    dropped: bool = False                        # a stage dropped tokens in bulk (-inf)
     _maxima: Optional[torch.Tensor] = None
 
     @property
@@ -303,6 +311,7 @@ class CpuSampler(Sampler):
         in place on the block's copy."""
         self.own(x).masked_fill_(~s.allowed_mask, NEG_INF)
         x.changed()
+        x.dropped = True
         return x
 
     def apply_token_bitmask(self, x: Block, s: StepState) -> Block:
@@ -314,6 +323,7 @@ class CpuSampler(Sampler):
         x.x = apply_bitmask_rows(x.x, s.token_bitmask, out, self.workspace)
         x.owned = True
         x.changed()
+        x.dropped = True
         return x
 
     def apply_bad_words(self, x: Block, s: StepState) -> Block:
@@ -417,6 +427,7 @@ class CpuSampler(Sampler):
             y = run_stage(spec, self.stage_implementation(spec), y, inputs, plugin)
         x.x = y
         x.changed()
+        x.dropped = True
         return x
 
     # ------------------------------------------------------------------ steps 9-13b
@@ -456,6 +467,7 @@ class CpuSampler(Sampler):
             for row, value in zip(range(r0, r1), below):
                 torch.threshold_(xx[row], value, NEG_INF)      # keeps x > below, i.e. x >= threshold
         x.changed()
+        x.dropped = True
         return x
 
     def apply_min_p(self, x: Block, s: StepState) -> Block:
@@ -497,6 +509,7 @@ class CpuSampler(Sampler):
         for r0, r1 in runs(rows):
             typical_rows_(xx[r0:r1], s.typical_p[r0:r1], self.workspace)
         x.changed()
+        x.dropped = True
         return x
 
     def apply_xtc(self, x: Block, s: StepState) -> Block:
@@ -826,8 +839,7 @@ class CpuSampler(Sampler):
         (cuts resolved first), or exp(x - max) for rows no probability filter touched (into
         the workspace buffer ``buffer``). Recorded in ``blk.weights`` for verification."""
         weights = self._weights(blk, rows, buffer)
-        for j, row in enumerate(rows):
-            blk.weights[row] = weights[j]
+        blk.weights.append((rows, weights))
         return weights
 
     def _weights(self, blk: Block, rows: list, buffer: str) -> torch.Tensor:
@@ -839,15 +851,22 @@ class CpuSampler(Sampler):
         if all(c is None for c in cuts):
             x = pick_rows(blk.x, rows, blk.plan)
             top = None if blk.top is None else pick_rows(blk.top, rows, blk.plan)
-            return exp_weights(x, self.workspace.take(buffer, tuple(x.shape)), top)
+            return exp_weights(x, self.workspace.take(buffer, tuple(x.shape)), top, self.sparse(blk))
         weights = self.workspace.take(buffer, (len(rows), blk.x.shape[1]))
         for j, (row, c) in enumerate(zip(rows, cuts)):
             if c is None:
-                exp_weights(blk.x[row:row + 1], weights[j:j + 1])
+                exp_weights(blk.x[row:row + 1], weights[j:j + 1], sparse=self.sparse(blk))
             else:
                 self.resolve(c[0], [c[1]])
                 weights[j].copy_(c[0].weights[c[1]])
         return weights
+
+    @staticmethod
+    def sparse(blk: Block) -> bool:
+        """Whether the block's rows may hold many tokens far below their maxima (see
+        ``draw.exp_weights``): a stage dropped tokens in bulk, or a random row's temperature
+        is below 1."""
+        return blk.dropped or bool(blk.plan.temperature_below_one)
 
     def offsets(self, V: int) -> torch.Tensor:
         """int32 [V]: every token's share of the seeded hash (``token_offsets``), made once."""
@@ -988,7 +1007,7 @@ class SlotJudge:
     def weights(self, row: int) -> tuple[torch.Tensor, float]:
         """An unseeded whole row's final distribution, unnormalised, and its sum: the weights
         its draw used, or computed now (into a buffer of their own)."""
-        w = self.blk.weights.get(row)
+        w = next((weights[rows.index(row)] for rows, weights in self.blk.weights if row in rows), None)
         if w is None:
             w = self.sampler.weights_of(self.blk, [row], buffer="verify_weights")[0]
         total = self.totals.get(row)
