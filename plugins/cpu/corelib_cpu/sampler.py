@@ -838,11 +838,12 @@ class CpuSampler(Sampler):
         """float32 [m, V]: the draw weights of whole rows: their cut's kept probabilities
         (cuts resolved first), or exp(x - max) for rows no probability filter touched (into
         the workspace buffer ``buffer``). Recorded in ``blk.weights`` for verification."""
-        weights = self._weights(blk, rows, buffer)
+        weights = self.row_weights(blk, rows, buffer)
         blk.weights.append((rows, weights))
         return weights
 
-    def _weights(self, blk: Block, rows: list, buffer: str) -> torch.Tensor:
+    def row_weights(self, blk: Block, rows: list, buffer: str) -> torch.Tensor:
+        """``weights_of`` without the record (for a one-off read of a row's distribution)."""
         record, at = self.common_cut(blk, rows)
         if record is not None:
             self.resolve(record, at)
@@ -1009,7 +1010,7 @@ class SlotJudge:
         its draw used, or computed now (into a buffer of their own)."""
         w = next((weights[rows.index(row)] for rows, weights in self.blk.weights if row in rows), None)
         if w is None:
-            w = self.sampler.weights_of(self.blk, [row], buffer="verify_weights")[0]
+            w = self.sampler.row_weights(self.blk, [row], "verify_weights")[0]
         total = self.totals.get(row)
         if total is None:
             total = self.totals[row] = float(w.sum())
