@@ -29,7 +29,7 @@ def top_n_sigma_thresholds(x: torch.Tensor, n_sigma: torch.Tensor, top: Optional
 
     Rows whose logits are all finite (their sum is finite) take the reference's sums without
     its masks (the same values in the same order): one sum, one subtraction, one square and
-    one more sum, in a workspace row. The others take the reference's computation."""
+    one more sum, in a workspace buffer. The others take the reference's computation."""
     m, V = x.shape
     total = x.sum(dim=-1, keepdim=True)
     plain = torch.isfinite(total)[:, 0]
@@ -37,11 +37,8 @@ def top_n_sigma_thresholds(x: torch.Tensor, n_sigma: torch.Tensor, top: Optional
         return _masked_thresholds(x, n_sigma)
     count = torch.full((m, 1), float(V))
     mean = total / count
-    spread = workspace.take("sigma_scratch", (V,))
-    variance = torch.empty((m, 1))
-    for row in range(m):
-        torch.sub(x[row], mean[row], out=spread)
-        variance[row] = spread.mul_(spread).sum() / count[row]                # (x - mean) ** 2
+    spread = torch.sub(x, mean, out=workspace.take("sigma_scratch", (m, V)))
+    variance = spread.mul_(spread).sum(dim=-1, keepdim=True) / count        # (x - mean) ** 2
     top = x.amax(dim=-1, keepdim=True) if top is None else top
     return (top - n_sigma[:, None] * variance.sqrt())[:, 0]
 

@@ -93,7 +93,7 @@ from .select import (
     top_p_candidates,
     top_p_candidates_fast,
 )
-from .state import BlockState, block_state
+from .state import BlockState, block_states
 from .workspace import Workspace
 
 _TRUE = torch.tensor(True)
@@ -250,7 +250,7 @@ class CpuSampler(Sampler):
         plan = self.plan(logits, batch, s, slots)
         keys = plan.row_keys(s)
         request_index = batch.request_index(s.num_rows) if logits.shape[0] != s.num_rows else None
-        return [block_state(s, bp, keys, request_index) for bp in plan.blocks]
+        return block_states(s, plan.blocks, keys, request_index)
 
     def plan(self, logits: torch.Tensor, batch: SamplingBatch, s: StepState, slots: int = 1) -> StepPlan:
         """The step's host facts (see ``plan.StepPlan``), kept by a ``CpuBatch`` until its

@@ -20,16 +20,20 @@ from corelib import StageInputs, StepState
 from .plan import BlockPlan
 
 
-def block_state(s: StepState, plan: BlockPlan, keys: Optional[torch.Tensor],
-                request_index: Optional[torch.Tensor]):
-    """The state the template runs on for one block: a :class:`BlockState`, or, when the block
-    holds every row of the step, the step state itself with the block's ``plan``, ``keys``
-    and ``request_index`` set on it (its flags are the block's already; this spares the one
-    block of a small batch the wrapper's per-step cost)."""
-    if plan.r0 == 0 and plan.r1 == s.num_rows:
-        s.plan, s.keys, s.request_index = plan, keys, request_index
-        return s
-    return BlockState(s, plan, keys, request_index)
+def block_states(s: StepState, plans: list, keys: Optional[torch.Tensor],
+                 request_index: Optional[torch.Tensor]) -> list:
+    """The states the template runs on, one per block (``plans``: the step's BlockPlans): a
+    :class:`BlockState` each, or, when one block holds every row of the step, the step state
+    itself with the block's ``plan``, ``keys`` and ``request_index`` set on it (its flags are
+    the block's already; this spares the one block of a small batch the wrapper's cost)."""
+    if len(plans) == 1 and plans[0].r0 == 0 and plans[0].r1 == s.num_rows:
+        s.plan, s.keys, s.request_index = plans[0], keys, request_index
+        return [s]
+    # the step's host values every block shares (its flags, the logprobs asked for, ...)
+    shared = {name: getattr(s, name) for name in _SHARED}
+    if not s.stages:
+        shared["stages"] = ()
+    return [BlockState(s, plan, keys, request_index, shared) for plan in plans]
 
 
 class BlockState:
@@ -40,8 +44,10 @@ class BlockState:
     one row per batch row."""
 
     def __init__(self, s: StepState, plan: BlockPlan, keys: Optional[torch.Tensor],
-                 request_index: Optional[torch.Tensor]):
+                 request_index: Optional[torch.Tensor], shared: Optional[dict] = None):
         whole = plan.r0 == 0 and plan.r1 == s.num_rows
+        if shared:
+            self.__dict__.update(shared)
         self._s = s
         self._rows = None if whole else slice(plan.r0, plan.r1)
         self.plan = plan
@@ -80,6 +86,13 @@ class BlockState:
     def stages_at(self, slot: str) -> list:
         """The custom stages some row of the step uses at ``slot`` (``StepState.stages_at``)."""
         return [entry for entry in self.stages if entry[0].slot == slot]
+
+
+# StepState's host values every block shares (the flags of the stages a block's plan knows
+# its rows for are set from the plan instead; see BlockState).
+_SHARED = ("vocab_size", "logprobs_mode", "num_logprobs", "max_top_k", "any_top_p_without_top_k",
+           "all_random_top_k", "any_allowed", "any_bias", "any_min_tokens", "any_bad_words",
+           "any_bitmask", "any_dry", "any_penalties")
 
 
 def slice_inputs(inputs: StageInputs, rows: slice) -> StageInputs:
