@@ -460,13 +460,18 @@ class CpuSampler(Sampler):
         pass per row; the threshold is the reference's, bit for bit
         (``filters.top_n_sigma_thresholds``)."""
         xx = self.own(x)
+        top = x.top
+        kept_maxima = top is not None
         for r0, r1 in runs(x.plan.top_n_sigma_rows):
-            top = None if x.top is None else x.top[r0:r1]
-            thresholds = top_n_sigma_thresholds(xx[r0:r1], s.top_n_sigma[r0:r1], top, self.workspace)
+            row_top = None if top is None else top[r0:r1]
+            thresholds = top_n_sigma_thresholds(xx[r0:r1], s.top_n_sigma[r0:r1], row_top, self.workspace)
+            if kept_maxima:                    # each row's maximum survives its own cut
+                kept_maxima = bool((thresholds <= row_top[:, 0]).all())
             below = torch.nextafter(thresholds, torch.tensor(NEG_INF)).tolist()
             for row, value in zip(range(r0, r1), below):
                 torch.threshold_(xx[row], value, NEG_INF)      # keeps x > below, i.e. x >= threshold
         x.changed()
+        x.top = top if kept_maxima else None
         x.dropped = True
         return x
 
