@@ -14,6 +14,7 @@ corelib and the cpu plugin). Without vLLM, the script times corelib alone.
     .venv-vllm/bin/python benchmarks/cpu_vs_vllm.py                 # one torch thread
     .venv-vllm/bin/python benchmarks/cpu_vs_vllm.py --threads 2
     .venv-vllm/bin/python benchmarks/cpu_vs_vllm.py --batch-sizes 1,8 --repeats 9
+    .venv-vllm/bin/python benchmarks/cpu_vs_vllm.py --base engine   # the cpu plugin of a revision too
 """
 
 from __future__ import annotations
@@ -65,10 +66,15 @@ class Cell:
     corelib_ms: float
     vllm_ms: Optional[float]
     clone_ms: float
+    base_ms: Optional[float] = None      # the cpu plugin of --base, when asked
 
     @property
     def ratio(self) -> Optional[float]:
         return None if self.vllm_ms is None else self.vllm_ms / self.corelib_ms
+
+    @property
+    def base_ratio(self) -> Optional[float]:
+        return None if self.vllm_ms is None or self.base_ms is None else self.vllm_ms / self.base_ms
 
 
 def load_vllm():
@@ -121,13 +127,19 @@ def corelib_batch(sampler: CpuSampler, params: dict, seeded: bool, B: int):
     return batch
 
 
-def bench_cell(vllm, name: str, B: int, repeats: int) -> Cell:
+def bench_cell(vllm, name: str, B: int, repeats: int, Base=None) -> Cell:
     params, seeded = CONFIGS[name]
     logits = make_logits(B, V, "flat")
     sampler = CpuSampler()
     batch = corelib_batch(sampler, params, seeded, B)
     # A decode loop: each call samples and appends, so seeded rows move to a new position.
     corelib_step = lambda: sampler.step(logits, batch)                      # noqa: E731
+    base_step = None
+    if Base is not None:
+        base_sampler = Base()
+        base_batch = corelib_batch(base_sampler, params, seeded, B)
+        base_step = lambda: base_sampler.step(logits, base_batch)            # noqa: E731
+        base_step()
     vllm_step = None
     if vllm is not None:
         vllm_sampler, metadata = vllm[0](), vllm_metadata(vllm, params, seeded, B)
@@ -136,14 +148,23 @@ def bench_cell(vllm, name: str, B: int, repeats: int) -> Cell:
     corelib_step()                                                          # warm-up
     if vllm_step is not None:
         vllm_step()
-    corelib_times, vllm_times = [], []
-    for _ in range(repeats):
-        corelib_times.append(timed(corelib_step))
+    corelib_times, vllm_times, base_times = [], [], []
+    for i in range(repeats):
+        if base_step is None:
+            corelib_times.append(timed(corelib_step))
+            if vllm_step is not None:
+                vllm_times.append(timed(vllm_step))
+            continue
+        # vLLM's call leaves the caches cold: the two corelib sides take turns after it
         if vllm_step is not None:
             vllm_times.append(timed(vllm_step))
+        order = ((corelib_step, corelib_times), (base_step, base_times))
+        for step, times in (order if i % 2 == 0 else order[::-1]):
+            times.append(timed(step))
     clone_ms = statistics.median(timed(logits.clone) for _ in range(max(repeats, 9)))
     return Cell(name, B, statistics.median(corelib_times),
-                statistics.median(vllm_times) if vllm_times else None, clone_ms)
+                statistics.median(vllm_times) if vllm_times else None, clone_ms,
+                statistics.median(base_times) if base_times else None)
 
 
 CLOCKS = {"wall": time.perf_counter, "thread": time.thread_time}
@@ -190,6 +211,8 @@ def main(argv=None) -> int:
     parser.add_argument("--repeats", type=int, default=None,
                         help="timed calls per cell, median reported (default: 15 for B <= 8, else 5)")
     parser.add_argument("--no-vllm", action="store_true", help="time corelib alone")
+    parser.add_argument("--base", help="also time the cpu plugin of this git revision, in the same "
+                                       "calls' rotation (benchmarks/cpu_ab.py's loader)")
     parser.add_argument("--clock", choices=sorted(CLOCKS), default="wall",
                         help="wall time (default), or the calling thread's CPU time: on a loaded "
                              "machine it leaves out the time other processes hold the core "
@@ -211,11 +234,17 @@ def main(argv=None) -> int:
         version = f", vLLM {vllm_module.__version__}"
     print(f"{machine_description()}{version}, {args.threads} torch thread(s), {args.clock} clock, V = {V}, "
           f"flat logits, median of {args.repeats or '15 (B <= 8) or 5'} calls; load average {os.getloadavg()[0]:.2f} at start")
+    Base = None
+    if args.base:
+        import tempfile
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        from cpu_ab import load_base
+        Base = load_base(args.base, tempfile.mkdtemp())
     cells = []
     for name in names:
         for B in batch_sizes:
             repeats = args.repeats or (15 if B <= 8 else 5)
-            cells.append(bench_cell(vllm, name, B, repeats))
+            cells.append(bench_cell(vllm, name, B, repeats, Base))
             sys.stderr.write(f"\r{len(cells)}/{len(names) * len(batch_sizes)}   ")
             sys.stderr.flush()
     sys.stderr.write("\n")
@@ -229,6 +258,12 @@ def main(argv=None) -> int:
     print(table(cells, batch_sizes, lambda c: f"{c.corelib_ms:.3f}"))
     print("\ncorelib cpu time / one clone() of the logits\n")
     print(table(cells, batch_sizes, lambda c: f"{c.corelib_ms / c.clone_ms:.1f}"))
+    if Base is not None:
+        if vllm is not None:
+            print(f"\nvLLM time / {args.base}'s cpu time\n")
+            print(table(cells, batch_sizes, lambda c: f"{c.base_ratio:.1f}x"))
+        print(f"\n{args.base}'s cpu ms / this checkout's (above 1: this checkout is faster)\n")
+        print(table(cells, batch_sizes, lambda c: f"{c.base_ms / c.corelib_ms:.2f}x"))
     if vllm is not None:
         print("\nTargets:")
         for line in verdicts(cells):

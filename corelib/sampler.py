@@ -252,6 +252,11 @@ class Sampler:
         """float32 ``[B, V]``: the final distribution's logits (steps 2-13b; greedy rows stop
         after step 8a); dropped tokens are -inf. Its log_softmax is the processed logprobs."""
         s = self.with_bitmask(self.step_state(logits, batch), batch, token_bitmask)
+        return self.processed_state(logits, batch, s)
+
+    def processed_state(self, logits: torch.Tensor, batch: SamplingBatch, s: StepState) -> torch.Tensor:
+        """``processed_logits`` for a given step state (split from it as ``sample_state`` is
+        from ``sample``, so a backend can run it per block of rows)."""
         x, _, _ = self.prepare(logits, batch, s)
         final = self.filter(x, s) if s.any_random else x
         return self.processed_source(x, final, s, normalise=False)
@@ -318,9 +323,15 @@ class Sampler:
                                  f"got {list(probs.shape)}")
             probs = probs.to(self.device, torch.float32, non_blocking=True)
             real = torch.arange(K, device=self.device)[None, :] < count[:, None]
-            sane = (torch.isfinite(probs) & (probs >= 0)).all(dim=-1) | ~real
+            sane = self.draft_probs_sane(probs) | ~real
             usable = usable & sane.all(dim=1)
         return Drafts(ids, count, probs, usable)
+
+    def draft_probs_sane(self, probs: torch.Tensor) -> torch.Tensor:
+        """bool ``[B, K]``: the draft distribution of each slot (float32 ``[B, K, V]``) is free
+        of NaN, +-inf and negative values (``check_drafts`` flags the rows where it is not).
+        Not in place; a backend may compute it in fewer passes over ``probs``."""
+        return (torch.isfinite(probs) & (probs >= 0)).all(dim=-1)
 
     def prepare(self, logits: torch.Tensor, batch: SamplingBatch, s: StepState):
         """Steps 1-8a and the custom stages after them. Returns (float32 [B, V] logits, raw

@@ -8,6 +8,11 @@ penalties, the distinct seen tokens in slots: ``slot_ids`` int64 ``[rows, S]`` a
 tokens), the first ``slot_len[row]`` slots being real. ``append`` updates them with ``[B, S]``
 work, never reading a history; ``remove`` moves them with the rows, as the core moves its own.
 
+Its step states carry the slots of their rows (:class:`CpuStepState`); a verification step's
+state (``speculative_state``) carries each slot's penalty slots advanced by the earlier
+drafts, and, asked with ``slots_only``, leaves out the dense ``[B, V]`` tensors the core would
+copy ``K + 1`` times.
+
 It also keeps the sampler's step plan (:meth:`CpuBatch.cached_plan`): facts derived from the
 rows' parameters, dropped whenever a request joins, leaves or moves (``add``, ``remove``,
 ``swap_rows``: every row change goes through them or the core's ``_move_rows``).
@@ -15,14 +20,53 @@ rows' parameters, dropped whenever a request joins, leaves or moves (``add``, ``
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
+from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
 import torch
-from corelib import SamplingBatch, SamplingParams
+from corelib import SamplingBatch, SamplingParams, StepState
 
 _MIN_SLOTS = 64
 _MIN_ROWS = 8
+# The core's dense penalty state, which the sampler does not read when the slots exist.
+_DENSE_PENALTY_STATE = ("prompt_mask", "output_counts")
+
+
+@dataclass
+class CpuStepState(StepState):
+    """``StepState`` plus the penalty slots of its rows (see the module docstring): slot_ids
+    int64 ``[B, S]``, slot_counts int32 ``[B, S]``, slot_len int64 ``[B]``."""
+
+    slot_ids: Optional[torch.Tensor] = None
+    slot_counts: Optional[torch.Tensor] = None
+    slot_len: Optional[torch.Tensor] = None
+
+
+def with_slots(s: StepState, ids: torch.Tensor, counts: torch.Tensor, length: torch.Tensor) -> CpuStepState:
+    """``s`` as a :class:`CpuStepState` carrying the given slots."""
+    fields = {f.name: getattr(s, f.name) for f in dataclasses.fields(StepState)}
+    return CpuStepState(**fields, slot_ids=ids, slot_counts=counts, slot_len=length)
+
+
+def count_into_slots(ids: torch.Tensor, counts: torch.Tensor, length: torch.Tensor,
+                     tokens: torch.Tensor, live: torch.Tensor) -> None:
+    """One token per row into slots, in place: bump the token's slot, or open the next free
+    slot for it (the caller leaves room). ids int64 [n, S], counts int32 [n, S], length int64
+    [n], tokens int64 [n], live bool [n] (False: the row is left as it is)."""
+    width = int(length.max()) if length.numel() else 0
+    real = torch.arange(width)[None, :] < length[:, None]                   # (n, width)
+    hit = (ids[:, :width] == tokens[:, None]) & real & live[:, None]
+    counts[:, :width] += hit.to(torch.int32)
+    new = live & ~hit.any(dim=1)
+    if not bool(new.any()):
+        return
+    rows = new.nonzero().flatten()
+    at = length[rows]
+    ids[rows, at] = tokens[rows]
+    counts[rows, at] = 1
+    length[rows] += 1
 
 
 class CpuBatch(SamplingBatch):
@@ -60,6 +104,47 @@ class CpuBatch(SamplingBatch):
         return (self._slot_ids[:num_rows], self._slot_counts[:num_rows],
                 self._slot_len[:num_rows])
 
+    def step_state(self, num_rows: Optional[int] = None) -> StepState:
+        """The core's step state, with the rows' penalty slots when some row uses penalties."""
+        s = super().step_state(num_rows)
+        if not self.has_penalty_slots:
+            return s
+        return with_slots(s, *self.penalty_slots(s.num_rows))
+
+    def speculative_state(self, draft_token_ids: torch.Tensor, num_rows: Optional[int] = None,
+                          *, slots_only: bool = False) -> StepState:
+        """The core's verification state, with each slot's penalty slots advanced by the
+        row's earlier drafts. ``slots_only``: leave out the dense penalty tensors (the core
+        would copy each ``K + 1`` times; a sampler that reads the slots does not need them)."""
+        if not self.has_penalty_slots:
+            return super().speculative_state(draft_token_ids, num_rows)
+        dense = {}
+        if slots_only:
+            dense = {name: self._tensors.pop(name) for name in _DENSE_PENALTY_STATE if name in self._tensors}
+        try:
+            s = super().speculative_state(draft_token_ids, num_rows)
+        finally:
+            self._tensors.update(dense)
+        n = len(self._row_keys) if num_rows is None else num_rows
+        return with_slots(s, *self._speculative_slots(draft_token_ids.to("cpu", torch.long), n))
+
+    def _speculative_slots(self, drafts: torch.Tensor, n: int):
+        """Slots of the ``n (K + 1)`` virtual rows: row r's slot j holds r's slots after its
+        first j drafts."""
+        K = drafts.shape[1]
+        S = K + 1
+        ids, counts, length = self.penalty_slots(n)
+        ids = torch.cat([ids, ids.new_zeros((n, K))], dim=1).repeat_interleave(S, dim=0)
+        counts = torch.cat([counts, counts.new_zeros((n, K))], dim=1).repeat_interleave(S, dim=0)
+        length = length.repeat_interleave(S)
+        uses = self._slot_rows[:n].repeat_interleave(S)
+        slot = torch.arange(S).repeat(n)
+        expanded = drafts.repeat_interleave(S, dim=0)
+        for j in range(K):
+            tokens = expanded[:, j]
+            count_into_slots(ids, counts, length, tokens.clamp(min=0), uses & (slot > j) & (tokens >= 0))
+        return ids, counts, length
+
     # ------------------------------------------------------------------ add / remove / append
     def add(self, request_id: str, params: SamplingParams,
             prompt_token_ids: Sequence[int] = (),
@@ -93,7 +178,12 @@ class CpuBatch(SamplingBatch):
         ids = torch.as_tensor(token_ids).to("cpu", torch.long)
         # Slots grow only when a penalty row is written: rows added after it may lie past them.
         self._ensure_rows(n)
-        self._count_tokens(ids, n)
+        if ids.dim() == 1:
+            self._count_tokens(ids, torch.ones(n, dtype=torch.bool), n)
+            return
+        live = torch.cumprod((ids >= 0).to(torch.int32), dim=1).to(torch.bool)   # -1 padding
+        for j in range(ids.shape[1]):
+            self._count_tokens(ids[:, j].clamp(min=0), live[:, j], n)
 
     # ------------------------------------------------------------------ internals
     def _move_rows(self, src: torch.Tensor, dst: torch.Tensor) -> None:
@@ -105,22 +195,12 @@ class CpuBatch(SamplingBatch):
         for t in (self._slot_ids, self._slot_counts, self._slot_len, self._slot_rows):
             t.index_copy_(0, dst, t.index_select(0, src))
 
-    def _count_tokens(self, ids: torch.Tensor, n: int) -> None:
-        """One generated token per row: bump its slot, or open a slot for a new token."""
-        slot_ids, slot_counts, slot_len = self._slot_ids[:n], self._slot_counts[:n], self._slot_len[:n]
-        width = int(slot_len.max())
-        real = torch.arange(width)[None, :] < slot_len[:, None]            # (n, width)
-        hit = (slot_ids[:, :width] == ids[:, None]) & real
-        slot_counts[:, :width] += hit.to(torch.int32)
-        new = self._slot_rows[:n] & ~hit.any(dim=1)
-        if not bool(new.any()):
-            return
-        rows = new.nonzero().flatten()
-        self._ensure_slots(int(slot_len[rows].max()) + 1)
-        at = self._slot_len[rows]
-        self._slot_ids[rows, at] = ids[rows]
-        self._slot_counts[rows, at] = 1
-        self._slot_len[rows] += 1
+    def _count_tokens(self, ids: torch.Tensor, live: torch.Tensor, n: int) -> None:
+        """One generated token per row (where ``live``): bump its slot, or open a slot for a
+        new token."""
+        self._ensure_slots(int(self._slot_len[:n].max()) + 1)
+        count_into_slots(self._slot_ids[:n], self._slot_counts[:n], self._slot_len[:n], ids,
+                         live & self._slot_rows[:n])
 
     def _write_slots(self, row: int, prompt: list[int], output: list[int]) -> None:
         counts = Counter(output)

@@ -30,6 +30,9 @@ class BlockPlan:
     min_p_rows: list        # block-local rows with min_p > 0 (random rows only)
     top_k_rows: list
     top_p_rows: list
+    top_n_sigma_rows: list  # random rows with top_n_sigma > 0
+    typical_p_rows: list    # random rows with typical_p < 1
+    xtc_rows: list          # random rows with xtc_probability > 0
     temperature_on: bool    # some random row has a temperature other than 1
     temperature: torch.Tensor   # float32 [n, 1] (greedy rows: 1)
     min_p: torch.Tensor         # float32 [n]
@@ -38,17 +41,24 @@ class BlockPlan:
     top_k_max: int              # largest top_k of the block's top-k rows (0: none)
     any_greedy: bool = False
     all_greedy: bool = False
-    #: Every random row is a top-k row without min-p: no whole random row is filtered, so
-    #: the temperature divides the candidates only (the division is monotone, so the top k
-    #: of x / T are the top k of x divided) and steps 10-13 never write x itself.
+    any_seeded: bool = False
+    any_unseeded: bool = False
+    #: Every random row is a top-k row without min-p or top-n-sigma: no whole random row is
+    #: filtered before step 12, so the temperature divides the candidates only (the division
+    #: is monotone, so the top k of x / T are the top k of x divided) and steps 10-13 never
+    #: write x itself.
     candidates_only: bool = False
     _index: dict = field(default_factory=dict, repr=False)
 
     def __post_init__(self):
         self.any_greedy, self.all_greedy = any(self.greedy), all(self.greedy)
         random = [i for i, g in enumerate(self.greedy) if not g]
-        top_k, min_p = set(self.top_k_rows), set(self.min_p_rows)
-        self.candidates_only = bool(random) and all(i in top_k and i not in min_p for i in random)
+        self.random_rows = random
+        self.any_seeded = any(self.seeded)
+        self.any_unseeded = any(not self.seeded[i] for i in random)
+        top_k, whole = set(self.top_k_rows), set(self.min_p_rows) | set(self.top_n_sigma_rows)
+        self.candidates_only = bool(random) and all(i in top_k and i not in whole for i in random)
+        self.temperature_below_one = self.temperature_on and bool((self.temperature < 1.0).any())
 
     @property
     def n(self) -> int:
@@ -86,7 +96,8 @@ class StepPlan:
 
 
 def make_plan(s: StepState, rows_per_block: int, sparse_penalties: bool) -> StepPlan:
-    """The plan of a step state (see the module docstring)."""
+    """The plan of a step state (see the module docstring): blocks of ``rows_per_block`` rows
+    (a verify step's state passes a multiple of its slots, so a block holds whole rows)."""
     B, V = s.num_rows, s.vocab_size
     temperature, min_p, top_p = s.temperature, s.min_p, s.top_p
     top_k = s.top_k.to(torch.long).clamp(max=V)
@@ -104,6 +115,10 @@ def make_plan(s: StepState, rows_per_block: int, sparse_penalties: bool) -> Step
     top_k_on = (top_k > 0).tolist() if s.any_top_k else off
     top_p_on = (top_p < 1.0).tolist() if s.any_top_p else off
     top_k_list = top_k.tolist() if s.any_top_k else off
+    random = [not g for g in greedy]
+    top_n_sigma_on = _random_and(s.top_n_sigma > 0.0, random) if s.any_top_n_sigma else off
+    typical_p_on = _random_and(s.typical_p < 1.0, random) if s.any_typical_p else off
+    xtc_on = _random_and(s.xtc_probability > 0.0, random) if s.any_xtc else off
     key_prefix = None
     if any(seeded):
         key_prefix = row_key_prefix(s.seed_lo, s.seed_hi, s.child)
@@ -118,6 +133,9 @@ def make_plan(s: StepState, rows_per_block: int, sparse_penalties: bool) -> Step
             min_p_rows=[i - r0 for i in local if min_p_on[i]],
             top_k_rows=[i - r0 for i in local if top_k_on[i]],
             top_p_rows=[i - r0 for i in local if top_p_on[i]],
+            top_n_sigma_rows=[i - r0 for i in local if top_n_sigma_on[i]],
+            typical_p_rows=[i - r0 for i in local if typical_p_on[i]],
+            xtc_rows=[i - r0 for i in local if xtc_on[i]],
             temperature_on=any(temperature_on[r0:r1]),
             temperature=temperature[r0:r1, None],
             min_p=min_p[r0:r1],
@@ -126,3 +144,8 @@ def make_plan(s: StepState, rows_per_block: int, sparse_penalties: bool) -> Step
             top_k_max=max((top_k_list[i] for i in local if top_k_on[i]), default=0),
         ))
     return StepPlan(B, blocks, key_prefix, sparse_penalties)
+
+
+def _random_and(on: torch.Tensor, random: list) -> list:
+    """bool per row: ``on`` (bool [B]) for random rows, False for greedy ones."""
+    return [bool(a) and b for a, b in zip(on.tolist(), random)]

@@ -59,15 +59,20 @@ def top_values(x: torch.Tensor, width: int, maxima: Optional[torch.Tensor] = Non
     return values, cols.gather(1, at), group_top[:, -1]
 
 
-def first_argmax(x: torch.Tensor, maxima: Optional[torch.Tensor] = None) -> torch.Tensor:
+def first_argmax(x: torch.Tensor, maxima: Optional[torch.Tensor] = None,
+                 top: Optional[torch.Tensor] = None) -> torch.Tensor:
     """int64 [n]: the lowest index of each row's maximum (``torch.argmax``'s answer) for x
-    float32 [n, V] (``maxima``: its :func:`group_maxima`, when the caller has them). Rows
+    float32 [n, V] (``maxima``: its :func:`group_maxima`, when the caller has them; ``top``:
+    float32 [n, 1], the rows' maxima when the caller knows them and they hold no NaN). Rows
     holding a NaN go to torch.argmax (which returns the NaN)."""
     n, V = x.shape
-    maxima = group_maxima(x) if maxima is None else maxima
-    top = maxima.amax(dim=-1, keepdim=True)
-    if bool(torch.isnan(top).any()) or V < 4 * GROUP:
+    if V < 4 * GROUP:
         return torch.argmax(x, dim=-1)
+    maxima = group_maxima(x) if maxima is None else maxima
+    if top is None:
+        top = maxima.amax(dim=-1, keepdim=True)
+        if bool(torch.isnan(top).any()):
+            return torch.argmax(x, dim=-1)
     group = (maxima == top).to(torch.uint8).argmax(dim=-1, keepdim=True)   # first such group
     cols = group_columns(group, V)
     inside = (x.gather(1, cols) == top).to(torch.uint8).argmax(dim=-1, keepdim=True)

@@ -1,32 +1,60 @@
 """The ``cpu`` backend's sampler: the contract's stages at close to memory speed on CPUs.
 
-What differs from the reference (``corelib.Sampler``), stage by stage:
+How it is built on the core. The stage order lives in one place, the core template
+(``Sampler.sample_state``, ``verify_state``, ``processed_state`` with ``prepare``,
+``choose_tokens`` and ``filter``); this class overrides stages, never the order:
 
-- rows are processed in blocks of about ``BLOCK_ELEMENTS`` logits held in a per-thread
-  workspace, so every stage of a block runs on data still in the cache, nothing is
-  allocated per step, and no temporary reaches ``B x V``;
+- ``sample_state``, ``verify_state`` and ``processed_state`` cut the rows into blocks of about
+  ``BLOCK_ELEMENTS`` logits (a verification block holds whole rows, all their slots) and run
+  the core template on each block, with the block's view of the step state
+  (:class:`~corelib_cpu.state.BlockState`: tensors sliced to the block, the block's own
+  flags). One block (B = 1 to 8 at V = 128256) is one template run, nothing more.
+- The value the template passes between stages is a :class:`Block`: the block's dense logits
+  (the caller's rows until a stage writes, then a copy in the per-thread workspace) plus, once
+  step 12 ran, a candidate set for the rows with a top-k, and pending probability cuts of
+  min-p and top-p. The template only hands it from stage to stage; every stage here reads and
+  updates it in place, and returns it. ``draw``, ``drawn_is_finite``, ``processed_source``,
+  ``gather_logprobs`` and ``rejection_sample`` read it as well.
+
+What the stages do differently from the reference (``corelib.Sampler``):
+
+- nothing is allocated per step and no temporary reaches ``B x V``: every block-sized buffer
+  lives in the workspace, so every stage of a block runs on data still in the cache;
 - the facts of a step that only change when requests join or leave (which rows use which
-  stage, effective parameters, blocks) are kept by the batch (``plan.StepPlan``), so a
-  step's Python work is a few dozen tensor calls;
+  stage, effective parameters, blocks) are kept by the batch (``plan.StepPlan``);
 - step 2's copy is made only when a stage writes: rows that only read the logits (top-k
   candidates, the draws, softmax) read the caller's tensor, which is never modified;
-- steps 3-8 work in place; penalties touch only the tokens a row has seen, from the running
-  slots kept by :class:`~corelib_cpu.batch.CpuBatch`;
+- steps 3-8a work in place: the token bitmask is added while the logits are copied
+  (``bitmask``: a byte table, no [B, V] boolean), penalties touch only the tokens a row has
+  seen, from the running slots kept by :class:`~corelib_cpu.batch.CpuBatch`, DRY only the
+  tokens of the history entries that extend a repeat (``filters.dry_``);
 - step 9 and step 15's top-N use group maxima (``rowops``) instead of torch.argmax/topk;
+- step 10a (top-n-sigma) computes the reference's mean and deviation with the same float32
+  reductions, and cuts each row with one threshold pass;
 - step 12 selects candidates (k-th value and ties as the reference) from group maxima;
   when every random row of a block has a top-k, step 10 divides the candidates only;
 - step 13 on candidates uses the candidates' own softmax when an error bound proves it picks
   the reference's tokens (else the reference's softmax of the masked row); on whole rows it
   keeps the probabilities as a pending cut (:class:`Cut`): the draw tries a token first
   and keeps it when it is in the nucleus (``select.nucleus_contains``), and only rows that
-  miss, or logprobs of the final distribution, find the threshold by a radix select over
-  the probabilities' bits (``select.nucleus_threshold``); the logits are masked only when
-  something reads them; masks use thresholds and copysign/min, never boolean fills (which
-  run ~40x slower than arithmetic on CPUs);
+  miss, or a later stage that reads the row, find the threshold by a radix select over
+  the probabilities' bits (``select.nucleus_threshold``); masks use thresholds and
+  copysign/min, never boolean fills (which run ~10-40x slower than arithmetic on CPUs);
+- step 13a (typical-p) computes the reference's log-softmax, entropy and scores and replaces
+  its sort by a radix select over the scores' bits with float64 masses (``filters``);
+- step 13b (XTC) first tosses each row's coin, and only rows whose coin says so compute
+  anything: the reference's softmax, and the rule on the row's few largest logits;
 - step 14 draws candidate rows with noise for the candidates only (seeded rows with the
   contract's noise, so their tokens are the reference's), whole unseeded rows with one
   uniform per row through the inverse CDF, and whole seeded rows with the contract's noise
-  for the tokens that can still win (``draw.draw_seeded_rows``).
+  for the tokens that can still win (``draw.draw_seeded_rows``);
+- verification (:class:`SlotJudge`): a row's slots are judged up to its first rejected draft
+  and only that slot draws its residual (the template emits nothing after it); candidate
+  rows judge with the candidates' softmax (seeded decisions within its rounding bound, and
+  seeded residuals, take the reference's softmax), whole rows with the reference's softmax
+  (seeded) or their draw weights (unseeded); seeded residual draws race with the contract's
+  noise over the residual's support, unseeded ones draw from the residual itself; the draft
+  probabilities are checked by two integer reductions over their bits.
 
 Every kept set equals the reference's (the conformance suite checks it), and so do seeded
 tokens. Shapes: ``B`` rows, ``V`` vocabulary, ``n`` rows of a block, ``W`` candidates.
@@ -34,15 +62,18 @@ tokens. Shapes: ``B`` rows, ``V`` vocabulary, ``n`` rows of a block, ``W`` candi
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
 from corelib import Logprobs, Sampler, SamplerOutput, SamplingBatch, StepState
-from corelib.noise import token_offsets
-from corelib.sampler import INVALID_TOKEN, NEG_INF
+from corelib.noise import STREAM_XTC, token_offsets
+from corelib.sampler import NEG_INF, Drafts, VerifyOutput
+from corelib.stages import run_stage
 
 from .batch import CpuBatch
+from .bitmask import apply_bitmask_rows
 from .draw import (
     draw_from_weights,
     draw_seeded_rows,
@@ -50,6 +81,7 @@ from .draw import (
     race_seeded_candidates,
     race_unseeded_candidates,
 )
+from .filters import dry_, top_n_sigma_thresholds, typical_rows_, xtc_rows_
 from .plan import BlockPlan, StepPlan, make_plan
 from .rowops import count_at_least, first_argmax, group_maxima, is_finite, top_values
 from .select import (
@@ -61,23 +93,10 @@ from .select import (
     top_p_candidates,
     top_p_candidates_fast,
 )
+from .state import BlockState, block_states
 from .workspace import Workspace
 
-
-class RowSlice:
-    """The step state of rows ``r0:r1``: tensor fields sliced on first use, others as is.
-
-    Duck-types ``StepState`` for the reference's stage methods."""
-
-    def __init__(self, s: StepState, r0: int, r1: int):
-        self._s, self._rows = s, slice(r0, r1)
-
-    def __getattr__(self, name):
-        value = getattr(self._s, name)
-        if isinstance(value, torch.Tensor):
-            value = value[self._rows]
-        setattr(self, name, value)
-        return value
+_TRUE = torch.tensor(True)
 
 
 @dataclass
@@ -115,22 +134,30 @@ class Cut:
 
 @dataclass
 class Block:
-    """One block of rows after steps 1-13."""
+    """What the template passes between the stages of one block: its logits and what the
+    filters have decided so far (see the module docstring)."""
 
-    plan: BlockPlan
-    x: torch.Tensor                      # float32 [n, V]: step 8's logits, divided in place
-                                         # by step 10 unless the block divides candidates
-                                         # only (candidate rows: see cand; rows with a cut:
-                                         # masked when read, see cuts)
-    owned: bool                          # x is the workspace's copy (else the caller's rows)
-    raw: Optional[torch.Tensor] = None   # float32 [n, V] raw logprobs (step 1), or None
-    valid: Optional[torch.Tensor] = None # bool [n]
-    greedy_ids: Optional[torch.Tensor] = None   # int64 [n] argmax after step 8
+    state: BlockState
+    x: torch.Tensor                      # float32 [n, V]: the logits after the stages so far;
+                                         # candidate rows: see cand; rows with a cut: masked
+                                         # when read, see cuts; undivided when the block
+                                         # divides candidates only (plan.candidates_only)
+    owned: bool                          # x is ours to write (else the caller's rows)
     cand: Optional[Candidates] = None
     cuts: dict = field(default_factory=dict)     # block row -> (its latest Cut, place in it)
     masked: set = field(default_factory=set)     # rows whose cut is applied to x
     top: Optional[torch.Tensor] = None           # float32 [n, 1]: x's row maxima, or None
+    finite_pending: bool = False                 # the NaN/+inf check waits for step 5's maxima
+    row_max: Optional[torch.Tensor] = None       # float32 [n]: maxima after steps 3-5
+    drawn_finite: Optional[torch.Tensor] = None  # bool [n]: step 14's token has a finite logit
+    weights: list = field(default_factory=list)  # (whole rows, float32 [m, V] their draw
+                                                 # weights: the final distribution, unnormalised)
+    dropped: bool = False                        # a stage dropped tokens in bulk (-inf)
     _maxima: Optional[torch.Tensor] = None
+
+    @property
+    def plan(self) -> BlockPlan:
+        return self.state.plan
 
     @property
     def candidate_rows(self) -> set:
@@ -152,7 +179,8 @@ class CpuSampler(Sampler):
     """The ``cpu`` backend (see the module docstring). Block-sized buffers live in
     ``self.workspace`` (one set per thread) and serve every step.
 
-    ``block_elements``: logits per block (rows per block = block_elements // V, at least 1).
+    ``block_elements``: logits per block (rows per block = block_elements // V, at least 1;
+    a verification block holds whole rows: block_elements / (V (K + 1)) rounded, at least 1).
     """
 
     name = "cpu"
@@ -180,222 +208,336 @@ class CpuSampler(Sampler):
         self.workspace = Workspace()
         self._offsets: dict[int, torch.Tensor] = {}
 
-    # ------------------------------------------------------------------ public API
-    def sample(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
-        """Sample one token per row. logits ``[B, V]`` or ``[num_requests, V]``, any float
-        dtype; never modified."""
-        s = self.step_state(logits, batch)
-        if s.num_rows == 0:
-            return self.empty_output(s)
-        plan = self.plan(logits, batch, s)
-        keys = plan.row_keys(s)
-        request_index = batch.request_index(s.num_rows) if logits.shape[0] != s.num_rows else None
-        if len(plan.blocks) == 1:
-            token_ids, valid, logprobs = self.sample_block(logits, batch, s, plan, plan.blocks[0],
-                                                           keys, request_index)
-        else:
-            token_ids = torch.empty(s.num_rows, dtype=torch.long)
-            valid = torch.empty(s.num_rows, dtype=torch.bool)
-            pieces = []
-            for bp in plan.blocks:
-                ids, ok, lp = self.sample_block(logits, batch, s, plan, bp, keys, request_index)
-                token_ids[bp.r0:bp.r1], valid[bp.r0:bp.r1] = ids, ok
-                pieces.append(lp)
-            logprobs = join_logprobs(pieces) if s.num_logprobs is not None else None
-        token_ids = torch.where(valid, token_ids, INVALID_TOKEN)
-        return SamplerOutput(token_ids, valid, logprobs)
+    # ------------------------------------------------------------------ the template, per block
+    def sample_state(self, logits: torch.Tensor, batch: SamplingBatch, s: StepState) -> SamplerOutput:
+        """Steps 1-15: the core template (``Sampler.sample_state``) on each block of rows."""
+        outputs = []
+        for bs in self.block_states(logits, batch, s):
+            outputs.append(Sampler.sample_state(self, logits, batch, bs))
+        return outputs[0] if len(outputs) == 1 else join_samples(outputs)
 
-    def sample_block(self, logits, batch, s, plan, bp, keys, request_index):
-        """Steps 1-15 for one block: (int64 [n] ids, bool [n] valid, logprobs or None)."""
-        blk = self.run_block(logits, batch, s, plan, bp, request_index)        # steps 1-13
-        ids, finite = self.draw_block(blk, keys)                               # step 14
-        logprobs = None
-        if s.num_logprobs is not None:                                         # step 15
-            logprobs = self.block_logprobs(blk, ids, s)
-        return ids, blk.valid & finite, logprobs
+    def verify_state(self, logits: torch.Tensor, batch: SamplingBatch, s: StepState,
+                     drafts: Drafts) -> VerifyOutput:
+        """Verification: the core template (``Sampler.verify_state``) on each block of whole
+        rows (every slot of a row in the same block), with the block's drafts."""
+        S = drafts.slots
+        outputs = []
+        for bs in self.block_states(logits, batch, s, slots=S):
+            rows = slice(bs.plan.r0 // S, bs.plan.r1 // S)
+            outputs.append(Sampler.verify_state(self, logits, batch, bs, drafts_of(drafts, rows)))
+        return outputs[0] if len(outputs) == 1 else join_verifications(outputs)
 
-    def processed_logits(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-        """float32 ``[B, V]``: the final distribution's logits (steps 2-13; greedy rows stop
-        after step 8), dropped tokens -inf: the reference's result, from this backend's stages."""
-        s = self.step_state(logits, batch)
+    def processed_state(self, logits: torch.Tensor, batch: SamplingBatch, s: StepState) -> torch.Tensor:
+        """Steps 2-13b (``Sampler.processed_state``) on each block, into a new float32 [B, V]."""
         out = torch.empty((s.num_rows, s.vocab_size), dtype=torch.float32)
         if s.num_rows == 0:
             return out
-        plan = self.plan(logits, batch, s)
-        request_index = batch.request_index(s.num_rows) if logits.shape[0] != s.num_rows else None
-        for bp in plan.blocks:
-            out[bp.r0:bp.r1] = self.materialize(self.run_block(logits, batch, s, plan, bp, request_index))
+        for bs in self.block_states(logits, batch, s):
+            out[bs.plan.r0:bs.plan.r1] = Sampler.processed_state(self, logits, batch, bs)
         return out
 
-    # ------------------------------------------------------------------ plan
-    def plan(self, logits: torch.Tensor, batch: SamplingBatch, s: StepState) -> StepPlan:
+    def speculative_step_state(self, batch: SamplingBatch, drafts: Drafts) -> StepState:
+        """The verification state; a ``CpuBatch`` gives each slot its penalty slots and leaves
+        out the dense penalty state (``[B (K+1), V]`` copies this backend never reads)."""
+        if isinstance(batch, CpuBatch):
+            return batch.speculative_state(drafts.token_ids, slots_only=True)
+        return super().speculative_step_state(batch, drafts)
+
+    def block_states(self, logits: torch.Tensor, batch: SamplingBatch, s: StepState,
+                     slots: int = 1) -> list[BlockState]:
+        """The step's blocks, each as the state the template runs on (``slots``: verification
+        slots per row, which a block never splits)."""
+        plan = self.plan(logits, batch, s, slots)
+        keys = plan.row_keys(s)
+        request_index = batch.request_index(s.num_rows) if logits.shape[0] != s.num_rows else None
+        return block_states(s, plan.blocks, keys, request_index)
+
+    def plan(self, logits: torch.Tensor, batch: SamplingBatch, s: StepState, slots: int = 1) -> StepPlan:
         """The step's host facts (see ``plan.StepPlan``), kept by a ``CpuBatch`` until its
         rows change."""
-        rows_per_block = max(1, self.block_elements // s.vocab_size)
-        sparse = s.any_penalties and isinstance(batch, CpuBatch) and batch.has_penalty_slots
+        if slots == 1:
+            rows_per_block = max(1, self.block_elements // s.vocab_size)
+        else:   # whole rows of K + 1 slots: the nearest count to block_elements
+            rows_per_block = max(1, round(self.block_elements / (s.vocab_size * slots))) * slots
+        sparse = s.any_penalties and getattr(s, "slot_ids", None) is not None
         build = lambda: make_plan(s, rows_per_block, sparse)                   # noqa: E731
         if isinstance(batch, CpuBatch):
-            return batch.cached_plan((s.num_rows, rows_per_block), build)
+            return batch.cached_plan((s.num_rows, rows_per_block, slots), build)
         return build()
 
-    # ------------------------------------------------------------------ steps 1-13
-    def run_block(self, logits: torch.Tensor, batch: SamplingBatch, s: StepState, plan: StepPlan,
-                  bp: BlockPlan, request_index: Optional[torch.Tensor]) -> Block:
-        """Steps 1-13 for the rows of ``bp``."""
-        rs = s if len(plan.blocks) == 1 else RowSlice(s, bp.r0, bp.r1)
-        blk = self.block_source(logits, bp, request_index)                     # step 2
-        if s.num_logprobs is not None and s.logprobs_mode == "raw":             # step 1
-            blk.raw = torch.log_softmax(blk.x, dim=-1, out=self.workspace.take("raw", tuple(blk.x.shape)))
-        blk.valid = self.mask_block(blk, s, rs)                                 # steps 3-5
-        if s.any_bias:
-            self.own(blk).scatter_add_(1, rs.bias_ids, rs.bias_values)          # step 6
-            blk.changed()
-        if s.any_penalties:
-            self.penalize_block(blk, batch, rs, plan)                           # steps 7-8
-        if bp.any_greedy:
-            blk.greedy_ids = first_argmax(blk.x, blk.maxima())                  # step 9
-        if not bp.all_greedy:
-            self.filter_block(blk)                                              # steps 10-13
-        return blk
-
-    def block_source(self, logits: torch.Tensor, bp: BlockPlan,
-                     request_index: Optional[torch.Tensor]) -> Block:
+    # ------------------------------------------------------------------ steps 1-8a
+    def working_copy(self, logits: torch.Tensor, batch: SamplingBatch, s: BlockState) -> Block:
         """Step 2, lazily: a Block whose x is the caller's float32 rows when they can be read
         as they are (copied into the workspace by :meth:`own` before any write), else a
-        float32 copy in the workspace (per-request logits expanded to rows)."""
-        if request_index is None:
+        float32 copy in the workspace (per-request logits expanded to rows). Never writes
+        ``logits``."""
+        bp = s.plan
+        if s.request_index is None:
             rows = logits[bp.r0:bp.r1]
             if rows.dtype == torch.float32 and rows.is_contiguous():
-                return Block(bp, rows, owned=False)
+                return Block(s, rows, owned=False)
         else:
-            rows = logits.index_select(0, request_index[bp.r0:bp.r1])
+            rows = logits.index_select(0, s.request_index[bp.r0:bp.r1])
         x = self.workspace.take("x", (bp.n, logits.shape[1]))
-        return Block(bp, x.copy_(rows), owned=True)
+        return Block(s, x.copy_(rows), owned=True)
 
     def own(self, blk: Block) -> torch.Tensor:
-        """blk.x as the workspace's copy, ready to be written in place."""
+        """blk.x as our copy, ready to be written in place."""
         if not blk.owned:
             blk.x = self.workspace.take("x", tuple(blk.x.shape)).copy_(blk.x)
             blk.owned = True
         return blk.x
 
-    def mask_block(self, blk: Block, s: StepState, rs) -> torch.Tensor:
-        """Steps 3-5 in place on blk.x float32 [n, V]; returns bool [n] valid rows (no NaN/+inf
-        before masking, a token left after it). Invalid rows become zeros, as in the
-        reference, so they cannot disturb later stages."""
-        finite = None
-        if s.any_allowed or s.any_bad_words or s.any_min_tokens:
-            x = self.own(blk)
-            if s.any_allowed:
-                # masked_fill can hide a NaN or +inf; the others below add -inf, which keeps
-                # them (NaN + -inf and +inf + -inf are NaN), so one maximum after them is enough.
-                top = x.amax(dim=-1)
-                finite = ~(torch.isnan(top) | (top == float("inf")))
-                x.masked_fill_(~rs.allowed_mask, NEG_INF)                       # step 3
-            if s.any_bad_words:
-                self.ban_in_place(x, rs.bad_last, self.bad_word_hits(rs))       # step 4
-            if s.any_min_tokens:
-                pending = (rs.position < rs.min_tokens)[:, None]
-                self.ban_in_place(x, rs.stop_ids, rs.stop_valid & pending)      # step 5
-            blk.changed()
-        # NaN with a NaN, +inf with a +inf, -inf if all masked; from the group maxima when a
-        # later stage reads them anyway (greedy rows, candidates of undivided rows) and steps
-        # 6-8 do not change x first
-        wants_maxima = ((blk.plan.any_greedy or blk.plan.candidates_only)
-                        and not (s.any_bias or s.any_penalties))
-        top = blk.maxima().amax(dim=-1) if wants_maxima else blk.x.amax(dim=-1)
-        valid = is_finite(top) if finite is None else finite & (top > NEG_INF)
+    def log_softmax(self, x) -> torch.Tensor:
+        """float32 [n, V] log-probabilities of a Block's logits (into the workspace; step 1's
+        raw logprobs) or of a tensor (new). Not in place."""
+        if isinstance(x, Block):
+            return torch.log_softmax(x.x, dim=-1, out=self.workspace.take("raw", tuple(x.x.shape)))
+        return torch.log_softmax(x, dim=-1)
+
+    def finite_rows(self, x: Block) -> torch.Tensor:
+        """bool [n]: rows free of NaN and +inf. Only step 3's allowed ids can hide them (a
+        fill overwrites); the other masks of steps 3-5 add -inf, which keeps NaN and turns
+        +inf into NaN. Without allowed ids the check is left to ``any_token_left``, which
+        reads the rows' maxima after the masks anyway: a 0-dim True then."""
+        if x.state.any_allowed:
+            top = x.x.amax(dim=-1)
+            return ~(torch.isnan(top) | (top == float("inf")))
+        x.finite_pending = True
+        return _TRUE
+
+    def apply_allowed_ids(self, x: Block, s: StepState) -> Block:
+        """Step 3: tokens outside a row's allowed set (``s.allowed_mask`` bool [n, V]) -> -inf,
+        in place on the block's copy."""
+        self.own(x).masked_fill_(~s.allowed_mask, NEG_INF)
+        x.changed()
+        x.dropped = True
+        return x
+
+    def apply_token_bitmask(self, x: Block, s: StepState) -> Block:
+        """Step 3, structured output: tokens whose bit is 0 in ``s.token_bitmask`` (int32
+        [n, ceil(V / 32)]; a row of -1 words is unconstrained) -> -inf, in place on the block's
+        copy, made by this stage when no earlier one made it (``bitmask.apply_bitmask_rows``:
+        a table lookup per byte and one addition per row, no [n, V] boolean)."""
+        out = x.x if x.owned else self.workspace.take("x", tuple(x.x.shape))
+        x.x = apply_bitmask_rows(x.x, s.token_bitmask, out, self.workspace)
+        x.owned = True
+        x.changed()
+        x.dropped = True
+        return x
+
+    def apply_bad_words(self, x: Block, s: StepState) -> Block:
+        """Step 4 (the reference's rule, ``Sampler.apply_bad_words``), in place: -inf is added
+        at each banned word's last token."""
+        recent = s.recent[:, None, :]
+        hits = ((s.bad_prefix == recent) | (s.bad_prefix == -2)).all(dim=-1) & s.bad_valid
+        ban_in_place(self.own(x), s.bad_last, hits)
+        x.changed()
+        return x
+
+    def apply_min_tokens(self, x: Block, s: StepState) -> Block:
+        """Step 5, in place: while ``position < min_tokens``, -inf is added at the stop ids."""
+        pending = (s.position < s.min_tokens)[:, None]
+        ban_in_place(self.own(x), s.stop_ids, s.stop_valid & pending)
+        x.changed()
+        return x
+
+    def any_token_left(self, x: Block) -> torch.Tensor:
+        """bool [n]: rows with a token above -inf; where ``finite_rows`` left the check here,
+        also free of NaN/+inf. From one maximum per row, taken from the group maxima when a
+        later stage reads those anyway (greedy rows, candidates of undivided rows) and steps
+        6-8a leave x as it is."""
+        s, bp = x.state, x.plan
+        later = (s.any_bias or s.any_penalties or s.any_dry
+                 or bool(s.stages and s.stages_at("after_penalties")))
+        wants_maxima = (bp.any_greedy or bp.candidates_only) and not later
+        top = x.maxima().amax(dim=-1) if wants_maxima else x.x.amax(dim=-1)
+        x.row_max = top
+        return is_finite(top) if x.finite_pending else top > NEG_INF
+
+    def neutralise_rows(self, x: Block, valid: torch.Tensor) -> Block:
+        """Invalid rows become zeros (uniform), in place, so they cannot disturb later stages;
+        when every row is valid, the maxima just read are kept for later stages."""
         if not bool(valid.all()):
-            self.own(blk).masked_fill_(~valid[:, None], 0.0)
-            blk.changed()
+            self.own(x).masked_fill_(~valid[:, None], 0.0)
+            x.changed()
         else:
-            blk.top = top[:, None]
-        return valid
+            x.top = x.row_max[:, None]
+        return x
 
-    @staticmethod
-    def bad_word_hits(rs) -> torch.Tensor:
-        """bool [n, W]: bad words whose prefix the row's generated tokens end with (the
-        reference's rule; see ``Sampler.apply_bad_words``)."""
-        recent = rs.recent[:, None, :]
-        matches = ((rs.bad_prefix == recent) | (rs.bad_prefix == -2)).all(dim=-1)
-        return matches & rs.bad_valid
+    def apply_logit_bias(self, x: Block, s: StepState) -> Block:
+        """Step 6, in place: ``x[row, bias_ids] += bias_values``."""
+        self.own(x).scatter_add_(1, s.bias_ids, s.bias_values)
+        x.changed()
+        return x
 
-    @staticmethod
-    def ban_in_place(x: torch.Tensor, ids: torch.Tensor, banned: torch.Tensor) -> None:
-        """x[row, ids[row, j]] += -inf where banned[row, j] (the reference's ``_add_at``, in
-        place). ids int64 [n, J], banned bool [n, J]."""
-        x.scatter_add_(1, ids, torch.where(banned, NEG_INF, 0.0).to(x.dtype))
-
-    def penalize_block(self, blk: Block, batch: SamplingBatch, rs, plan: StepPlan) -> None:
-        """Steps 7-8 in place on blk.x float32 [n, V]: repetition penalty over seen tokens,
-        then frequency and presence penalties over generated ones. From the batch's slots
-        when it keeps them (only the seen tokens are read and written), else from its dense
-        counts."""
-        x = self.own(blk)
-        blk.changed()
-        if not plan.sparse_penalties:
-            x.copy_(self.apply_penalties(x, rs))
-            return
-        r0, r1 = blk.plan.r0, blk.plan.r1
-        ids, counts, length = batch.penalty_slots(plan.num_rows)
-        length = length[r0:r1]
+    def apply_penalties(self, x: Block, s: StepState) -> Block:
+        """Steps 7-8 in place on the block's copy: repetition penalty over seen tokens, then
+        frequency and presence penalties over generated ones. From the batch's slots when it
+        keeps them (``s.slot_ids`` int64 [n, S], ``slot_counts`` int32 [n, S], ``slot_len``
+        int64 [n]: only the seen tokens are read and written), else from the dense counts.
+        Penalties 1, 0, 0 disable them."""
+        xx = self.own(x)
+        x.changed()
+        if getattr(s, "slot_ids", None) is None:
+            xx.copy_(Sampler.apply_penalties(self, xx, s))
+            return x
+        ids, counts, length = s.slot_ids, s.slot_counts, s.slot_len
         width = int(length.max())
         if width == 0:
-            return
+            return x
         real = torch.arange(width)[None, :] < length[:, None]                   # (n, width)
         rows, slots = real.nonzero(as_tuple=True)
-        flat = rows * x.shape[1] + ids[r0:r1, :width][rows, slots]
-        xf = x.view(-1)
+        flat = rows * xx.shape[1] + ids[:, :width][rows, slots]
+        xf = xx.view(-1)
         v = xf[flat]
-        r = rs.repetition_penalty[rows]
+        r = s.repetition_penalty[rows]
         v = torch.where(v > 0, v / r, v * r)                                    # step 7
-        c = counts[r0:r1, :width][rows, slots].to(torch.float32)
+        c = counts[:, :width][rows, slots].to(torch.float32)
         occurred = (c > 0).to(torch.float32)
         # Same expression, in the same order, as the reference's dense step 8.
-        xf[flat] = v - rs.frequency_penalty[rows] * c - rs.presence_penalty[rows] * occurred
+        xf[flat] = v - s.frequency_penalty[rows] * c - s.presence_penalty[rows] * occurred
+        return x
 
-    def filter_block(self, blk: Block) -> None:
-        """Steps 10-13 for the block's random rows (greedy rows have neutral parameters)."""
-        bp = blk.plan
-        if bp.temperature_on and not bp.candidates_only:
-            self.divide(blk)                                                    # step 10
-        if bp.min_p_rows:
-            self.min_p_rows(blk, bp.min_p_rows)                                 # step 11
-        if bp.top_k_rows:
-            self.top_k_rows(blk, bp.top_k_rows)                                 # step 12
-        if bp.top_p_rows:                                                       # step 13
-            candidate_rows = blk.candidate_rows
-            whole = [i for i in bp.top_p_rows if i not in candidate_rows]
-            if len(whole) < len(bp.top_p_rows):
-                self.top_p_candidate_rows(blk.cand, bp.top_p, blk.x.shape[1])
-            if whole:
-                self.top_p_whole_rows(blk, whole)
+    def apply_dry(self, x: Block, s: StepState) -> Block:
+        """Step 8a, DRY, in place on the block's copy: the penalties of the history entries
+        that extend a repeat (``filters.dry_``: O(n H), the reference's values) with the same
+        amin per token, so only the history's tokens are touched. ``dry_multiplier`` 0
+        disables it."""
+        dry_(self.own(x), s)
+        x.changed()
+        return x
 
-    def divide(self, blk: Block) -> None:
-        """Step 10 in place on every row of blk.x (greedy rows divide by 1). Divides while
-        copying when x is still the caller's."""
-        top = blk.top
-        if blk.owned:
-            blk.x.div_(blk.plan.temperature)
+    def apply_custom_stages(self, x: Block, s: StepState, slot: str) -> Block:
+        """The plugins' stages at ``slot`` on the block's rows (``corelib.stages.run_stage``:
+        rows that do not use a stage keep their logits; a failing stage raises
+        ``StageError``). After the filters they run on the final logits of the random rows
+        (candidates and cuts written out first); greedy rows skip them, as in the reference
+        (whose greedy results never read them)."""
+        entries = s.stages_at(slot)
+        if not entries:
+            return x
+        bp = x.plan
+        if slot == "after_filters":
+            self.densify(x, bp.random_rows)
+        y = self.own(x)
+        for spec, inputs, plugin in entries:
+            if slot == "after_filters" and bp.any_greedy:
+                inputs = dataclasses.replace(inputs, active=inputs.active & ~s.greedy)
+            y = run_stage(spec, self.stage_implementation(spec), y, inputs, plugin)
+        x.x = y
+        x.changed()
+        x.dropped = True
+        return x
+
+    # ------------------------------------------------------------------ steps 9-13b
+    def argmax(self, x: Block) -> torch.Tensor:
+        """Step 9: int64 [n], the lowest id among each row's maxima, from the group maxima
+        (and the row maxima, when step 5's are still x's)."""
+        return first_argmax(x.x, x.maxima(), x.top)
+
+    def apply_temperature(self, x: Block, s: StepState) -> Block:
+        """Step 10 in place on every row of the block (greedy rows divide by 1), dividing while
+        copying when x is still the caller's; skipped when the block divides its top-k
+        candidates only (``BlockPlan.candidates_only``: ``apply_top_k_top_p`` does it)."""
+        bp = x.plan
+        if bp.candidates_only:
+            return x
+        top = x.top
+        if x.owned:
+            x.x.div_(bp.temperature)
         else:
-            out = self.workspace.take("x", tuple(blk.x.shape))
-            blk.x, blk.owned = torch.div(blk.x, blk.plan.temperature, out=out), True
-        blk.changed()
+            out = self.workspace.take("x", tuple(x.x.shape))
+            x.x, x.owned = torch.div(x.x, bp.temperature, out=out), True
+        x.changed()
         # x / T rounds monotonically, so the maxima divided are the divided row's maxima
-        blk.top = None if top is None else top / blk.plan.temperature
+        x.top = None if top is None else top / bp.temperature
+        return x
 
-    def min_p_rows(self, blk: Block, rows: list) -> None:
-        """Step 11 on the given rows of blk.x float32 [n, V]: tokens whose probability is
-        < min_p * the row's largest are cut (min_p float32 [n]; 0 keeps all). Rows that a
-        later stage reads in full get the cut applied to x at once."""
-        sub, index = take_rows(blk.x, rows, blk.plan)
+    def apply_top_n_sigma(self, x: Block, s: StepState) -> Block:
+        """Step 10a on the rows that use it (``s.top_n_sigma`` float32 [n], 0 = off): tokens
+        below max - n * sigma over the row's finite logits -> -inf, in place, one threshold
+        pass per row; the threshold is the reference's, bit for bit
+        (``filters.top_n_sigma_thresholds``)."""
+        xx = self.own(x)
+        top = x.top
+        kept_maxima = top is not None
+        for r0, r1 in runs(x.plan.top_n_sigma_rows):
+            row_top = None if top is None else top[r0:r1]
+            thresholds = top_n_sigma_thresholds(xx[r0:r1], s.top_n_sigma[r0:r1], row_top, self.workspace)
+            if kept_maxima:                    # each row's maximum survives its own cut
+                kept_maxima = bool((thresholds <= row_top[:, 0]).all())
+            below = torch.nextafter(thresholds, torch.tensor(NEG_INF)).tolist()
+            for row, value in zip(range(r0, r1), below):
+                torch.threshold_(xx[row], value, NEG_INF)      # keeps x > below, i.e. x >= threshold
+        x.changed()
+        x.top = top if kept_maxima else None
+        x.dropped = True
+        return x
+
+    def apply_min_p(self, x: Block, s: StepState) -> Block:
+        """Step 11 on the rows with min_p > 0: tokens whose probability is < min_p * the
+        row's largest are cut (a :class:`Cut`; x is masked when a later stage reads it)."""
+        rows = x.plan.min_p_rows
+        sub, index = take_rows(x.x, rows, x.plan)
         probs = torch.softmax(sub, dim=-1, out=self.workspace.take("min_p_probs", tuple(sub.shape)))
         # amax is NaN when probs hold a NaN: the row then keeps nothing
-        cut = blk.plan.min_p[index][:, None] * probs.amax(dim=-1, keepdim=True)
-        self.set_cut(blk, rows, probs, cut)
-        later = set(blk.plan.top_k_rows) | set(blk.plan.top_p_rows)
-        self.apply_cuts(blk, [row for row in rows if row in later])
+        cut = x.plan.min_p[index][:, None] * probs.amax(dim=-1, keepdim=True)
+        self.set_cut(x, rows, probs, cut)
+        later = set(x.plan.top_k_rows) | set(x.plan.top_p_rows)
+        self.apply_cuts(x, [row for row in rows if row in later])
+        return x
 
+    def apply_top_k_top_p(self, x: Block, s: StepState) -> Block:
+        """Steps 12-13: top-k rows become candidate rows (``top_k_rows``); top-p on
+        candidates (``top_p_candidate_rows``) or on whole rows as a pending cut
+        (``top_p_whole_rows``)."""
+        bp = x.plan
+        if bp.top_k_rows:
+            self.top_k_rows(x, bp.top_k_rows)                                   # step 12
+        if bp.top_p_rows:                                                       # step 13
+            candidate_rows = x.candidate_rows
+            whole = [i for i in bp.top_p_rows if i not in candidate_rows]
+            if len(whole) < len(bp.top_p_rows):
+                self.top_p_candidate_rows(x.cand, bp.top_p, x.x.shape[1])
+            if whole:
+                self.top_p_whole_rows(x, whole)
+        return x
+
+    def apply_typical_p(self, x: Block, s: StepState) -> Block:
+        """Step 13a on the rows with typical_p < 1, as whole rows: their final logits so far
+        (candidates and cuts written out), then the reference's kept set
+        (``filters.typical_rows_``) applied in place, runs of consecutive rows at a time."""
+        rows = x.plan.typical_p_rows
+        self.densify(x, rows)
+        xx = self.own(x)
+        for r0, r1 in runs(rows):
+            typical_rows_(xx[r0:r1], s.typical_p[r0:r1], self.workspace)
+        x.changed()
+        x.dropped = True
+        return x
+
+    def apply_xtc(self, x: Block, s: StepState) -> Block:
+        """Step 13b: each XTC row's coin first (``row_uniforms`` on the XTC stream, as the
+        reference); rows whose coin says act lose every kept token with probability >=
+        xtc_threshold but the least likely of them, when two or more are (the reference's
+        rule on the reference's softmax of the row, among its few largest logits:
+        ``filters.xtc_rows_``), in place, runs of consecutive rows at a time. Rows whose coin
+        says no are untouched."""
+        coin = (self.row_uniforms(s, STREAM_XTC) < s.xtc_probability).tolist()
+        rows = [row for row in x.plan.xtc_rows if coin[row]]
+        if not rows:
+            return x
+        self.densify(x, rows)
+        xx = self.own(x)
+        changed = False
+        for r0, r1 in runs(rows):
+            changed |= xtc_rows_(xx[r0:r1], s.xtc_threshold[r0:r1], self.workspace)
+        if changed:
+            x.changed()
+        return x
+
+    # ------------------------------------------------------------------ steps 11-13 on rows
     def set_cut(self, blk: Block, rows: list, probs: torch.Tensor, cut: torch.Tensor) -> None:
         """Record a cut (see :class:`Cut`) of the given rows: probs float32 [m, V] become the
         kept probabilities in place (see :meth:`threshold_rows`)."""
@@ -451,6 +593,38 @@ class CpuSampler(Sampler):
                 sign = torch.sign(record.weights[j], out=self.workspace.take("sign", (x.shape[1],)))
                 torch.minimum(x[row], torch.copysign(_INF, sign.sub_(0.5), out=sign), out=x[row])
             blk.masked.add(row)
+        blk.changed()
+
+    def densify(self, blk: Block, rows: list) -> None:
+        """Make the given rows whole rows of x holding their final logits so far (their cuts
+        applied, their candidates written out and dropped from the candidate set), for a
+        stage that reads them in full."""
+        self.apply_cuts(blk, rows)
+        cand = blk.cand
+        if cand is None:
+            return
+        wanted = set(rows)
+        inside = [j for j, row in enumerate(cand.rows) if row in wanted]
+        if not inside:
+            return
+        x = self.own(blk)
+        if len(inside) == len(cand.rows):
+            at, rest = None, []
+        else:
+            at = torch.tensor(inside, dtype=torch.long)
+            rest = [j for j in range(len(cand.rows)) if j not in set(inside)]
+        ids = cand.ids if at is None else cand.ids[at]
+        values = cand.values if at is None else cand.values[at]
+        index = cand.index if at is None else cand.index[at]
+        full = torch.full((len(inside), x.shape[1]), NEG_INF)
+        full.scatter_(1, ids, values)
+        x.index_copy_(0, index, full)
+        if rest:
+            keep = torch.tensor(rest, dtype=torch.long)
+            blk.cand = Candidates([cand.rows[j] for j in rest], cand.index[keep], cand.values[keep],
+                                  cand.ids[keep])
+        else:
+            blk.cand = None
         blk.changed()
 
     def top_k_rows(self, blk: Block, rows: list) -> None:
@@ -512,34 +686,47 @@ class CpuSampler(Sampler):
         self.attach(blk, Cut(rows, probs, [None] * len(rows), top_p))
 
     # ------------------------------------------------------------------ step 14
-    def draw_block(self, blk: Block, keys: Optional[torch.Tensor]):
-        """Step 14 for a block: (int64 [n] token ids, bool [n] finite): finite is False where
-        the drawn token's final logit is not finite (the core's ``drawn_is_finite``: float32
-        overflow after step 5 flags the row instead of returning an arbitrary id)."""
-        bp = blk.plan
+    def draw(self, x: Block, s: StepState) -> torch.Tensor:
+        """Step 14 for the block's random rows: int64 [n] token ids (greedy rows 0: the
+        template takes their argmax). Candidate rows race over their candidates, whole rows
+        draw from their kept probabilities or race with the contract's noise (see the module
+        docstring). Records ``drawn_finite`` for ``drawn_is_finite``."""
+        bp = x.plan
         n = bp.n
-        if bp.all_greedy:
-            return blk.greedy_ids, self.finite_at(blk.x, blk.greedy_ids)
-        cand, candidate_rows = blk.cand, blk.candidate_rows
-        whole = [i for i in range(n) if not bp.greedy[i] and i not in candidate_rows]
+        cand, candidate_rows = x.cand, x.candidate_rows
         if cand is not None and len(cand.rows) == n:           # the common top-k block
-            pos = self.race_candidates(cand, bp, keys)
-            return cand.ids.gather(1, pos)[:, 0], is_finite(cand.values.gather(1, pos)[:, 0])
-        tokens = blk.greedy_ids.clone() if bp.any_greedy else torch.zeros(n, dtype=torch.long)
+            pos = self.race_candidates(cand, bp, s.keys)
+            x.drawn_finite = is_finite(cand.values.gather(1, pos)[:, 0])
+            return cand.ids.gather(1, pos)[:, 0]
+        tokens = torch.zeros(n, dtype=torch.long)
         ok = None
+        whole = [i for i in bp.random_rows if i not in candidate_rows]
         if whole:
-            ids, ok = self.draw_whole(blk, whole, keys)
+            ids, ok = self.draw_whole(x, whole, s.keys)
             if len(whole) == n:
                 tokens = ids
             else:
                 tokens[bp.index(whole)] = ids
                 ok = torch.ones(n, dtype=torch.bool).index_put_((bp.index(whole),), ok)
-        finite = self.finite_at(blk.x, tokens)
+        finite = self.finite_at(x.x, tokens)
         if cand is not None:
-            pos = self.race_candidates(cand, bp, keys)
+            pos = self.race_candidates(cand, bp, s.keys)
             tokens[cand.index] = cand.ids.gather(1, pos)[:, 0]
             finite[cand.index] = is_finite(cand.values.gather(1, pos)[:, 0])
-        return tokens, finite if ok is None else finite & ok
+        x.drawn_finite = finite if ok is None else finite & ok
+        return tokens
+
+    def drawn_is_finite(self, x: Block, final: Block, token_ids: torch.Tensor, s: StepState) -> torch.Tensor:
+        """bool [n]: the chosen token's logit is finite where it was chosen (step 9's x for
+        greedy rows, the final distribution for random rows: see ``draw``). False where
+        float32 overflowed after step 5."""
+        if final.drawn_finite is None:                         # every row greedy
+            if final.top is not None:     # x is still step 5's, whose valid rows' maxima are finite
+                return _TRUE
+            return self.finite_at(final.x, token_ids)
+        if not final.plan.any_greedy:
+            return final.drawn_finite
+        return torch.where(s.greedy, self.finite_at(final.x, token_ids), final.drawn_finite)
 
     @staticmethod
     def finite_at(x: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
@@ -552,7 +739,7 @@ class CpuSampler(Sampler):
         seeded = [i for i, row in enumerate(cand.rows) if bp.seeded[row]]
         if not seeded:
             return race_unseeded_candidates(cand.values, self.generator)
-        row_keys = keys[bp.r0:bp.r1][cand.index]
+        row_keys = keys[cand.index]
         if len(seeded) == len(cand.rows):
             return race_seeded_candidates(cand.values, cand.ids, row_keys)
         pos = race_unseeded_candidates(cand.values, self.generator)
@@ -622,23 +809,26 @@ class CpuSampler(Sampler):
         if record is None:
             self.apply_cuts(blk, rows)
         x = pick_rows(blk.x, rows, bp)
-        row_keys = keys[bp.r0:bp.r1][bp.index(rows)]
-        race = lambda x, keys, kept=None: draw_seeded_rows(                      # noqa: E731
-            x, keys, self.offsets(x.shape[1]), self.workspace, self.NOISE_CHUNK, kept)
+        row_keys = keys[bp.index(rows)]
         if record is None:
-            return race(x, row_keys)
+            return self.race_rows(x, row_keys)
         if record.pending(at) != at:
             self.resolve(record, at)
-            return race(x, row_keys, rows_of(record.weights, at))
-        ids, ok = race(x, row_keys)
+            return self.race_rows(x, row_keys, rows_of(record.weights, at))
+        ids, ok = self.race_rows(x, row_keys)
         top_p = torch.tensor([record.top_p[j] for j in at], dtype=torch.float32)
         settled = nucleus_contains(rows_of(record.weights, at), ids, top_p)
         if not bool(settled.all()):
             redo = (~settled).nonzero()[:, 0]
             places = [at[j] for j in redo.tolist()]
             self.resolve(record, places)
-            ids[redo], ok[redo] = race(x[redo], row_keys[redo], rows_of(record.weights, places))
+            ids[redo], ok[redo] = self.race_rows(x[redo], row_keys[redo], rows_of(record.weights, places))
         return ids, ok
+
+    def race_rows(self, x: torch.Tensor, keys: torch.Tensor, kept: Optional[torch.Tensor] = None):
+        """The contract's seeded race over whole rows x float32 [m, V] with keys int32 [m]
+        (``draw.draw_seeded_rows``; ``kept``: weights whose zeros drop tokens too)."""
+        return draw_seeded_rows(x, keys, self.offsets(x.shape[1]), self.workspace, self.NOISE_CHUNK, kept)
 
     @staticmethod
     def common_cut(blk: Block, rows: list):
@@ -649,9 +839,16 @@ class CpuSampler(Sampler):
             return None, None
         return first[0], [j for _, j in cuts]
 
-    def weights_of(self, blk: Block, rows: list) -> torch.Tensor:
+    def weights_of(self, blk: Block, rows: list, buffer: str = "weights") -> torch.Tensor:
         """float32 [m, V]: the draw weights of whole rows: their cut's kept probabilities
-        (cuts resolved first), or exp(x - max) for rows no probability filter touched."""
+        (cuts resolved first), or exp(x - max) for rows no probability filter touched (into
+        the workspace buffer ``buffer``). Recorded in ``blk.weights`` for verification."""
+        weights = self.row_weights(blk, rows, buffer)
+        blk.weights.append((rows, weights))
+        return weights
+
+    def row_weights(self, blk: Block, rows: list, buffer: str) -> torch.Tensor:
+        """``weights_of`` without the record (for a one-off read of a row's distribution)."""
         record, at = self.common_cut(blk, rows)
         if record is not None:
             self.resolve(record, at)
@@ -660,15 +857,22 @@ class CpuSampler(Sampler):
         if all(c is None for c in cuts):
             x = pick_rows(blk.x, rows, blk.plan)
             top = None if blk.top is None else pick_rows(blk.top, rows, blk.plan)
-            return exp_weights(x, self.workspace.take("weights", tuple(x.shape)), top)
-        weights = self.workspace.take("weights", (len(rows), blk.x.shape[1]))
+            return exp_weights(x, self.workspace.take(buffer, tuple(x.shape)), top, self.sparse(blk))
+        weights = self.workspace.take(buffer, (len(rows), blk.x.shape[1]))
         for j, (row, c) in enumerate(zip(rows, cuts)):
             if c is None:
-                exp_weights(blk.x[row:row + 1], weights[j:j + 1])
+                exp_weights(blk.x[row:row + 1], weights[j:j + 1], sparse=self.sparse(blk))
             else:
                 self.resolve(c[0], [c[1]])
                 weights[j].copy_(c[0].weights[c[1]])
         return weights
+
+    @staticmethod
+    def sparse(blk: Block) -> bool:
+        """Whether the block's rows may hold many tokens far below their maxima (see
+        ``draw.exp_weights``): a stage dropped tokens in bulk, or a random row's temperature
+        is below 1."""
+        return blk.dropped or bool(blk.plan.temperature_below_one)
 
     def offsets(self, V: int) -> torch.Tensor:
         """int32 [V]: every token's share of the seeded hash (``token_offsets``), made once."""
@@ -677,11 +881,65 @@ class CpuSampler(Sampler):
             offsets = self._offsets[V] = token_offsets(torch.arange(V))
         return offsets
 
+    # ------------------------------------------------------------------ verification
+    def draft_probs_sane(self, probs: torch.Tensor) -> torch.Tensor:
+        """bool [B, K]: each slot's draft distribution (float32 [B, K, V]) is free of NaN,
+        +-inf and negative values, from two integer reductions over the float bits (torch's
+        float min/max run ~2x slower, and torch.isfinite makes four [B, K, V] temporaries):
+        as int32, non-negative finite floats are exactly the values in [0, 0x7F800000), +inf
+        and NaN lie above, negative floats below 0, and so does -0.0 (INT_MIN), which is sane:
+        slots holding a negative sign bit take the float check. Not in place."""
+        bits = probs.view(torch.int32)
+        signed = bits.amin(dim=-1) < 0
+        sane = ~signed & (bits.amax(dim=-1) < _INF_BITS)
+        if bool(signed.any()):
+            at = signed.nonzero(as_tuple=True)
+            sane[at] = super().draft_probs_sane(probs[at])
+        return sane
+
+    def rejection_sample(self, final: Block, s: StepState, drafts: Drafts) -> tuple[torch.Tensor, torch.Tensor]:
+        """Lossless speculative sampling at the draft slots of the block's random rows, by
+        ``Sampler.rejection_sample``'s rule: with p the slot's final distribution, draft d
+        passes when ``u * q(d) < p(d)``, and a rejected slot draws from max(p - q, 0)
+        renormalised (p where that is all zero) with step 14's own noise. Returns (bool
+        [b, K] passed, int64 [b, K] recovered); greedy rows' entries are unused.
+
+        A row stops at its first rejected draft, so only the slots up to it are judged and
+        only that slot draws (the template emits nothing of the slots after it); see
+        :class:`SlotJudge` for how p is found."""
+        B, K = drafts.token_ids.shape
+        S = K + 1
+        bp = final.plan
+        passed = torch.zeros((B, K), dtype=torch.bool)
+        recovered = torch.zeros((B, K), dtype=torch.long)
+        count = drafts.count.tolist()
+        rows = [r for r in range(B) if not bp.greedy[r * S] and count[r] > 0]
+        if not rows:
+            return passed, recovered
+        u = self.acceptance_uniforms(s).view(B, S)[:, :K]
+        d = drafts.token_ids.clamp(min=0)
+        uq = (u * drafts.probs.gather(2, d[..., None])[..., 0]).tolist()      # the ratio test's u q(d)
+        judge = SlotJudge(self, final, torch.cat([d, torch.zeros_like(d[:, :1])], dim=1).view(-1))
+        d = d.tolist()
+        q = drafts.probs.view(B * K, -1)
+        for r in rows:
+            for j in range(count[r]):
+                row = r * S + j
+                if judge.passes(row, d[r][j], uq[r][j]):
+                    passed[r, j] = True
+                    continue
+                judge.reject(row, q[r * K + j], (r, j))
+                break
+        for (r, j), token in judge.residual_draws():
+            recovered[r, j] = token
+        return passed, recovered
+
     # ------------------------------------------------------------------ step 15
-    def block_logprobs(self, blk: Block, token_ids: torch.Tensor, s: StepState) -> Logprobs:
-        """Step 15 for a block: from the raw logprobs, or from the final distribution."""
-        source = blk.raw if blk.raw is not None else torch.log_softmax(self.materialize(blk), dim=-1)
-        return self.gather_logprobs(source, token_ids, s.num_logprobs)
+    def processed_source(self, x: Block, final: Block, s: StepState, normalise: bool = True) -> torch.Tensor:
+        """The final distribution's logits of the block (greedy rows: step 8a's), float32
+        [n, V]; its log_softmax when ``normalise``. A view of the block's copy."""
+        out = self.materialize(final)
+        return torch.log_softmax(out, dim=-1) if normalise else out
 
     def gather_logprobs(self, logprobs: torch.Tensor, token_ids: torch.Tensor,
                         num_logprobs: int) -> Logprobs:
@@ -706,19 +964,163 @@ class CpuSampler(Sampler):
     def materialize(self, blk: Block) -> torch.Tensor:
         """float32 [n, V]: the block's final logits (cuts applied, candidate rows written out
         in full, -inf for dropped tokens). Reuses blk.x."""
-        self.apply_cuts(blk, list(blk.cuts))
-        x = self.own(blk)
-        if blk.cand is not None:
-            c = blk.cand
-            full = torch.full((c.values.shape[0], x.shape[1]), NEG_INF)
-            full.scatter_(1, c.ids, c.values)
-            x.index_copy_(0, c.index, full)
-            blk.cand = None
-            blk.changed()
-        return x
+        self.densify(blk, list(blk.cuts) + (blk.cand.rows if blk.cand is not None else []))
+        return self.own(blk)
+
+
+class SlotJudge:
+    """The target distribution p at a verification block's draft slots, for
+    ``rejection_sample``: the ratio test of each slot, and the residual draw of each row's
+    rejected slot.
+
+    Candidate rows (top-k) use the candidates' softmax, computed once for the block: the
+    reference's softmax of the whole row differs from it by at most (2W + 4) float32 ulps
+    per value (see ``select.top_p_candidates_fast``), so a seeded slot whose ratio test lies
+    within twice that takes the reference's softmax, and a seeded row's residual always does
+    (its draw must be the reference's token). Their unseeded residual draws run together, over
+    the candidates (the residual is 0 elsewhere). Whole rows use the reference's softmax of
+    the slot's final row. Seeded residual draws race with the contract's noise over the
+    residual's support, the reference's token; unseeded ones draw from the residual itself.
+    ``tokens`` int64 [n]: the draft judged at each row of the block (0 at bonus slots)."""
+
+    def __init__(self, sampler: CpuSampler, blk: Block, tokens: torch.Tensor):
+        self.sampler, self.blk = sampler, blk
+        self.V = blk.x.shape[1]
+        cand = blk.cand
+        self.at = {} if cand is None else {row: j for j, row in enumerate(cand.rows)}
+        if cand is not None:
+            self.probs = torch.softmax(cand.values, dim=-1)
+            hit = cand.ids == tokens[cand.index][:, None]
+            self.p_draft = (self.probs * hit).sum(dim=-1).tolist()   # one candidate at most
+            self.tolerance = (4 * cand.values.shape[1] + 40) * 2.0 ** -24
+        self.batched: list = []            # unseeded candidate rows' rejections: (place, q, key)
+        self.drawn: list = []              # (key, token) of the other rejections
+        self.totals: dict = {}             # unseeded whole row -> its weights' sum
+
+    def exact(self, row: int) -> torch.Tensor:
+        """float32 [V]: the reference's softmax of the row's final logits (a workspace row,
+        valid until the next call)."""
+        blk = self.blk
+        place = self.at.get(row)
+        out = self.sampler.workspace.take("verify_p", (self.V,))
+        if place is None:
+            self.sampler.densify(blk, [row])
+            return torch.softmax(blk.x[row], dim=-1, out=out)
+        x = self.sampler.workspace.take("verify_x", (self.V,)).fill_(NEG_INF)
+        x.scatter_(0, blk.cand.ids[place], blk.cand.values[place])
+        return torch.softmax(x, dim=-1, out=out)
+
+    def weights(self, row: int) -> tuple[torch.Tensor, float]:
+        """An unseeded whole row's final distribution, unnormalised, and its sum: the weights
+        its draw used, or computed now (into a buffer of their own)."""
+        w = next((weights[rows.index(row)] for rows, weights in self.blk.weights if row in rows), None)
+        if w is None:
+            w = self.sampler.row_weights(self.blk, [row], "verify_weights")[0]
+        total = self.totals.get(row)
+        if total is None:
+            total = self.totals[row] = float(w.sum())
+        return w, total
+
+    def passes(self, row: int, token: int, uq: float) -> bool:
+        """The ratio test ``u q(d) < p(d)`` at the slot of ``row``, with the reference's p(d)
+        (an unseeded whole row: its draw weights, normalised)."""
+        place = self.at.get(row)
+        if place is None:
+            if not self.blk.plan.seeded[row]:
+                w, total = self.weights(row)
+                return uq < float(w[token]) / total
+            return uq < float(self.exact(row)[token])
+        p = self.p_draft[place]
+        if not self.blk.plan.seeded[row]:
+            return uq < p
+        if uq < p * (1.0 - self.tolerance):
+            return True
+        if uq >= p * (1.0 + self.tolerance):
+            return False
+        return uq < float(self.exact(row)[token])
+
+    def reject(self, row: int, q: torch.Tensor, key) -> None:
+        """Record the residual draw of a rejected slot (``q`` float32 [V], the draft's
+        distribution there): made now, or with the block's other unseeded candidate rows."""
+        place = self.at.get(row)
+        seeded = self.blk.plan.seeded[row]
+        if place is not None and not seeded:
+            self.batched.append((place, q, key))
+            return
+        if place is None and not seeded:
+            # max(w / S - q, 0) scaled by S: the residual's own distribution
+            w, total = self.weights(row)
+            residual = torch.add(w, q, alpha=-total, out=self.sampler.workspace.take("verify_residual", (self.V,)))
+            token, ok = draw_from_weights(residual.clamp_(min=0.0)[None], self.sampler.generator)
+            if not bool(ok[0]):                        # all zero: p itself
+                token, _ = draw_from_weights(w[None], self.sampler.generator)
+            self.drawn.append((key, int(token[0])))
+            return
+        if place is None:
+            p, ids = self.exact(row), None
+            residual = torch.sub(p, q, out=self.sampler.workspace.take("verify_residual", (self.V,)))
+        else:
+            ids = self.blk.cand.ids[place]
+            p = self.exact(row)[ids]
+            residual = p - q[ids]
+        residual.clamp_(min=0.0)
+        if not bool((residual > 0).any()):
+            residual = p
+        if seeded:
+            token = self.race(row, residual, ids)
+        else:
+            column = int(draw_from_weights(residual[None], self.sampler.generator)[0][0])
+            token = column if ids is None else int(ids[column])
+        self.drawn.append((key, token))
+
+    def race(self, row: int, weights: torch.Tensor, ids: Optional[torch.Tensor]) -> int:
+        """The contract's seeded race over ``log(weights)`` where weights > 0 (the reference's
+        race over the whole row: the others are -inf there); ids: the weights' token ids
+        (None: the vocabulary)."""
+        support = (weights > 0).nonzero()[:, 0]
+        if support.numel() == 0:                           # NaN (a flagged row): no token
+            return 0
+        tokens = support if ids is None else ids[support]
+        key = self.blk.state.keys[row:row + 1]
+        column = race_seeded_candidates(weights[support].log()[None], tokens[None], key)
+        return int(tokens[column[0, 0]])
+
+    def residual_draws(self) -> list:
+        """[(key, token)] for every rejected slot."""
+        if self.batched:
+            cand = self.blk.cand
+            places = torch.tensor([place for place, _, _ in self.batched], dtype=torch.long)
+            ids = cand.ids[places]
+            q = torch.stack([q_row[ids[i]] for i, (_, q_row, _) in enumerate(self.batched)])
+            p = self.probs[places]
+            residual = (p - q).clamp_(min=0.0)
+            empty = ~(residual > 0).any(dim=-1, keepdim=True)
+            weights = torch.where(empty, p, residual)
+            column = race_unseeded_candidates(weights.log(), self.sampler.generator)
+            tokens = ids.gather(1, column)[:, 0].tolist()
+            self.drawn += [(key, token) for (_, _, key), token in zip(self.batched, tokens)]
+        return self.drawn
 
 
 _INF = torch.tensor(float("inf"))
+_INF_BITS = 0x7F800000
+
+
+def ban_in_place(x: torch.Tensor, ids: torch.Tensor, banned: torch.Tensor) -> None:
+    """x[row, ids[row, j]] += -inf where banned[row, j] (the reference's ``_add_at``, in
+    place). ids int64 [n, J], banned bool [n, J]."""
+    x.scatter_add_(1, ids, torch.where(banned, NEG_INF, 0.0).to(x.dtype))
+
+
+def runs(rows: list) -> list[tuple[int, int]]:
+    """Ascending rows as runs of consecutive ones: [(r0, r1), ...], rows r0..r1-1 each."""
+    out = []
+    for row in rows:
+        if out and out[-1][1] == row:
+            out[-1] = (out[-1][0], row + 1)
+        else:
+            out.append((row, row + 1))
+    return out
 
 
 def take_rows(x: torch.Tensor, rows: list, bp: BlockPlan) -> tuple[torch.Tensor, torch.Tensor]:
@@ -740,7 +1142,27 @@ def pick_rows(x: torch.Tensor, rows: list, bp: BlockPlan) -> torch.Tensor:
     return x if len(rows) == x.shape[0] else x.index_select(0, bp.index(rows))
 
 
+def drafts_of(drafts: Drafts, rows: slice) -> Drafts:
+    """The drafts of the rows ``rows`` (views)."""
+    return Drafts(drafts.token_ids[rows], drafts.count[rows],
+                  None if drafts.probs is None else drafts.probs[rows], drafts.usable[rows])
+
+
 def join_logprobs(pieces: list) -> Logprobs:
     return Logprobs(torch.cat([p.token_ids for p in pieces]),
                     torch.cat([p.logprobs for p in pieces]),
                     torch.cat([p.ranks for p in pieces]))
+
+
+def join_samples(outputs: list) -> SamplerOutput:
+    """The blocks' outputs as one, in row order."""
+    logprobs = None if outputs[0].logprobs is None else join_logprobs([o.logprobs for o in outputs])
+    return SamplerOutput(torch.cat([o.token_ids for o in outputs]), torch.cat([o.valid for o in outputs]),
+                         logprobs)
+
+
+def join_verifications(outputs: list) -> VerifyOutput:
+    """The blocks' verification outputs as one, in row order."""
+    logprobs = None if outputs[0].logprobs is None else join_logprobs([o.logprobs for o in outputs])
+    return VerifyOutput(torch.cat([o.token_ids for o in outputs]), torch.cat([o.num_emitted for o in outputs]),
+                        torch.cat([o.valid for o in outputs]), logprobs)

@@ -1,0 +1,101 @@
+"""The step state of one block of rows, as the core template reads it.
+
+The cpu backend runs the core's template (``Sampler.sample_state``, ``verify_state``,
+``processed_state``) once per block of rows. :class:`BlockState` gives that run the block's view
+of the step: every per-row tensor of the step state sliced to the block's rows (on first use,
+so a step slices only what its stages read), the custom stages' inputs sliced the same way, and
+host flags that say which stages the block's own rows use (a stage no row of the block uses is
+skipped, as the template skips a stage no row of the batch uses). It also carries what the
+cpu's stages need besides the core's state: the block's plan (:class:`~corelib_cpu.plan.BlockPlan`),
+its rows' seeded keys and the per-request logits index.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from corelib import StageInputs, StepState
+
+from .plan import BlockPlan
+
+
+def block_states(s: StepState, plans: list, keys: Optional[torch.Tensor],
+                 request_index: Optional[torch.Tensor]) -> list:
+    """The states the template runs on, one per block (``plans``: the step's BlockPlans): a
+    :class:`BlockState` each, or, when one block holds every row of the step, the step state
+    itself with the block's ``plan``, ``keys`` and ``request_index`` set on it (its flags are
+    the block's already; this spares the one block of a small batch the wrapper's cost)."""
+    if len(plans) == 1 and plans[0].r0 == 0 and plans[0].r1 == s.num_rows:
+        s.plan, s.keys, s.request_index = plans[0], keys, request_index
+        return [s]
+    # the step's host values every block shares (its flags, the logprobs asked for, ...)
+    shared = {name: getattr(s, name) for name in _SHARED}
+    if not s.stages:
+        shared["stages"] = ()
+    return [BlockState(s, plan, keys, request_index, shared) for plan in plans]
+
+
+class BlockState:
+    """Rows ``plan.r0:plan.r1`` of step state ``s`` (duck-types ``StepState``).
+
+    ``keys``: int32 [B] row keys of the whole step (or None when no row is seeded);
+    ``request_index``: int64 [B] rows -> per-request logits rows, or None when the logits have
+    one row per batch row."""
+
+    def __init__(self, s: StepState, plan: BlockPlan, keys: Optional[torch.Tensor],
+                 request_index: Optional[torch.Tensor], shared: Optional[dict] = None):
+        whole = plan.r0 == 0 and plan.r1 == s.num_rows
+        if shared:
+            self.__dict__.update(shared)
+        self._s = s
+        self._rows = None if whole else slice(plan.r0, plan.r1)
+        self.plan = plan
+        self.keys = keys if keys is None or whole else keys[plan.r0:plan.r1]
+        self.request_index = request_index
+        self.num_rows = plan.n
+        # The block's own flags; those of optional state the batch holds (penalties, masks,
+        # bias, DRY, stages) stay the step's: rows that do not use it hold neutral values.
+        self.any_greedy = plan.any_greedy
+        self.all_greedy = plan.all_greedy
+        self.any_random = not plan.all_greedy
+        self.any_seeded = plan.any_seeded
+        self.any_unseeded = plan.any_unseeded
+        self.any_temperature = plan.temperature_on
+        self.any_min_p = bool(plan.min_p_rows)
+        self.any_top_k = bool(plan.top_k_rows)
+        self.any_top_p = bool(plan.top_p_rows)
+        self.any_top_n_sigma = bool(plan.top_n_sigma_rows)
+        self.any_typical_p = bool(plan.typical_p_rows)
+        self.any_xtc = bool(plan.xtc_rows)
+
+    def __getattr__(self, name):
+        # Called only for attributes not set yet: the step state's, sliced to the block once.
+        if name.startswith("__") or name in ("_s", "_rows"):
+            raise AttributeError(name)
+        value = getattr(self._s, name)
+        if self._rows is not None:
+            if isinstance(value, torch.Tensor):
+                value = value[self._rows]
+            elif name == "stages":
+                value = tuple((spec, slice_inputs(inputs, self._rows), plugin)
+                              for spec, inputs, plugin in value)
+        setattr(self, name, value)
+        return value
+
+    def stages_at(self, slot: str) -> list:
+        """The custom stages some row of the step uses at ``slot`` (``StepState.stages_at``)."""
+        return [entry for entry in self.stages if entry[0].slot == slot]
+
+
+# StepState's host values every block shares (the flags of the stages a block's plan knows
+# its rows for are set from the plan instead; see BlockState).
+_SHARED = ("vocab_size", "logprobs_mode", "num_logprobs", "max_top_k", "any_top_p_without_top_k",
+           "all_random_top_k", "any_allowed", "any_bias", "any_min_tokens", "any_bad_words",
+           "any_bitmask", "any_dry", "any_penalties")
+
+
+def slice_inputs(inputs: StageInputs, rows: slice) -> StageInputs:
+    """A custom stage's inputs for the rows ``rows`` (views)."""
+    return StageInputs(inputs.active[rows], {k: v[rows] for k, v in inputs.args.items()},
+                       {k: v[rows] for k, v in inputs.state.items()}, inputs.position[rows])
