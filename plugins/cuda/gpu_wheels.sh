@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# Run HERE (a machine with PyPI), from the repo root, before a GPU session's device call:
+# Run on a machine with PyPI access, from the repo root, before copying the tree to a GPU machine:
 #   bash plugins/cuda/gpu_wheels.sh
 # The GPU image (python3 3.12, torch, pluggy, pytest, setuptools) lacks pydantic; this puts its
 # wheels in .whl/ (kept out of git through .git/info/exclude) so that gpu_check.sh can install
-# them there offline. Pass `carry: [".whl"]` to the device call. FlashInfer cannot travel: its
-# wheel alone is ~100 MB, over the 64 MiB a call may carry.
+# them there offline. Copy .whl/ along with the tree. FlashInfer is not prepared here: its wheel alone
+# is ~100 MB, more than such a copy allows.
 set -euo pipefail
 grep -qx '/.whl/' .git/info/exclude 2>/dev/null || echo '/.whl/' >> .git/info/exclude
 rm -rf .whl && mkdir -p .whl
