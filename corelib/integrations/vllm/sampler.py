@@ -73,6 +73,12 @@ def make_sampler(choice: str, device: torch.device, seed: Optional[int]) -> Samp
     return sampler
 
 
+def accepts_token_bitmask(sampler: Sampler) -> bool:
+    """Whether ``sampler.sample`` takes a ``token_bitmask`` argument (a backend written before
+    it does not: vLLM masks the logits in place for it instead)."""
+    return "token_bitmask" in inspect.signature(sampler.sample).parameters
+
+
 class BatchMirror:
     """A ``SamplingBatch`` kept in the row order of a vLLM ``InputBatch`` (module docstring)."""
 
@@ -171,7 +177,7 @@ class CorelibSampler(VllmSampler):
         self.rejection_sampler = CorelibRejectionSampler(self)
         # A backend written before corelib's token_bitmask argument gets vLLM's own in-place
         # masking of the logits instead (``grammar``).
-        self.takes_token_bitmask = "token_bitmask" in inspect.signature(self.corelib.sample).parameters
+        self.takes_token_bitmask = accepts_token_bitmask(self.corelib)
         self.speculation = SpeculationStats(self.corelib.device)
         self._grammar_bitmask: Optional[torch.Tensor] = None
         self._failures: dict[str, str] = {}

@@ -155,15 +155,15 @@ def fresh_llm(model_dir):
 
 @pytest.fixture(scope="session")
 def reference_llm(model_dir):
-    """corelib's reference backend, which takes the grammar bitmask as ``token_bitmask`` and
-    has every engine feature of the contract (xgrammar for structured outputs)."""
+    """corelib's reference backend (the contract's oracle), for cross-backend agreement."""
     return make_llm(model_dir, "reference")
 
 
 @pytest.fixture(scope="session")
 def guidance_llm(model_dir):
-    """The reference backend with vLLM's guidance (llguidance) structured-output backend."""
-    return make_llm(model_dir, "reference", structured_outputs_config={"backend": "guidance"})
+    """The cpu backend with vLLM's guidance (llguidance) structured-output backend (the other
+    engines use xgrammar, vLLM's default)."""
+    return make_llm(model_dir, "cpu", structured_outputs_config={"backend": "guidance"})
 
 
 @pytest.fixture(scope="session")
@@ -171,13 +171,6 @@ def ngram_llm(model_dir):
     """Speculative decoding (ngram drafts) verified by corelib's cpu backend, with vLLM's
     per-request acceptance metrics."""
     return make_llm(model_dir, "cpu", speculative_config=NGRAM,
-                    per_request_spec_decode_metrics="summary")
-
-
-@pytest.fixture(scope="session")
-def ngram_reference_llm(model_dir):
-    """ngram drafts verified by the reference backend (grammar bitmask per slot)."""
-    return make_llm(model_dir, "reference", speculative_config=NGRAM,
                     per_request_spec_decode_metrics="summary")
 
 

@@ -48,36 +48,36 @@ def longest_run(tokens: list[int]) -> int:
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
-def test_sampler_acts_as_in_corelibs_own_loop(name, reference_llm, hf_model):
+def test_sampler_acts_as_in_corelibs_own_loop(name, corelib_llm, hf_model):
     """With the sampler on, vLLM's completions differ from those without it and equal corelib's
     transformers loop with the same corelib parameters (seeded draws included)."""
     case = CASES[name]
-    ours = first(run(reference_llm, SAMPLER_PROMPTS, through_extra_args(case)))
-    assert ours != first(run(reference_llm, SAMPLER_PROMPTS, plain(case)))
+    ours = first(run(corelib_llm, SAMPLER_PROMPTS, through_extra_args(case)))
+    assert ours != first(run(corelib_llm, SAMPLER_PROMPTS, plain(case)))
     theirs = first(hf_generate(hf_model, SAMPLER_PROMPTS, corelib.SamplingParams(**case),
                                max_new_tokens=LENGTH, backend="reference"))
     assert ours == theirs
 
 
-def test_dry_breaks_the_repeat(reference_llm):
+def test_dry_breaks_the_repeat(corelib_llm):
     """Greedy decoding of LOOP repeats one token 20 times; DRY penalises extending the repeat
     and the run breaks early."""
-    loop = run(reference_llm, [LOOP], plain(CASES["dry"]))[0][0]
-    dry = run(reference_llm, [LOOP], through_extra_args(CASES["dry"]))[0][0]
+    loop = run(corelib_llm, [LOOP], plain(CASES["dry"]))[0][0]
+    dry = run(corelib_llm, [LOOP], through_extra_args(CASES["dry"]))[0][0]
     assert longest_run(loop) >= 15
     assert longest_run(dry) <= 6
 
 
-def test_ban_repeats_stage_bans_a_third_occurrence(reference_llm):
-    for tokens in first(run(reference_llm, SAMPLER_PROMPTS, through_extra_args(CASES["ban-repeats"]))):
+def test_ban_repeats_stage_bans_a_third_occurrence(corelib_llm):
+    for tokens in first(run(corelib_llm, SAMPLER_PROMPTS, through_extra_args(CASES["ban-repeats"]))):
         assert max(tokens.count(t) for t in tokens) <= 2
 
 
-def test_seeded_xtc_reproduces_whatever_the_batch(reference_llm):
+def test_seeded_xtc_reproduces_whatever_the_batch(corelib_llm):
     params = through_extra_args(CASES["xtc"])
-    alone = run(reference_llm, [PROMPTS[0]], params)[0][0]
+    alone = run(corelib_llm, [PROMPTS[0]], params)[0][0]
     crowd = [vllm_params(temperature=0.7, seed=1), params, through_extra_args(CASES["dry"]),
              vllm_params(temperature=1.0)]
     prompts = [PROMPTS[1], PROMPTS[0], LOOP, PROMPTS[3]]
-    assert first(run(reference_llm, prompts, crowd))[1] == alone
-    assert run(reference_llm, [PROMPTS[0]], params)[0][0] == alone
+    assert first(run(corelib_llm, prompts, crowd))[1] == alone
+    assert run(corelib_llm, [PROMPTS[0]], params)[0][0] == alone

@@ -157,19 +157,19 @@ def test_draft_probabilities_reach_the_rejection_sampling(draft_llm, corelib_llm
 
 
 # ---------------------------------------------------------------------- every slot
-def test_grammar_holds_at_every_slot(ngram_reference_llm, reference_llm):
+def test_grammar_holds_at_every_slot(ngram_llm, corelib_llm):
     """ngram proposes words the grammar allows; each slot's bitmask (the grammar after the
     slot's drafts) reaches corelib's verify, and the seeded constrained completions equal
     those without speculation."""
-    tokenizer = reference_llm.get_tokenizer()
+    tokenizer = corelib_llm.get_tokenizer()
     prompt = tokenizer.encode("the of and the of and the of and the of and ")
     regex = "((the|of|and) ){12}"
     params = [vllm_params(temperature=1.0, seed=seed, max_tokens=40, ignore_eos=False,
                           structured_outputs=StructuredOutputsParams(regex=regex))
               for seed in range(3)]
-    spec = Speculation(ngram_reference_llm, [prompt] * 3, params)
+    spec = Speculation(ngram_llm, [prompt] * 3, params)
     assert spec.stats["accepted_tokens"] > 0
-    assert spec.tokens == first(run(reference_llm, [prompt] * 3, params))
+    assert spec.tokens == first(run(corelib_llm, [prompt] * 3, params))
     for completion in spec.completions:
         assert re.fullmatch(regex, completion.text)
 
@@ -187,13 +187,13 @@ STAGES = [
 ]
 
 
-def test_every_stage_at_every_slot_equals_plain_decoding(ngram_reference_llm, reference_llm):
+def test_every_stage_at_every_slot_equals_plain_decoding(ngram_llm, corelib_llm):
     """Penalties, min_tokens, logit bias, min_p, DRY, XTC, typical-p, top-n-sigma and custom
     stages (one with per-row state) see at each slot the state as if the slot's drafts had
     been generated: seeded and greedy completions equal those without speculation. (vLLM's
     own sampler refuses min_p and logit_bias under speculative decoding.)"""
     prompts = SPEC_PROMPTS[:len(STAGES)]
     params = [vllm_params(max_tokens=LENGTH, **case) for case in STAGES]
-    spec = Speculation(ngram_reference_llm, prompts, params)
+    spec = Speculation(ngram_llm, prompts, params)
     assert spec.stats["accepted_tokens"] > 0
-    assert spec.tokens == first(run(reference_llm, prompts, params))
+    assert spec.tokens == first(run(corelib_llm, prompts, params))

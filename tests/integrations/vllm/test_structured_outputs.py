@@ -18,7 +18,7 @@ from corelib.integrations.vllm.grammar import logits_row_bitmask
 
 from conftest import PROMPTS, first, generate, run, runner_of, vllm_params
 
-GRAMMAR_ENGINES = ["reference_llm", "guidance_llm"]   # xgrammar and guidance, token_bitmask path
+GRAMMAR_ENGINES = ["corelib_llm", "guidance_llm"]   # xgrammar and guidance, token_bitmask path
 REGEX = "[0-9]{3}-[a-z]{2}"
 CHOICES = ["true", "false", "null"]
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["flag", "kind"],
@@ -60,15 +60,15 @@ def test_bitmask_rows_follow_the_logits_rows():
 
 
 # ---------------------------------------------------------------------- through corelib
-def test_the_bitmask_goes_to_corelib_not_into_the_logits(reference_llm, vllm_llm, hf_model):
+def test_the_bitmask_goes_to_corelib_not_into_the_logits(corelib_llm, vllm_llm, hf_model):
     """With a backend that takes ``token_bitmask``, vLLM no longer masks the logits: the raw
     logprob of every constrained token is the model's own log-softmax, as the contract's step
     1 says. vLLM's sampler, which samples logits masked in place, reports the logprobs
     renormalised over the grammar's tokens instead."""
-    assert runner_of(reference_llm).sampler.takes_token_bitmask
+    assert runner_of(corelib_llm).sampler.takes_token_bitmask
     params = vllm_params(temperature=0.0, logprobs=0, max_tokens=20, ignore_eos=False,
                          structured_outputs=StructuredOutputsParams(regex=REGEX))
-    ours = generate(reference_llm, [PROMPT], params)[0][0]
+    ours = generate(corelib_llm, [PROMPT], params)[0][0]
     theirs = generate(vllm_llm, [PROMPT], params)[0][0]
     tokens = list(ours.token_ids)
     assert re.fullmatch(REGEX, ours.text) and list(theirs.token_ids) == tokens
@@ -105,16 +105,33 @@ def test_seeded_constrained_completions_reproduce_whatever_the_batch(engine, req
 
 
 def test_backend_without_token_bitmask_gets_vllms_masking(corelib_llm):
-    """A backend whose ``sample`` has no ``token_bitmask`` argument (the cpu backend here)
-    samples logits that vLLM masked in place: the grammar holds all the same, and the seeded
-    tokens are those of the backend that takes the mask."""
+    """A backend whose ``sample`` has no ``token_bitmask`` argument (``takes_token_bitmask``
+    False, as ``accepts_token_bitmask`` finds for one written before it) samples logits that
+    vLLM masked in place: the grammar holds all the same, and the seeded tokens are those the
+    backend draws when it takes the mask itself."""
     sampler = runner_of(corelib_llm).sampler
-    if sampler.takes_token_bitmask:
-        pytest.skip("the cpu backend takes token_bitmask: covered by the tests above")
-    for seed in range(3):
-        outs = first(generate(corelib_llm, [PROMPT, PROMPT], [constrained("regex", seed),
-                                                              constrained("choice", seed)]))
-        assert holds("regex", outs[0].text) and holds("choice", outs[1].text)
+    params = [constrained("regex", 31), constrained("choice", 32), constrained("json", 33)]
+    prompts = [PROMPT, PROMPT, PROMPTS[1]]
+    routed = first(generate(corelib_llm, prompts, params))
+    sampler.takes_token_bitmask = False
+    try:
+        masked = first(generate(corelib_llm, prompts, params))
+    finally:
+        sampler.takes_token_bitmask = True
+    assert [holds(kind, out.text) for kind, out in zip(["regex", "choice", "json"], masked)] == [True] * 3
+    assert [list(o.token_ids) for o in masked] == [list(o.token_ids) for o in routed]
+
+
+def test_a_sample_without_token_bitmask_is_recognised():
+    from corelib.integrations.vllm.sampler import accepts_token_bitmask
+    from corelib_cpu.sampler import CpuSampler
+
+    class WrittenBeforeBitmasks(CpuSampler):
+        def sample(self, logits, batch):
+            return super().sample(logits, batch)
+
+    assert accepts_token_bitmask(CpuSampler())
+    assert not accepts_token_bitmask(WrittenBeforeBitmasks())
 
 
 def test_backends_agree_on_seeded_constrained_tokens(corelib_llm, reference_llm):
@@ -124,7 +141,7 @@ def test_backends_agree_on_seeded_constrained_tokens(corelib_llm, reference_llm)
 
 
 # ---------------------------------------------------------------------- no token left
-@pytest.mark.parametrize("engine", ["reference_llm", "corelib_llm", "ngram_reference_llm"])
+@pytest.mark.parametrize("engine", ["corelib_llm", "ngram_llm"])
 def test_finished_grammar_under_min_tokens_finishes_that_request_with_an_error(engine, request):
     """The choice grammar is complete after "yes" or "no" and allows only eos, which
     min_tokens still holds back: the row has no token left. vLLM's scheduler finishes that
