@@ -217,19 +217,21 @@ def engine_summary(rows: list[dict]) -> str:
             "verify/rows", "verify-q/rows", "fi/torch verify-q"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
 
-    def ms(v):
-        return "-" if v is None else f"{v:.3f}"
-
-    def x(v):
-        return "-" if v is None else f"{v:.2f}x"
-
     for r in rows:
-        vals = [str(r["B"]), str(r["K"])] + [ms(r.get(k)) for k in head[2:12]]
-        vals += [x(ratio(r, "mask", "plain")), x(ratio(r, "samplers", "plain")),
-                 x(ratio(r, "verify", "rows")), x(ratio(r, "verify-q", "rows")),
-                 x(ratio(r, "verify-q", "verify-q-torch"))]
+        vals = [str(r["B"]), str(r["K"])] + [_ms(r.get(k)) for k in head[2:12]]
+        vals += [_x(ratio(r, "mask", "plain")), _x(ratio(r, "samplers", "plain")),
+                 _x(ratio(r, "verify", "rows")), _x(ratio(r, "verify-q", "rows")),
+                 _x(ratio(r, "verify-q", "verify-q-torch"))]
         lines.append("| " + " | ".join(vals) + " |")
     return "\n".join(lines)
+
+
+def _ms(v: Optional[float]) -> str:
+    return "-" if v is None else f"{v:.3f}"
+
+
+def _x(v: Optional[float]) -> str:
+    return "-" if v is None else f"{v:.2f}x"
 
 
 def ratio(row: dict, num: str, den: str) -> Optional[float]:
@@ -245,21 +247,15 @@ def summary(rows: list[dict]) -> str:
             "graph/fi-bare", "full/cuda"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
 
-    def ms(v):
-        return "-" if v is None else f"{v:.3f}"
-
-    def x(v):
-        return "-" if v is None else f"{v:.2f}x"
-
     for r in rows:
         cfg = "top_k_top_p"
-        vals = [str(r["B"]), ms(r.get("sort")), ms(r.get(f"reference/{cfg}")), ms(r.get("fi-bare")),
-                ms(r.get("fi-bare-rows")), ms(r.get(f"cuda/{cfg}")), ms(r.get(f"cuda-fast/{cfg}")),
-                ms(r.get(f"cuda-graph/{cfg}")), ms(r.get(f"cuda-torch/{cfg}")), ms(r.get("cuda/full")),
-                ms(r.get("cuda/top_k_top_p_seeded")),
-                x(ratio(r, "sort", f"cuda/{cfg}")), x(ratio(r, f"cuda/{cfg}", "fi-bare")),
-                x(ratio(r, f"cuda-fast/{cfg}", "fi-bare")), x(ratio(r, f"cuda-graph/{cfg}", "fi-bare")),
-                x(ratio(r, "cuda/full", f"cuda/{cfg}"))]
+        vals = [str(r["B"]), _ms(r.get("sort")), _ms(r.get(f"reference/{cfg}")), _ms(r.get("fi-bare")),
+                _ms(r.get("fi-bare-rows")), _ms(r.get(f"cuda/{cfg}")), _ms(r.get(f"cuda-fast/{cfg}")),
+                _ms(r.get(f"cuda-graph/{cfg}")), _ms(r.get(f"cuda-torch/{cfg}")), _ms(r.get("cuda/full")),
+                _ms(r.get("cuda/top_k_top_p_seeded")),
+                _x(ratio(r, "sort", f"cuda/{cfg}")), _x(ratio(r, f"cuda/{cfg}", "fi-bare")),
+                _x(ratio(r, f"cuda-fast/{cfg}", "fi-bare")), _x(ratio(r, f"cuda-graph/{cfg}", "fi-bare")),
+                _x(ratio(r, "cuda/full", f"cuda/{cfg}"))]
         lines.append("| " + " | ".join(vals) + " |")
     return "\n".join(lines)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from importlib.metadata import entry_points
 from typing import Any, Callable, Optional
 
@@ -46,6 +46,12 @@ class BackendSpec:
     description: str = ""
 
 
+def _shown_fields(status: Any) -> dict[str, Any]:
+    """A status dataclass as JSON-ready data: the fields its repr shows (not the error
+    object or the spec), in declaration order."""
+    return {f.name: getattr(status, f.name) for f in fields(status) if f.repr}
+
+
 @dataclass
 class BackendStatus:
     """One line of ``available_backends()``."""
@@ -64,12 +70,7 @@ class BackendStatus:
     spec: Optional[BackendSpec] = field(default=None, repr=False)
 
     def as_dict(self) -> dict[str, Any]:
-        return {
-            "name": self.name, "plugin": self.plugin, "distribution": self.distribution,
-            "version": self.version, "device_type": self.device_type, "priority": self.priority,
-            "available": self.available, "reason": self.reason, "auto": self.auto,
-            "description": self.description,
-        }
+        return _shown_fields(self)
 
 
 @dataclass
@@ -89,11 +90,7 @@ class StageStatus:
     spec: Optional[StageSpec] = field(default=None, repr=False)
 
     def as_dict(self) -> dict[str, Any]:
-        return {
-            "name": self.name, "plugin": self.plugin, "distribution": self.distribution,
-            "version": self.version, "slot": self.slot, "available": self.available,
-            "reason": self.reason, "description": self.description,
-        }
+        return _shown_fields(self)
 
 
 class BackendUnavailableError(RuntimeError):

@@ -112,6 +112,23 @@ class Drafts:
         return self.token_ids.shape[1] + 1
 
 
+def typical_keep(x: torch.Tensor, typical_p: torch.Tensor) -> torch.Tensor:
+    """Step 13a's kept set by a full sort: bool [B, V] for logits x float32 [B, V] and
+    typical_p float32 [B] (every row filtered, 1 included). Mass summed in float64. Not in
+    place."""
+    logp = torch.log_softmax(x, dim=-1)
+    p = logp.exp()
+    entropy = -torch.where(p > 0, p * logp, 0.0).sum(dim=-1, keepdim=True)
+    score = torch.where(p > 0, (-logp - entropy).abs(), float("inf"))
+    order = torch.argsort(score, dim=-1, stable=True)
+    ordered_p = p.gather(1, order).double()
+    mass_before = ordered_p.cumsum(dim=-1) - ordered_p
+    inside = mass_before < typical_p.double()[:, None]
+    last = inside.sum(dim=-1, keepdim=True).clamp(min=1) - 1
+    threshold = score.gather(1, order.gather(1, last))
+    return score <= threshold
+
+
 def nucleus_keep(probs: torch.Tensor, ordered: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     """Step 13's kept set: bool [B, V], True for tokens in the nucleus (ties at its edge kept).
 
@@ -678,17 +695,7 @@ class Sampler:
         keep the smallest set of lowest-score tokens whose mass >= typical_p (ties at the
         boundary kept, never fewer than one token). ``typical_p`` float32 [B], 1 = off. Mass
         summed in float64, by a full sort (the reference). Not in place."""
-        logp = torch.log_softmax(x, dim=-1)
-        p = logp.exp()
-        entropy = -torch.where(p > 0, p * logp, 0.0).sum(dim=-1, keepdim=True)
-        score = torch.where(p > 0, (-logp - entropy).abs(), float("inf"))
-        order = torch.argsort(score, dim=-1, stable=True)
-        ordered_p = p.gather(1, order).double()
-        mass_before = ordered_p.cumsum(dim=-1) - ordered_p
-        inside = mass_before < s.typical_p.double()[:, None]
-        last = inside.sum(dim=-1, keepdim=True).clamp(min=1) - 1
-        threshold = score.gather(1, order.gather(1, last))
-        keep = (score <= threshold) | (s.typical_p >= 1.0)[:, None]
+        keep = typical_keep(x, s.typical_p) | (s.typical_p >= 1.0)[:, None]
         return x.masked_fill(~keep, NEG_INF)
 
     def apply_xtc(self, x: torch.Tensor, s: StepState) -> torch.Tensor:

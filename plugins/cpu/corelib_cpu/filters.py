@@ -13,6 +13,8 @@ from typing import Optional
 
 import torch
 
+from corelib.sampler import typical_keep
+
 from .rowops import top_values
 
 NEG_INF = float("-inf")
@@ -205,17 +207,7 @@ def _largest_qualifying(mass: torch.Tensor, before_all: torch.Tensor, limit: tor
 
 def _typical_by_sort(x: torch.Tensor, typical_p: torch.Tensor) -> None:
     """The reference's step 13a on x float32 [1, V], in place (a full sort)."""
-    logp = torch.log_softmax(x, dim=-1)
-    p = logp.exp()
-    entropy = -torch.where(p > 0, p * logp, 0.0).sum(dim=-1, keepdim=True)
-    score = torch.where(p > 0, (-logp - entropy).abs(), float("inf"))
-    order = torch.argsort(score, dim=-1, stable=True)
-    ordered_p = p.gather(1, order).double()
-    mass_before = ordered_p.cumsum(dim=-1) - ordered_p
-    inside = mass_before < typical_p.double()[:, None]
-    last = inside.sum(dim=-1, keepdim=True).clamp(min=1) - 1
-    threshold = score.gather(1, order.gather(1, last))
-    x.masked_fill_(score > threshold, NEG_INF)
+    x.masked_fill_(~typical_keep(x, typical_p), NEG_INF)
 
 
 # ---------------------------------------------------------------------- 13b: XTC
