@@ -513,15 +513,20 @@ class SamplingBatch:
         t = {name: tensor[:n] for name, tensor in self._tensors.items()}
         return self._state_of(t, n)
 
-    def speculative_state(self, draft_token_ids: torch.Tensor) -> StepState:
+    def speculative_state(self, draft_token_ids: torch.Tensor,
+                          num_rows: Optional[int] = None) -> StepState:
         """The step state of ``verify``: ``rows * (K + 1)`` virtual rows, row ``r``'s slot ``j``
         at ``r * (K + 1) + j``, each with the row's state as if its first ``j`` drafts had been
         appended (position, penalty counts, recent window for bad words and min_tokens, DRY
         history, custom stages' state).
 
         draft_token_ids: int64 ``[rows, K]`` on the batch's device, -1 = no draft (a suffix).
-        The batch itself is not changed. Costs ``K + 1`` copies of the per-row state."""
-        n = len(self._row_keys)
+        ``num_rows``: as in ``step_state``, a padded row count (rows past ``len(batch)`` hold
+        neutral values; ``draft_token_ids`` then has ``num_rows`` rows). The batch itself is not
+        changed. Costs ``K + 1`` copies of the per-row state."""
+        n = len(self._row_keys) if num_rows is None else num_rows
+        if n > self._capacity:
+            self._ensure_capacity(n)
         K = draft_token_ids.shape[1]
         S = K + 1
         t = {name: tensor[:n].repeat_interleave(S, dim=0) for name, tensor in self._tensors.items()}
