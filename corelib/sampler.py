@@ -412,7 +412,11 @@ class Sampler:
             passed, recovered = self.rejection_sample(final, s, drafts)
             random = ~s.greedy.view(B, K + 1)[:, :K]
             accepted = torch.where(random, passed, accepted)
-            tokens = torch.cat([torch.where(random, recovered, tokens[:, :K]), tokens[:, K:]], dim=1)
+            # Slot k of a row with k < K drafts has no draft: after k acceptances the row emits
+            # that slot's own draw, never a residual against padding probabilities.
+            real = torch.arange(K, device=tokens.device)[None, :] < drafts.count[:, None]
+            recovered = torch.where(random & real, recovered, tokens[:, :K])
+            tokens = torch.cat([recovered, tokens[:, K:]], dim=1)
         return accepted, tokens
 
     def rejection_sample(self, final: torch.Tensor, s: StepState,
