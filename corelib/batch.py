@@ -590,6 +590,11 @@ class SamplingBatch:
                 raise ValueError(f"request {request_id!r}: stage_args names unknown stage {name!r} "
                                  f"(known stages: {known})")
             spec, _ = specs[name]
+            unknown = sorted(set(raw) - set(spec.args.model_fields))
+            if unknown:
+                raise ValueError(f"request {request_id!r}: stage_args[{name!r}] has unknown "
+                                 f"arguments {unknown} (stage {name!r} takes "
+                                 f"{sorted(spec.args.model_fields)})")
             try:
                 checked[name] = (spec, spec.args.model_validate(raw))
             except ValueError as exc:

@@ -8,6 +8,8 @@ TORCH_PIN="torch==2.13.0"
 XLA_PINS="torch==2.9.0 torch-xla==2.9.0"
 # The Hugging Face integration is tested against this release.
 TRANSFORMERS_PIN="transformers==5.24.0"
+# Token bitmasks are checked against a grammar engine's own kernel (and benchmarked with it).
+XGRAMMAR_PIN="xgrammar==0.2.9"
 # Plugins in the main venv: the demo needs only cpu; the tests add the others. The TPU plugin
 # needs its own torch and lives in XLA_VENV.
 DEMO_PLUGINS="cpu"

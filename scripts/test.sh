@@ -6,7 +6,7 @@ cd "$(dirname "$0")/.."
 source scripts/lib.sh
 
 echo "== setup: main venv ($VENV)"
-ensure_main_venv "test,plot" "$TRANSFORMERS_PIN"
+ensure_main_venv "test,plot" "$TRANSFORMERS_PIN" "$XGRAMMAR_PIN"
 install_plugins "$VENV" $TEST_PLUGINS
 pip_quiet "$VENV" -e tests/plugins/corelib-example -e tests/plugins/corelib-broken \
   -e tests/plugins/corelib-stage-example -e tests/plugins/corelib-broken-stages

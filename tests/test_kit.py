@@ -309,19 +309,22 @@ def test_plugin_guide_quotes_the_kit_failure_it_shows():
 
 REPO = DOCS.resolve().parent
 PAGES = sorted(p.name for p in DOCS.glob("*.md"))
+READMES = ["README.md"] + sorted(str(p.relative_to(REPO)) for p in REPO.glob("plugins/*/README.md"))
 
 
-@pytest.mark.parametrize("page", PAGES)
-def test_relative_links_resolve(page):
-    text = (DOCS / page).read_text()
-    broken = []
+@pytest.mark.parametrize("page", [f"docs/{name}" for name in PAGES] + READMES)
+def test_links_stay_inside_the_repository_and_resolve(page):
+    path = REPO / page
+    text = path.read_text()
+    broken, outside = [], []
     for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", text):
-        if "://" in target:
+        if "://" in target or target.startswith("mailto:"):
+            outside.append(target)
             continue
-        resolved = (DOCS / target).resolve()
-        # ../shared/ (the contract) lives beside the checkout, not in it.
-        if REPO not in resolved.parents:
-            continue
-        if not resolved.exists():
+        resolved = (path.parent / target).resolve()
+        if REPO != resolved and REPO not in resolved.parents:
+            outside.append(target)
+        elif not resolved.exists():
             broken.append(target)
-    assert not broken, f"docs/{page} links to missing files: {broken}"
+    assert not outside, f"{page} links outside the repository: {outside}"
+    assert not broken, f"{page} links to missing files: {broken}"

@@ -4,7 +4,8 @@ import math
 
 import torch
 
-from corelib.noise import mix32, row_keys, seeded_gumbel, split_seed, uniform_noise
+from corelib.noise import (STREAM_ACCEPT, STREAM_XTC, mix32, row_keys, seeded_gumbel, split_seed,
+                           stream_uniform, uniform_noise)
 from corelib.testing import chi_square_p_value
 
 MASK = 0xFFFFFFFF
@@ -96,14 +97,59 @@ def test_published_test_vectors():
     """The table in docs/seeded-draw.md, parsed from the page itself."""
     import pathlib
     page = pathlib.Path(__file__).resolve().parents[1] / "docs" / "seeded-draw.md"
-    rows = [line for line in page.read_text().splitlines() if line.startswith("| ") and "u(0)" not in line]
+    rows = [cells for cells in table_rows(page) if len(cells) == 8 and cells[3] != "u(0)"]
     assert len(rows) == 6
     tokens = torch.tensor([[0, 1, 2, 1000, 128255]], dtype=torch.int32)
-    for line in rows:
-        cells = [c.strip() for c in line.strip("|").split("|")]
+    for cells in rows:
         seed = eval(cells[0].replace("^", "**"), {})
         child, position = int(cells[1]), int(cells[2])
         lo, hi = split_seed(seed)
         key = row_keys(*(torch.tensor([v], dtype=torch.int32) for v in (lo, hi, child, position)))
         got = uniform_noise(key[:, None], tokens)[0].tolist()
-        assert [f"{v:.9f}" for v in got] == cells[3:], line
+        assert [f"{v:.9f}" for v in got] == cells[3:], cells
+
+
+def table_rows(page) -> list[list[str]]:
+    """The cells of every markdown table row of a page (separator rows left out)."""
+    rows = []
+    for line in page.read_text().splitlines():
+        if line.startswith("| ") and not set(line) <= set("|- "):
+            rows.append([c.strip() for c in line.strip().strip("|").split("|")])
+    return rows
+
+
+def py_stream_uniform(seed: int, child: int, position: int, salt: int) -> float:
+    """The page's stream recipe on unsigned Python ints."""
+    lo, hi = seed & MASK, seed >> 32
+    key = py_mix32(py_mix32(py_mix32(py_mix32(lo ^ 0x243F6A88) ^ hi) ^ child) ^ position)
+    h = py_mix32(py_mix32(key ^ salt))
+    return ((h >> 9) + 0.5) / 2**23
+
+
+def test_stream_uniforms_follow_the_page_and_its_vectors():
+    import pathlib
+    page = pathlib.Path(__file__).resolve().parents[1] / "docs" / "seeded-draw.md"
+    rows = [cells for cells in table_rows(page) if len(cells) == 5 and cells[0] != "seed"]
+    assert len(rows) == 4
+    salts = {"acceptance": 0xB7E15162, "XTC": 0x6A09E667}
+    assert (STREAM_ACCEPT & MASK, STREAM_XTC & MASK) == (salts["acceptance"], salts["XTC"])
+    for cells in rows:
+        seed = eval(cells[0].replace("^", "**"), {})
+        child, position = int(cells[1]), int(cells[2])
+        lo, hi = split_seed(seed)
+        key = row_keys(*(torch.tensor([v], dtype=torch.int32) for v in (lo, hi, child, position)))
+        for stream, salt, want in ((STREAM_ACCEPT, salts["acceptance"], cells[3]), (STREAM_XTC, salts["XTC"], cells[4])):
+            got = float(stream_uniform(key, stream)[0])
+            assert f"{got:.9f}" == want, cells
+            assert got == py_stream_uniform(seed, child, position, salt)
+
+
+def test_stream_uniforms_are_uniform_and_independent_of_the_draw():
+    keys = row_keys(*(torch.arange(20000, dtype=torch.int32) for _ in range(3)), torch.zeros(20000, dtype=torch.int32))
+    accept, xtc = stream_uniform(keys, STREAM_ACCEPT).double(), stream_uniform(keys, STREAM_XTC).double()
+    draw = uniform_noise(keys, torch.zeros_like(keys)).double()
+    for u in (accept, xtc):
+        p = chi_square_p_value(torch.histc(u.float(), bins=50, min=0.0, max=1.0), torch.full((50,), 0.02))
+        assert p > 1e-6
+    for a, b in ((accept, xtc), (accept, draw), (xtc, draw)):
+        assert abs(float(torch.corrcoef(torch.stack([a, b]))[0, 1])) < 0.03   # ~4 standard errors

@@ -509,8 +509,8 @@ class EngineConformance:
     def _stage_requests(self):
         return [("ban", SamplingParams(seed=61, stage_args={"conformance-ban-repeats": {"times": 1}}),
                  PROMPT, [3, 4]),
-                ("floor", SamplingParams(seed=62, top_k=50,
-                                         stage_args={"conformance-floor": {"prob": 0.03}}), PROMPT, None),
+                ("floor", SamplingParams(seed=62, top_k=50, temperature=0.6, top_p=0.8,
+                                         stage_args={"conformance-floor": {"prob": 0.05}}), PROMPT, None),
                 ("both", SamplingParams(seed=63, n=2, stage_args={"conformance-ban-repeats": {"times": 2},
                                                                   "conformance-floor": {"prob": 0.01}}),
                  PROMPT, None),
@@ -520,6 +520,18 @@ class EngineConformance:
 
     def test_custom_stages_match_reference(self, sampler, reference, conformance_stages):
         requests = self._stage_requests()
+        logits = self.logits(6, seed=56)
+        kept_got = torch.isfinite(sampler.processed_logits(self.on(sampler, logits),
+                                                           self.build(sampler, requests)).cpu())
+        kept_want = torch.isfinite(reference.processed_logits(logits, self.build(reference, requests)))
+        batch = self.build(reference, requests)
+        for row in range(len(batch.rows)):
+            if not torch.equal(kept_got[row], kept_want[row]):
+                extra = torch.nonzero(kept_got[row] & ~kept_want[row]).flatten().tolist()[:10]
+                missing = torch.nonzero(kept_want[row] & ~kept_got[row]).flatten().tolist()[:10]
+                violation("custom_stage", f"kept set differs from the reference at "
+                                          f"{self.describe(batch, row)}: kept but should drop "
+                                          f"{extra}, dropped but should keep {missing}")
         got = self._run_steps(sampler, self.build(sampler, requests), steps=6)
         want = self._run_steps(reference, self.build(reference, requests), steps=6)
         for key in want:

@@ -44,3 +44,10 @@ def corelib_backends():
         factory=make_sampler,
         description="copyable starting point: the reference stages with a one-sort top-k/top-p",
     )]
+
+
+@corelib.hookimpl
+def corelib_stages():
+    """The custom stages this plugin adds (any backend runs them); remove it if you add none."""
+    from .stages import STAGES
+    return STAGES

@@ -1,0 +1,161 @@
+"""Speculative verification in the reference backend: the speculative step state, the emitted
+tokens, rejection sampling's edge cases, and appending a row's emitted tokens."""
+
+import pytest
+import torch
+
+from corelib import Sampler, SamplingParams
+from corelib.noise import STREAM_ACCEPT, row_keys, split_seed, stream_uniform
+from corelib.sampler import Drafts
+
+V = 40
+REF = Sampler("cpu")
+PROMPT = [1, 2, 3, 2, 9]
+STATEFUL = dict(repetition_penalty=1.3, frequency_penalty=0.5, presence_penalty=0.2,
+                min_tokens=4, stop_token_ids=[7], bad_words=[[5, 6], [1, 2, 3]],
+                dry_multiplier=1.0, dry_allowed_length=1, dry_sequence_breakers=[0])
+
+
+def build(requests, vocab=V, eos=None, sampler=REF):
+    batch = sampler.new_batch(vocab, eos_token_id=eos)
+    for rid, params, prompt, output in requests:
+        batch.add(rid, params, prompt_token_ids=prompt, output_token_ids=output)
+    return batch
+
+
+def tensors_of(state):
+    return {k: v for k, v in vars(state).items() if isinstance(v, torch.Tensor)}
+
+
+def test_speculative_state_equals_appending_the_drafts():
+    requests = [("a", SamplingParams(seed=1, **STATEFUL), PROMPT, [5]),
+                ("kids", SamplingParams(n=2, temperature=0.7, **STATEFUL), PROMPT, [[2, 2], [9]]),
+                ("plain", SamplingParams(), [], None)]
+    drafts = torch.tensor([[6, 1, 2], [2, 3, -1], [7, 7, 7], [0, -1, -1]])
+    K = drafts.shape[1]
+    spec = tensors_of(build(requests, eos=8).speculative_state(drafts))
+    for j in range(K + 1):
+        batch = build(requests, eos=8)
+        for i in range(j):
+            column = drafts[:, i]
+            # rows with no draft at slot i stop there: their later slots are never read
+            keep = column >= 0
+            if keep.all():
+                batch.append(column)
+            else:
+                batch.append(torch.stack([column, torch.full_like(column, -1)], dim=1))
+        plain = tensors_of(batch.step_state())
+        for name, want in plain.items():
+            got = spec[name][j::K + 1]
+            live = torch.tensor([(drafts[r, :j] >= 0).all().item() for r in range(4)])
+            if got.dim() > 1 and got.shape[1] != want.shape[1]:         # DRY history padded for K
+                got = got[:, : want.shape[1]]
+            assert torch.equal(got[live], want[live]), f"{name} at slot {j}"
+
+
+def test_greedy_rows_accept_drafts_while_they_equal_the_argmax():
+    logits = torch.full((1, 4, V), -1.0)
+    best = [3, 17, 9, 21]
+    for j, t in enumerate(best):
+        logits[0, j, t] = 5.0
+    batch = build([("g", SamplingParams(temperature=0.0), [], None)])
+    for drafts, emitted in (([3, 17, 9], [3, 17, 9, 21]), ([3, 4, 9], [3, 17, -1, -1]),
+                            ([8, 17, 9], [3, -1, -1, -1]), ([3, -1, -1], [3, 17, -1, -1])):
+        out = REF.verify(logits, batch, torch.tensor([drafts]))
+        assert out.token_ids.tolist() == [emitted]
+        assert out.num_emitted.tolist() == [sum(t >= 0 for t in emitted)]
+        assert out.valid.tolist() == [True]
+
+
+def test_equal_target_and_draft_distributions_accept_every_draft():
+    """p == q: min(1, p/q) = 1, so every draft is accepted and the bonus token is drawn."""
+    logits = torch.randn((6, 3, V), generator=torch.Generator().manual_seed(1))
+    batch = build([(f"r{i}", SamplingParams(seed=i if i % 2 else None), [], None) for i in range(6)])
+    p = torch.softmax(logits[:, :2], dim=-1)
+    drafts = torch.multinomial(p.reshape(-1, V), 1).view(6, 2)
+    out = REF.verify(logits, batch, drafts, draft_probs=p)
+    assert out.num_emitted.tolist() == [3] * 6
+    assert torch.equal(out.token_ids[:, :2], drafts)
+
+
+def test_a_draft_the_drafter_gave_no_mass_is_still_accepted_when_the_target_likes_it():
+    logits = torch.zeros((1, 2, V))
+    q = torch.zeros((1, 1, V))
+    q[0, 0, 1] = 1.0                               # the draft 5 has q = 0 (a drafter's bug)
+    out = REF.verify(logits, build([("r", SamplingParams(seed=3), [], None)]), torch.tensor([[5]]), q)
+    assert out.token_ids[0, 0].item() == 5 and out.num_emitted.item() == 2
+
+
+def test_a_rejected_draft_is_replaced_from_the_residual():
+    """p puts its mass on tokens 0 and 1, q on token 1 only: draft 1 is accepted with
+    probability p(1)/q(1) = 1/2, and a rejection must emit token 0 (the residual)."""
+    logits = torch.full((400, 2, V), -1e4)
+    logits[:, :, :2] = 0.0
+    q = torch.zeros((400, 1, V))
+    q[:, 0, 1] = 1.0
+    batch = build([(f"r{i}", SamplingParams(seed=i), [], None) for i in range(400)])
+    out = REF.verify(logits, batch, torch.ones((400, 1), dtype=torch.long), q)
+    rejected = out.num_emitted == 1
+    assert (out.token_ids[rejected, 0] == 0).all()
+    assert 150 < int(rejected.sum()) < 250      # binomial(400, 1/2): 10 sigma either side
+
+
+def test_seeded_acceptance_uses_the_acceptance_stream():
+    """Accept iff u * q(d) < p(d), u = stream_uniform(key(seed, child, position + j), STREAM_ACCEPT)."""
+    seed, position = 99, 3
+    lo, hi = split_seed(seed)
+    batch = build([("r", SamplingParams(seed=seed), [], [4, 4, 4])])
+    logits = torch.zeros((1, 2, V))
+    q = torch.full((1, 1, V), 1.0 / V)
+    q[0, 0, 7] = 2.0 / V                           # p(7)/q(7) = 1/2
+    q[0, 0, 8] = 0.0
+    key = row_keys(*(torch.tensor([v], dtype=torch.int32) for v in (lo, hi, 0, position)))
+    u = float(stream_uniform(key, STREAM_ACCEPT)[0])
+    out = REF.verify(logits, batch, torch.tensor([[7]]), q)
+    assert (out.num_emitted.item() == 2) == (u < 0.5)
+
+
+def test_a_residual_that_is_all_zero_falls_back_to_the_target():
+    d = Drafts(torch.tensor([[2]]), torch.tensor([1]), None, torch.tensor([True]))
+    batch = build([("r", SamplingParams(seed=1), [], None)])
+    s = batch.speculative_state(d.token_ids)
+    final = torch.full((2, V), float("-inf"))
+    final[:, 2] = 0.0                               # p: all mass on 2; q below: the same
+    q = torch.zeros((1, 1, V))
+    q[0, 0, 2] = 1.0
+    passed, recovered = REF.rejection_sample(final, s, Drafts(d.token_ids, d.count, q, d.usable))
+    assert passed.tolist() == [[True]] and recovered.tolist() == [[2]]
+
+
+def test_appending_emitted_tokens_equals_appending_them_one_by_one():
+    requests = [("a", SamplingParams(**STATEFUL), PROMPT, None),
+                ("b", SamplingParams(n=2, **STATEFUL), PROMPT, None)]
+    emitted = torch.tensor([[5, 6, -1], [2, 2, 2], [9, -1, -1]])
+    at_once = build(requests, eos=8)
+    at_once.append(emitted)
+    one_by_one = build(requests, eos=8)
+    for j in range(3):
+        one_by_one.append(emitted[:, j:j + 1])      # [rows, 1]: a -1 row does not advance
+    want, got = tensors_of(one_by_one.step_state()), tensors_of(at_once.step_state())
+    for name in want:
+        assert torch.equal(got[name], want[name]), name
+    assert at_once.generated_counts() == [2, 3, 1]
+
+
+def test_verify_rejects_per_request_logits_and_leaves_caller_tensors_alone():
+    batch = build([("kids", SamplingParams(n=2, seed=1), [], None)])
+    with pytest.raises(ValueError, match="one row per batch row"):
+        REF.verify(torch.zeros((1, 2, V)), batch, torch.tensor([[1]]))
+    logits = torch.randn((2, 2, V))
+    drafts = torch.tensor([[1], [2]])
+    probs = torch.softmax(torch.randn((2, 1, V)), -1)
+    copies = [t.clone() for t in (logits, drafts, probs)]
+    REF.verify(logits, batch, drafts, probs)
+    for before, after in zip(copies, (logits, drafts, probs)):
+        assert torch.equal(before, after)
+
+
+def test_empty_batch_verifies_nothing():
+    batch = REF.new_batch(V)
+    out = REF.verify(torch.zeros((0, 3, V)), batch, torch.zeros((0, 2), dtype=torch.long))
+    assert out.token_ids.shape == (0, 3) and out.num_emitted.shape == (0,)
