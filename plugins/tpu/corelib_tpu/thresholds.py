@@ -59,7 +59,9 @@ def _bisect_largest(lo: torch.Tensor, hi: torch.Tensor, steps: int, holds) -> to
     Returns float32 ``[B, 1]``, a value ``holds`` was true at.
     """
     for _ in range(steps):
-        mid = (lo + hi) // 2
+        # A shift, not ``//``: torch-xla 2.9 divides int64 through float32 (2**30 + 1 // 1
+        # rounds), which would stop the search short of the exact threshold.
+        mid = torch.bitwise_right_shift(lo + hi, 1)
         ok = holds(value_of_key(mid.to(torch.int32)))
         lo = torch.where(ok, mid, lo)
         hi = torch.where(ok, hi, mid)
