@@ -1,7 +1,8 @@
 """The cpu backend against the reference backend and one clone() of the logits, over the grid
 of issue 3: B in {1, 8, 32, 128, 256}, V in {32000, 128256, 151936}, flat and peaked logits,
-every config of ``corelib.bench`` plus ``random_seeded`` (plain random, every row seeded: the
-draw that must compute the contract's noise for the whole vocabulary).
+every config of ``corelib.bench`` plus ``random_seeded``, ``top_p_seeded`` and
+``top_k_top_p_seeded`` (every row seeded: whole-row draws must compute the contract's noise for
+every token that can win).
 
 Prints a table and the issue's targets, writes ``cpu_grid.csv`` and ``cpu_grid.png`` under
 ``--out``. ``--quick`` runs a small grid in under two minutes. Ratios are measured in the same
@@ -32,8 +33,11 @@ from corelib.bench import CONFIGS, GENERATED, PROMPT_LEN, SEEDED_CONFIGS, machin
 
 from corelib_cpu.sampler import CpuSampler
 
-GRID_CONFIGS = {**CONFIGS, "random_seeded": dict()}
-SEEDED = set(SEEDED_CONFIGS) | {"random_seeded"}
+# Every row seeded: the draws whose noise the contract fixes (whole rows for random and
+# top_p, the top-k candidates for top_k_top_p).
+GRID_CONFIGS = {**CONFIGS, "random_seeded": dict(), "top_p_seeded": CONFIGS["top_p"],
+                "top_k_top_p_seeded": CONFIGS["top_k_top_p"]}
+SEEDED = set(SEEDED_CONFIGS) | {"random_seeded", "top_p_seeded", "top_k_top_p_seeded"}
 FULL_GRID = dict(batch_sizes=[1, 8, 32, 128, 256], vocab_sizes=[32000, 128256, 151936],
                  profiles=["flat", "peaked"])
 QUICK_GRID = dict(batch_sizes=[1, 32], vocab_sizes=[128256], profiles=["flat", "peaked"])
@@ -244,7 +248,8 @@ def write_plot(cells: list[Cell], path: str, description: str) -> bool:
 
 
 def profile_cell(spec: str) -> None:
-    """Print torch.profiler's op table for one cell, ``config:B:V:profile``."""
+    """Print torch.profiler's op table for one cell, ``config:B:V:profile``, with the time and
+    the number of torch operator calls per step."""
     config, B, V, profile = spec.split(":")
     B, V = int(B), int(V)
     cpu = CpuSampler()
@@ -252,12 +257,16 @@ def profile_cell(spec: str) -> None:
     batch = make_batch(cpu, config, B, V)
     for _ in range(2):
         cpu.sample(logits, batch)
+    ms = statistics.median(timed(lambda: cpu.sample(logits, batch), 15))
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         for _ in range(5):
             cpu.sample(logits, batch)
     clone_ms = statistics.median(timed(lambda: logits.clone(), 9))
-    print(f"{spec}: one clone() = {clone_ms:.3f} ms; 5 calls profiled")
-    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=18))
+    table = prof.key_averages()
+    calls = sum(event.count for event in table) / 5
+    print(f"{spec}: {ms:.3f} ms per step (median of 15), one clone() = {clone_ms:.3f} ms; "
+          f"{calls:.0f} torch operator calls per step (nested ones included); 5 steps profiled")
+    print(table.table(sort_by="self_cpu_time_total", row_limit=12))
 
 
 def main(argv=None) -> int:

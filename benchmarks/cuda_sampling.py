@@ -19,6 +19,21 @@ CUDA events on a GPU. Rows:
 - ``cuda-fast``: ``CudaSampler(top_k_first=True)`` (FlashInfer's fast path, exact-k ties);
 - ``cuda-graph``: ``GraphedSampler`` replays of the default sampler;
 - ``cuda-torch``: the torch path (``use_flashinfer=False``), eager.
+
+A second table (engine features, ``--engine-batch-sizes``, K = ``--k``) times, on the default
+sampler unless named:
+
+- ``plain``: ``sample`` with top-k + top-p + temperature (the reference point of the ratios);
+- ``mask``: the same with a token bitmask (half the tokens allowed; the mask already on the
+  device); ``mask-kernel`` / ``mask-torch``: step 3 alone on a float32 ``[B, V]`` copy, by the
+  Triton kernel (on CUDA; the torch expression elsewhere) and by the torch expression;
+- ``samplers``: DRY over a 1,000-token prompt and 256 outputs, top-n-sigma, typical-p and XTC
+  on top of ``plain``;
+- ``rows``: ``sample`` over the ``B (K + 1)`` rows a verify step scores (what verification
+  would cost as plain sampling); ``verify``: ``verify`` without draft probabilities (seeded
+  rows: the draws of plain sampling); ``verify-q``: with draft probabilities, unseeded rows
+  (FlashInfer's chain kernel on the flashinfer path); ``verify-q-torch``: the same on the torch
+  path; ``verify-graph``: ``GraphedSampler.verify`` replays of ``verify-q``.
 """
 
 from __future__ import annotations
@@ -140,6 +155,83 @@ def run(device: torch.device, batch_sizes: list[int], V: int, iters: int, repeat
     return rows
 
 
+ENGINE_BASE = dict(temperature=TEMPERATURE, top_k=TOP_K, top_p=TOP_P)
+ENGINE_SAMPLERS = dict(ENGINE_BASE, dry_multiplier=0.8, dry_allowed_length=2, top_n_sigma=2.0,
+                       typical_p=0.95, xtc_probability=0.5, xtc_threshold=0.1)
+
+
+def random_bitmask(rows: int, V: int, gen: torch.Generator) -> torch.Tensor:
+    from corelib.bitmask import pack_bitmask
+    return pack_bitmask(torch.rand((rows, V), generator=gen) < 0.5)
+
+
+def run_engine(device: torch.device, batch_sizes: list[int], V: int, K: int, iters: int,
+               repeats: int) -> list[dict]:
+    """The engine-feature rows (bitmask, new samplers, verification); see the module docstring."""
+    from corelib_cuda.bitmask import apply_token_bitmask_, torch_apply_token_bitmask_
+    sampler = CudaSampler(device)
+    torch_path = CudaSampler(device, use_flashinfer=False)
+    graphs = GraphedSampler(sampler) if device.type == "cuda" else None
+    print(f"# bitmask path: {sampler.bitmask_path}", file=sys.stderr)
+    rows = []
+    for B in batch_sizes:
+        gen = torch.Generator().manual_seed(100 + B)
+        row = {"B": B, "V": V, "K": K}
+        logits = (torch.randn((B, V), generator=gen) * 3).to(device=device, dtype=torch.bfloat16)
+        mask = random_bitmask(B, V, gen).to(device)
+        batch = build_batch(sampler, B, V, ENGINE_BASE, gen)
+        row["plain"] = time_call(lambda: sampler.sample(logits, batch), device, iters, repeats)
+        row["mask"] = time_call(lambda: sampler.sample(logits, batch, token_bitmask=mask), device, iters, repeats)
+        work = logits.float()
+        row["mask-kernel"] = time_call(lambda: apply_token_bitmask_(work, mask), device, iters, repeats)
+        row["mask-torch"] = time_call(lambda: torch_apply_token_bitmask_(work, mask), device, iters, repeats)
+        dry_batch = build_batch(sampler, B, V, ENGINE_SAMPLERS, gen)
+        row["samplers"] = time_call(lambda: sampler.sample(logits, dry_batch), device, iters, repeats)
+        S = K + 1
+        flat = (torch.randn((B * S, V), generator=gen) * 3).to(device=device, dtype=torch.bfloat16)
+        wide = build_batch(sampler, B * S, V, ENGINE_BASE, gen)
+        row["rows"] = time_call(lambda: sampler.sample(flat, wide), device, iters, repeats)
+        spec_logits = flat.view(B, S, V)
+        drafts = torch.randint(V, (B, K), generator=gen).to(device)
+        probs = torch.softmax(torch.randn((B, K, V), generator=gen), dim=-1).to(device)
+        seeded = build_batch(sampler, B, V, dict(ENGINE_BASE, seed=0), gen)
+        row["verify"] = time_call(lambda: sampler.verify(spec_logits, seeded, drafts), device, iters, repeats)
+        unseeded = build_batch(sampler, B, V, ENGINE_BASE, gen)
+        row["verify-q"] = time_call(lambda: sampler.verify(spec_logits, unseeded, drafts, probs),
+                                    device, iters, repeats)
+        torch_batch = build_batch(torch_path, B, V, ENGINE_BASE, gen)
+        row["verify-q-torch"] = time_call(lambda: torch_path.verify(spec_logits, torch_batch, drafts, probs),
+                                          device, iters, repeats)
+        if graphs is not None:
+            row["verify-graph"] = time_call(lambda: graphs.verify(spec_logits, unseeded, drafts, probs),
+                                            device, iters, repeats)
+        rows.append(row)
+        print(f"# engine B={B} done", file=sys.stderr)
+    return rows
+
+
+def engine_summary(rows: list[dict]) -> str:
+    """A markdown table of the engine-feature times (ms) and their ratios."""
+    head = ["B", "K", "plain", "mask", "mask-kernel", "mask-torch", "samplers", "rows", "verify",
+            "verify-q", "verify-q-torch", "verify-graph", "mask/plain", "samplers/plain",
+            "verify/rows", "verify-q/rows", "fi/torch verify-q"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+
+    def ms(v):
+        return "-" if v is None else f"{v:.3f}"
+
+    def x(v):
+        return "-" if v is None else f"{v:.2f}x"
+
+    for r in rows:
+        vals = [str(r["B"]), str(r["K"])] + [ms(r.get(k)) for k in head[2:12]]
+        vals += [x(ratio(r, "mask", "plain")), x(ratio(r, "samplers", "plain")),
+                 x(ratio(r, "verify", "rows")), x(ratio(r, "verify-q", "rows")),
+                 x(ratio(r, "verify-q", "verify-q-torch"))]
+        lines.append("| " + " | ".join(vals) + " |")
+    return "\n".join(lines)
+
+
 def ratio(row: dict, num: str, den: str) -> Optional[float]:
     if num in row and den in row and row[den] > 0:
         return row[num] / row[den]
@@ -179,6 +271,10 @@ def main(argv=None) -> int:
     parser.add_argument("--vocab", type=int, default=128256)
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--engine-batch-sizes", default="1,32,128",
+                        help="batch sizes of the engine-feature table ('' skips it)")
+    parser.add_argument("--k", type=int, default=4, help="draft slots of the verify rows")
+    parser.add_argument("--skip-main", action="store_true", help="only the engine-feature table")
     parser.add_argument("--json", default=None, help="also write the raw times here")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
@@ -186,12 +282,19 @@ def main(argv=None) -> int:
         print("no CUDA GPU: run with --device cpu for a smoke test", file=sys.stderr)
         return 2
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
-    rows = run(device, batch_sizes, args.vocab, args.iters, args.repeats)
+    engine_sizes = [int(b) for b in args.engine_batch_sizes.split(",") if b]
+    # The engine table first: the main table (the longer run) prints last.
+    engine = run_engine(device, engine_sizes, args.vocab, args.k, args.iters, args.repeats)
+    if engine:
+        print(engine_summary(engine))
+        print()
+    rows = [] if args.skip_main else run(device, batch_sizes, args.vocab, args.iters, args.repeats)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-                       "torch": torch.__version__, "rows": rows}, f, indent=1)
-    print(summary(rows))
+                       "torch": torch.__version__, "rows": rows, "engine": engine}, f, indent=1)
+    if rows:
+        print(summary(rows))
     return 0
 
 

@@ -480,19 +480,17 @@ class SamplingBatch:
 
     def _check_emitted(self, ids: torch.Tensor) -> None:
         """Host ``[rows, K+1]`` ids: in range, with -1 only as trailing padding."""
-        bad = ((ids < -1) | (ids >= self.vocab_size)).nonzero()
-        if bad.numel():
-            row, col = bad[0].tolist()
+        problem = padded_ids_problem(ids, self.vocab_size)
+        if problem is None:
+            return
+        kind, row, col = problem
+        if kind == "range":
             raise ValueError(
                 f"append: token id {int(ids[row, col])} at row {row}, slot {col} (request "
                 f"{self._row_keys[row][0]!r}) is out of range for vocab_size={self.vocab_size}")
-        pad = ids < 0
-        gap = (pad[:, :-1] & ~pad[:, 1:]).nonzero()
-        if gap.numel():
-            row = int(gap[0, 0])
-            raise ValueError(
-                f"append: row {row} (request {self._row_keys[row][0]!r}) has a token after -1 "
-                f"padding: {ids[row].tolist()}; -1 may only pad the end of a row")
+        raise ValueError(
+            f"append: row {row} (request {self._row_keys[row][0]!r}) has a token after -1 "
+            f"padding: {ids[row].tolist()}; -1 may only pad the end of a row")
 
     def _refresh_generated(self) -> None:
         if self._stale_generated:
@@ -1043,6 +1041,20 @@ _OPTIONAL_NEUTRAL = {
 }
 _RIGHT_ALIGNED = {"bad_prefix", "recent"}
 _MIN_HISTORY = 64
+
+
+def padded_ids_problem(ids: torch.Tensor, vocab_size: int) -> Optional[tuple[str, int, int]]:
+    """The first problem of host ids ``[rows, S]`` that may end in -1 padding: ("range", row,
+    column) for an id outside [-1, V), ("gap", row, -1) for an id after a -1, else None."""
+    bad = ((ids < -1) | (ids >= vocab_size)).nonzero()
+    if bad.numel():
+        row, col = bad[0].tolist()
+        return "range", row, col
+    pad = ids < 0
+    gap = (pad[:, :-1] & ~pad[:, 1:]).nonzero()
+    if gap.numel():
+        return "gap", int(gap[0, 0]), -1
+    return None
 
 
 def _stage_key(stage: str, kind: str, name: str = "") -> str:

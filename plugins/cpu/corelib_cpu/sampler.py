@@ -2,21 +2,31 @@
 
 What differs from the reference (``corelib.Sampler``), stage by stage:
 
-- rows are processed in blocks of about ``BLOCK_ELEMENTS`` logits (a few MiB) held in a
-  per-thread workspace, so every stage of a block runs on data still in the cache, nothing
-  is allocated per step, and no temporary reaches ``B x V``;
+- rows are processed in blocks of about ``BLOCK_ELEMENTS`` logits held in a per-thread
+  workspace, so every stage of a block runs on data still in the cache, nothing is
+  allocated per step, and no temporary reaches ``B x V``;
+- the facts of a step that only change when requests join or leave (which rows use which
+  stage, effective parameters, blocks) are kept by the batch (``plan.StepPlan``), so a
+  step's Python work is a few dozen tensor calls;
+- step 2's copy is made only when a stage writes: rows that only read the logits (top-k
+  candidates, the draws, softmax) read the caller's tensor, which is never modified;
 - steps 3-8 work in place; penalties touch only the tokens a row has seen, from the running
   slots kept by :class:`~corelib_cpu.batch.CpuBatch`;
 - step 9 and step 15's top-N use group maxima (``rowops``) instead of torch.argmax/topk;
 - step 12 selects candidates (k-th value and ties as the reference) from group maxima;
+  when every random row of a block has a top-k, step 10 divides the candidates only;
 - step 13 on candidates uses the candidates' own softmax when an error bound proves it picks
   the reference's tokens (else the reference's softmax of the masked row); on whole rows it
-  finds the threshold by a radix select over the probabilities' bits
-  (``select.nucleus_threshold``); masks are applied with copysign/min, never with boolean
-  fills (which run ~40x slower than arithmetic on CPUs);
+  keeps the probabilities as a pending cut (:class:`Cut`): the draw tries a token first
+  and keeps it when it is in the nucleus (``select.nucleus_contains``), and only rows that
+  miss, or logprobs of the final distribution, find the threshold by a radix select over
+  the probabilities' bits (``select.nucleus_threshold``); the logits are masked only when
+  something reads them; masks use thresholds and copysign/min, never boolean fills (which
+  run ~40x slower than arithmetic on CPUs);
 - step 14 draws candidate rows with noise for the candidates only (seeded rows with the
-  contract's noise, so their tokens are the reference's), and whole unseeded rows with one
-  uniform per row through the inverse CDF.
+  contract's noise, so their tokens are the reference's), whole unseeded rows with one
+  uniform per row through the inverse CDF, and whole seeded rows with the contract's noise
+  for the tokens that can still win (``draw.draw_seeded_rows``).
 
 Every kept set equals the reference's (the conformance suite checks it), and so do seeded
 tokens. Shapes: ``B`` rows, ``V`` vocabulary, ``n`` rows of a block, ``W`` candidates.
@@ -29,22 +39,23 @@ from typing import Optional
 
 import torch
 from corelib import Logprobs, Sampler, SamplerOutput, SamplingBatch, StepState
-from corelib.noise import row_keys
+from corelib.noise import token_offsets
 from corelib.sampler import INVALID_TOKEN, NEG_INF
 
 from .batch import CpuBatch
 from .draw import (
-    draw_by_inverse_cdf,
     draw_from_weights,
-    draw_seeded_candidates,
     draw_seeded_rows,
-    draw_unseeded_candidates,
+    exp_weights,
+    race_seeded_candidates,
+    race_unseeded_candidates,
 )
-from .rowops import count_at_least, first_argmax, top_values
+from .plan import BlockPlan, StepPlan, make_plan
+from .rowops import count_at_least, first_argmax, group_maxima, is_finite, top_values
 from .select import (
-    SCRATCH,
     kth_largest,
     mask_below,
+    nucleus_contains,
     nucleus_threshold,
     top_k_candidates,
     top_p_candidates,
@@ -70,62 +81,71 @@ class RowSlice:
 
 
 @dataclass
-class StepPlan:
-    """Host facts of one step, computed once: per-row switches as lists (block decisions read
-    them without touching tensors) and the effective per-row parameters.
-
-    Greedy rows get neutral filter parameters (temperature 1, min_p 0, top_k 0, top_p 1), so
-    the filters leave them as step 8 did, which is what their processed logits are."""
-
-    num_rows: int
-    rows_per_block: int
-    greedy: list
-    seeded: list
-    temperature_on: list
-    min_p_on: list
-    top_k_on: list
-    top_p_on: list
-    temperature: torch.Tensor      # float32 [B]
-    min_p: torch.Tensor            # float32 [B]
-    top_k: torch.Tensor            # int64 [B], 0 = off, at most V
-    top_p: torch.Tensor            # float32 [B]
-    keys: Optional[torch.Tensor]   # int32 [B] seeded-noise row keys
-    request_index: Optional[torch.Tensor]  # int64 [B] when logits have one row per request
-    sparse_penalties: bool
-
-    def blocks(self):
-        step = self.rows_per_block
-        for r0 in range(0, self.num_rows, step):
-            yield r0, min(r0 + step, self.num_rows)
-
-
-@dataclass
 class Candidates:
     """Rows of a block whose kept set is a few candidate tokens (rows with top-k)."""
 
-    rows: torch.Tensor     # int64 [nc], block-local row indices
+    rows: list             # block-local rows, ascending
+    index: torch.Tensor    # int64 [nc], the same rows
     values: torch.Tensor   # float32 [nc, W], descending before top-p; -inf = dropped
     ids: torch.Tensor      # int64 [nc, W]
+
+
+@dataclass
+class Cut:
+    """Whole rows filtered by a probability threshold (min-p, top-p): token t of row
+    ``rows[j]`` is kept when its probability is >= ``cut[j]`` (a NaN cut keeps none).
+    ``weights`` float32 [m, V]: once the cut is known, the kept probabilities, 0 elsewhere
+    (the draw's weights, and where a positive cut leaves the mask).
+
+    A top-p cut starts pending (``cut[j]`` None, ``weights`` the row's probabilities,
+    ``top_p[j]`` its parameter): the draw tries tokens of the whole distribution and keeps
+    one when it is in the nucleus (:func:`~corelib_cpu.select.nucleus_contains`), and the
+    threshold is found (:meth:`CpuSampler.resolve`) only when that fails or the whole kept
+    set is read."""
+
+    rows: list
+    weights: torch.Tensor
+    cut: list
+    top_p: Optional[list] = None
+
+    def pending(self, at: list) -> list:
+        """The places among ``at`` whose cut is not known yet."""
+        return [j for j in at if self.cut[j] is None]
 
 
 @dataclass
 class Block:
     """One block of rows after steps 1-13."""
 
-    r0: int
-    r1: int
-    x: torch.Tensor                      # float32 [n, V]: step 8's logits, then filtered in
-                                         # place for whole rows (candidate rows: see cand)
-    raw: Optional[torch.Tensor]          # float32 [n, V] raw logprobs (step 1), or None
-    valid: torch.Tensor                  # bool [n]
-    greedy_ids: Optional[torch.Tensor]   # int64 [n] argmax after step 8, or None
+    plan: BlockPlan
+    x: torch.Tensor                      # float32 [n, V]: step 8's logits, divided in place
+                                         # by step 10 unless the block divides candidates
+                                         # only (candidate rows: see cand; rows with a cut:
+                                         # masked when read, see cuts)
+    owned: bool                          # x is the workspace's copy (else the caller's rows)
+    raw: Optional[torch.Tensor] = None   # float32 [n, V] raw logprobs (step 1), or None
+    valid: Optional[torch.Tensor] = None # bool [n]
+    greedy_ids: Optional[torch.Tensor] = None   # int64 [n] argmax after step 8
     cand: Optional[Candidates] = None
-    candidate_rows: set = field(default_factory=set)
-    # Whole rows whose last filter computed their probabilities: float32 [m, V], 0 where
-    # dropped (the final distribution, unnormalised), keyed by block-local row.
-    weights: Optional[torch.Tensor] = None
-    weight_rows: dict = field(default_factory=dict)
-    draw_ok: Optional[torch.Tensor] = None   # bool [n]: False where a draw saw NaN weights
+    cuts: dict = field(default_factory=dict)     # block row -> (its latest Cut, place in it)
+    masked: set = field(default_factory=set)     # rows whose cut is applied to x
+    top: Optional[torch.Tensor] = None           # float32 [n, 1]: x's row maxima, or None
+    _maxima: Optional[torch.Tensor] = None
+
+    @property
+    def candidate_rows(self) -> set:
+        return set(self.cand.rows) if self.cand is not None else set()
+
+    def maxima(self) -> torch.Tensor:
+        """x's group maxima (``rowops.group_maxima``), computed once until x changes."""
+        if self._maxima is None:
+            self._maxima = group_maxima(self.x)
+        return self._maxima
+
+    def changed(self) -> None:
+        """x was written: forget what was derived from it."""
+        self._maxima = None
+        self.top = None
 
 
 class CpuSampler(Sampler):
@@ -140,9 +160,13 @@ class CpuSampler(Sampler):
     batch_class = CpuBatch
     #: Logits per block: 4 MiB of float32, so a block's few live copies stay in L2/L3.
     BLOCK_ELEMENTS = 1 << 20
+    #: Logits per chunk of the seeded whole-row race (its three buffers stay in L2).
+    NOISE_CHUNK = 1 << 17
     #: Extra candidate columns beyond the largest top_k, to catch ties at the k-th value
     #: without masking the whole row.
     TIE_SLACK = 8
+    #: Draws from the whole distribution a top-p row tries before it finds its threshold.
+    NUCLEUS_TRIES = 2
 
     def __init__(self, device: torch.device | str | None = None,
                  generator: Optional[torch.Generator] = None,
@@ -154,6 +178,7 @@ class CpuSampler(Sampler):
         if self.block_elements < 1:
             raise ValueError(f"block_elements must be >= 1, got {block_elements!r}")
         self.workspace = Workspace()
+        self._offsets: dict[int, torch.Tensor] = {}
 
     # ------------------------------------------------------------------ public API
     def sample(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
@@ -163,19 +188,31 @@ class CpuSampler(Sampler):
         if s.num_rows == 0:
             return self.empty_output(s)
         plan = self.plan(logits, batch, s)
-        token_ids = torch.empty(s.num_rows, dtype=torch.long)
-        valid = torch.empty(s.num_rows, dtype=torch.bool)
-        pieces = []
-        for r0, r1 in plan.blocks():
-            blk = self.run_block(logits, batch, s, plan, r0, r1)
-            ids = self.draw_block(blk, plan)                                   # step 14
-            token_ids[r0:r1] = ids
-            valid[r0:r1] = blk.valid & self.drawn_is_finite_in_block(blk, ids)
-            if s.num_logprobs is not None:                                     # step 15
-                pieces.append(self.block_logprobs(blk, ids, s))
-        logprobs = join_logprobs(pieces) if pieces else None
-        token_ids = torch.where(valid, token_ids, torch.full_like(token_ids, INVALID_TOKEN))
+        keys = plan.row_keys(s)
+        request_index = batch.request_index(s.num_rows) if logits.shape[0] != s.num_rows else None
+        if len(plan.blocks) == 1:
+            token_ids, valid, logprobs = self.sample_block(logits, batch, s, plan, plan.blocks[0],
+                                                           keys, request_index)
+        else:
+            token_ids = torch.empty(s.num_rows, dtype=torch.long)
+            valid = torch.empty(s.num_rows, dtype=torch.bool)
+            pieces = []
+            for bp in plan.blocks:
+                ids, ok, lp = self.sample_block(logits, batch, s, plan, bp, keys, request_index)
+                token_ids[bp.r0:bp.r1], valid[bp.r0:bp.r1] = ids, ok
+                pieces.append(lp)
+            logprobs = join_logprobs(pieces) if s.num_logprobs is not None else None
+        token_ids = torch.where(valid, token_ids, INVALID_TOKEN)
         return SamplerOutput(token_ids, valid, logprobs)
+
+    def sample_block(self, logits, batch, s, plan, bp, keys, request_index):
+        """Steps 1-15 for one block: (int64 [n] ids, bool [n] valid, logprobs or None)."""
+        blk = self.run_block(logits, batch, s, plan, bp, request_index)        # steps 1-13
+        ids, finite = self.draw_block(blk, keys)                               # step 14
+        logprobs = None
+        if s.num_logprobs is not None:                                         # step 15
+            logprobs = self.block_logprobs(blk, ids, s)
+        return ids, blk.valid & finite, logprobs
 
     def processed_logits(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         """float32 ``[B, V]``: the final distribution's logits (steps 2-13; greedy rows stop
@@ -185,90 +222,98 @@ class CpuSampler(Sampler):
         if s.num_rows == 0:
             return out
         plan = self.plan(logits, batch, s)
-        for r0, r1 in plan.blocks():
-            out[r0:r1] = self.materialize(self.run_block(logits, batch, s, plan, r0, r1))
+        request_index = batch.request_index(s.num_rows) if logits.shape[0] != s.num_rows else None
+        for bp in plan.blocks:
+            out[bp.r0:bp.r1] = self.materialize(self.run_block(logits, batch, s, plan, bp, request_index))
         return out
 
     # ------------------------------------------------------------------ plan
     def plan(self, logits: torch.Tensor, batch: SamplingBatch, s: StepState) -> StepPlan:
-        """The step's host facts (see :class:`StepPlan`)."""
-        B, V = s.num_rows, s.vocab_size
-        temperature, min_p, top_p = s.temperature, s.min_p, s.top_p
-        top_k = s.top_k.to(torch.long).clamp(max=V)
-        if s.any_greedy:
-            g = s.greedy
-            temperature = torch.where(g, 1.0, temperature)
-            min_p = torch.where(g, 0.0, min_p)
-            top_k = torch.where(g, 0, top_k)
-            top_p = torch.where(g, 1.0, top_p)
-        off = [False] * B
-        return StepPlan(
-            num_rows=B,
-            rows_per_block=max(1, self.block_elements // V),
-            greedy=s.greedy.tolist() if s.any_greedy else off,
-            seeded=(s.seeded & ~s.greedy).tolist() if s.any_seeded else off,
-            temperature_on=(temperature != 1.0).tolist() if s.any_temperature else off,
-            min_p_on=(min_p > 0.0).tolist() if s.any_min_p else off,
-            top_k_on=(top_k > 0).tolist() if s.any_top_k else off,
-            top_p_on=(top_p < 1.0).tolist() if s.any_top_p else off,
-            temperature=temperature, min_p=min_p, top_k=top_k, top_p=top_p,
-            keys=row_keys(s.seed_lo, s.seed_hi, s.child, s.position) if s.any_seeded else None,
-            request_index=batch.request_index(B) if logits.shape[0] != B else None,
-            sparse_penalties=s.any_penalties and isinstance(batch, CpuBatch) and batch.has_penalty_slots,
-        )
+        """The step's host facts (see ``plan.StepPlan``), kept by a ``CpuBatch`` until its
+        rows change."""
+        rows_per_block = max(1, self.block_elements // s.vocab_size)
+        sparse = s.any_penalties and isinstance(batch, CpuBatch) and batch.has_penalty_slots
+        build = lambda: make_plan(s, rows_per_block, sparse)                   # noqa: E731
+        if isinstance(batch, CpuBatch):
+            return batch.cached_plan((s.num_rows, rows_per_block), build)
+        return build()
 
     # ------------------------------------------------------------------ steps 1-13
-    def run_block(self, logits: torch.Tensor, batch: SamplingBatch, s: StepState,
-                  plan: StepPlan, r0: int, r1: int) -> Block:
-        """Steps 1-13 for rows ``r0:r1``."""
-        rs = RowSlice(s, r0, r1)
-        x = self.block_copy(logits, plan, r0, r1)                               # step 2
-        raw = None
+    def run_block(self, logits: torch.Tensor, batch: SamplingBatch, s: StepState, plan: StepPlan,
+                  bp: BlockPlan, request_index: Optional[torch.Tensor]) -> Block:
+        """Steps 1-13 for the rows of ``bp``."""
+        rs = s if len(plan.blocks) == 1 else RowSlice(s, bp.r0, bp.r1)
+        blk = self.block_source(logits, bp, request_index)                     # step 2
         if s.num_logprobs is not None and s.logprobs_mode == "raw":             # step 1
-            raw = torch.log_softmax(x, dim=-1, out=self.workspace.take("raw", tuple(x.shape)))
-        valid = self.mask_block(x, s, rs)                                       # steps 3-5
+            blk.raw = torch.log_softmax(blk.x, dim=-1, out=self.workspace.take("raw", tuple(blk.x.shape)))
+        blk.valid = self.mask_block(blk, s, rs)                                 # steps 3-5
         if s.any_bias:
-            x.scatter_add_(1, rs.bias_ids, rs.bias_values)                      # step 6
+            self.own(blk).scatter_add_(1, rs.bias_ids, rs.bias_values)          # step 6
+            blk.changed()
         if s.any_penalties:
-            self.penalize_block(x, batch, rs, plan, r0, r1)                     # steps 7-8
-        greedy_ids = first_argmax(x) if any(plan.greedy[r0:r1]) else None     # step 9
-        blk = Block(r0, r1, x, raw, valid, greedy_ids)
-        if not all(plan.greedy[r0:r1]):
-            self.filter_block(blk, plan)                                        # steps 10-13
+            self.penalize_block(blk, batch, rs, plan)                           # steps 7-8
+        if bp.any_greedy:
+            blk.greedy_ids = first_argmax(blk.x, blk.maxima())                  # step 9
+        if not bp.all_greedy:
+            self.filter_block(blk)                                              # steps 10-13
         return blk
 
-    def block_copy(self, logits: torch.Tensor, plan: StepPlan, r0: int, r1: int) -> torch.Tensor:
-        """Step 2: float32 [n, V], the block's logits copied into the workspace (per-request
-        logits are expanded to rows). Never aliases ``logits``."""
-        x = self.workspace.take("x", (r1 - r0, logits.shape[1]))
-        if plan.request_index is not None:
-            return x.copy_(logits.index_select(0, plan.request_index[r0:r1]))
-        return x.copy_(logits[r0:r1])
+    def block_source(self, logits: torch.Tensor, bp: BlockPlan,
+                     request_index: Optional[torch.Tensor]) -> Block:
+        """Step 2, lazily: a Block whose x is the caller's float32 rows when they can be read
+        as they are (copied into the workspace by :meth:`own` before any write), else a
+        float32 copy in the workspace (per-request logits expanded to rows)."""
+        if request_index is None:
+            rows = logits[bp.r0:bp.r1]
+            if rows.dtype == torch.float32 and rows.is_contiguous():
+                return Block(bp, rows, owned=False)
+        else:
+            rows = logits.index_select(0, request_index[bp.r0:bp.r1])
+        x = self.workspace.take("x", (bp.n, logits.shape[1]))
+        return Block(bp, x.copy_(rows), owned=True)
 
-    def mask_block(self, x: torch.Tensor, s: StepState, rs: RowSlice) -> torch.Tensor:
-        """Steps 3-5 in place on x float32 [n, V]; returns bool [n] valid rows (no NaN/+inf
+    def own(self, blk: Block) -> torch.Tensor:
+        """blk.x as the workspace's copy, ready to be written in place."""
+        if not blk.owned:
+            blk.x = self.workspace.take("x", tuple(blk.x.shape)).copy_(blk.x)
+            blk.owned = True
+        return blk.x
+
+    def mask_block(self, blk: Block, s: StepState, rs) -> torch.Tensor:
+        """Steps 3-5 in place on blk.x float32 [n, V]; returns bool [n] valid rows (no NaN/+inf
         before masking, a token left after it). Invalid rows become zeros, as in the
         reference, so they cannot disturb later stages."""
         finite = None
-        if s.any_allowed:
-            # masked_fill can hide a NaN or +inf; the others below add -inf, which keeps them
-            # (NaN + -inf and +inf + -inf are NaN), so one maximum after them is enough.
-            top = x.amax(dim=-1)
-            finite = ~(torch.isnan(top) | (top == float("inf")))
-            x.masked_fill_(~rs.allowed_mask, NEG_INF)                           # step 3
-        if s.any_bad_words:
-            self.ban_in_place(x, rs.bad_last, self.bad_word_hits(rs))           # step 4
-        if s.any_min_tokens:
-            pending = (rs.position < rs.min_tokens)[:, None]
-            self.ban_in_place(x, rs.stop_ids, rs.stop_valid & pending)          # step 5
-        top = x.amax(dim=-1)              # NaN with a NaN, +inf with a +inf, -inf if all masked
-        valid = torch.isfinite(top) if finite is None else finite & (top > NEG_INF)
+        if s.any_allowed or s.any_bad_words or s.any_min_tokens:
+            x = self.own(blk)
+            if s.any_allowed:
+                # masked_fill can hide a NaN or +inf; the others below add -inf, which keeps
+                # them (NaN + -inf and +inf + -inf are NaN), so one maximum after them is enough.
+                top = x.amax(dim=-1)
+                finite = ~(torch.isnan(top) | (top == float("inf")))
+                x.masked_fill_(~rs.allowed_mask, NEG_INF)                       # step 3
+            if s.any_bad_words:
+                self.ban_in_place(x, rs.bad_last, self.bad_word_hits(rs))       # step 4
+            if s.any_min_tokens:
+                pending = (rs.position < rs.min_tokens)[:, None]
+                self.ban_in_place(x, rs.stop_ids, rs.stop_valid & pending)      # step 5
+            blk.changed()
+        # NaN with a NaN, +inf with a +inf, -inf if all masked; from the group maxima when a
+        # later stage reads them anyway (greedy rows, candidates of undivided rows) and steps
+        # 6-8 do not change x first
+        wants_maxima = ((blk.plan.any_greedy or blk.plan.candidates_only)
+                        and not (s.any_bias or s.any_penalties))
+        top = blk.maxima().amax(dim=-1) if wants_maxima else blk.x.amax(dim=-1)
+        valid = is_finite(top) if finite is None else finite & (top > NEG_INF)
         if not bool(valid.all()):
-            x.masked_fill_(~valid[:, None], 0.0)
+            self.own(blk).masked_fill_(~valid[:, None], 0.0)
+            blk.changed()
+        else:
+            blk.top = top[:, None]
         return valid
 
     @staticmethod
-    def bad_word_hits(rs: RowSlice) -> torch.Tensor:
+    def bad_word_hits(rs) -> torch.Tensor:
         """bool [n, W]: bad words whose prefix the row's generated tokens end with (the
         reference's rule; see ``Sampler.apply_bad_words``)."""
         recent = rs.recent[:, None, :]
@@ -281,14 +326,17 @@ class CpuSampler(Sampler):
         place). ids int64 [n, J], banned bool [n, J]."""
         x.scatter_add_(1, ids, torch.where(banned, NEG_INF, 0.0).to(x.dtype))
 
-    def penalize_block(self, x: torch.Tensor, batch: SamplingBatch, rs: RowSlice,
-                       plan: StepPlan, r0: int, r1: int) -> None:
-        """Steps 7-8 in place on x float32 [n, V]: repetition penalty over seen tokens, then
-        frequency and presence penalties over generated ones. From the batch's slots when it
-        keeps them (only the seen tokens are read and written), else from its dense counts."""
+    def penalize_block(self, blk: Block, batch: SamplingBatch, rs, plan: StepPlan) -> None:
+        """Steps 7-8 in place on blk.x float32 [n, V]: repetition penalty over seen tokens,
+        then frequency and presence penalties over generated ones. From the batch's slots
+        when it keeps them (only the seen tokens are read and written), else from its dense
+        counts."""
+        x = self.own(blk)
+        blk.changed()
         if not plan.sparse_penalties:
             x.copy_(self.apply_penalties(x, rs))
             return
+        r0, r1 = blk.plan.r0, blk.plan.r1
         ids, counts, length = batch.penalty_slots(plan.num_rows)
         length = length[r0:r1]
         width = int(length.max())
@@ -306,88 +354,137 @@ class CpuSampler(Sampler):
         # Same expression, in the same order, as the reference's dense step 8.
         xf[flat] = v - rs.frequency_penalty[rows] * c - rs.presence_penalty[rows] * occurred
 
-    def filter_block(self, blk: Block, plan: StepPlan) -> None:
+    def filter_block(self, blk: Block) -> None:
         """Steps 10-13 for the block's random rows (greedy rows have neutral parameters)."""
-        r0, r1, x = blk.r0, blk.r1, blk.x
-        if any(plan.temperature_on[r0:r1]):
-            x.div_(plan.temperature[r0:r1, None])                               # step 10
-        rows = lambda switch: [i for i, on in enumerate(switch[r0:r1]) if on]  # noqa: E731
-        min_p_rows = rows(plan.min_p_on)
-        if min_p_rows:
-            self.min_p_rows(blk, min_p_rows, plan.min_p[r0:r1])                 # step 11
-        top_k_rows = rows(plan.top_k_on)
-        if top_k_rows:
-            blk.cand = self.top_k_rows(blk, top_k_rows, plan.top_k[r0:r1])      # step 12
-            if blk.cand is not None:
-                blk.candidate_rows = set(blk.cand.rows.tolist())
-        top_p_rows = rows(plan.top_p_on)
-        if top_p_rows:                                                          # step 13
-            top_p = plan.top_p[r0:r1]
-            on_candidates = [i for i in top_p_rows if i in blk.candidate_rows]
-            whole = [i for i in top_p_rows if i not in blk.candidate_rows]
-            if on_candidates:
-                self.top_p_candidate_rows(blk.cand, top_p, x.shape[1])
+        bp = blk.plan
+        if bp.temperature_on and not bp.candidates_only:
+            self.divide(blk)                                                    # step 10
+        if bp.min_p_rows:
+            self.min_p_rows(blk, bp.min_p_rows)                                 # step 11
+        if bp.top_k_rows:
+            self.top_k_rows(blk, bp.top_k_rows)                                 # step 12
+        if bp.top_p_rows:                                                       # step 13
+            candidate_rows = blk.candidate_rows
+            whole = [i for i in bp.top_p_rows if i not in candidate_rows]
+            if len(whole) < len(bp.top_p_rows):
+                self.top_p_candidate_rows(blk.cand, bp.top_p, blk.x.shape[1])
             if whole:
-                self.top_p_whole_rows(blk, whole, top_p)
+                self.top_p_whole_rows(blk, whole)
 
-    def min_p_rows(self, blk: Block, rows: list, min_p: torch.Tensor) -> None:
-        """Step 11 in place on the given rows of blk.x float32 [n, V]: drop tokens whose
-        probability is < min_p * the row's largest (min_p float32 [n]; 0 keeps all)."""
-        sub, index = take_rows(blk.x, rows)
-        probs = torch.softmax(sub, dim=-1, out=self.workspace.take("probs", tuple(sub.shape)))
-        # amax is NaN when probs hold a NaN: the row is then dropped whole (see below)
-        threshold = min_p[index][:, None] * probs.amax(dim=-1, keepdim=True)
-        self.drop_and_keep_weights(blk, rows, index, sub, probs, threshold)
+    def divide(self, blk: Block) -> None:
+        """Step 10 in place on every row of blk.x (greedy rows divide by 1). Divides while
+        copying when x is still the caller's."""
+        top = blk.top
+        if blk.owned:
+            blk.x.div_(blk.plan.temperature)
+        else:
+            out = self.workspace.take("x", tuple(blk.x.shape))
+            blk.x, blk.owned = torch.div(blk.x, blk.plan.temperature, out=out), True
+        blk.changed()
+        # x / T rounds monotonically, so the maxima divided are the divided row's maxima
+        blk.top = None if top is None else top / blk.plan.temperature
 
-    def drop_and_keep_weights(self, blk: Block, rows: list, index: torch.Tensor, sub: torch.Tensor,
-                              probs: torch.Tensor, threshold: torch.Tensor) -> None:
-        """Drop tokens whose probability is below threshold (float32 [m, 1]): sub (float32
-        [m, V], the rows of blk.x) gets -inf there and is written back; probs gets 0 and
-        becomes the rows' draw weights (the final distribution unless a later stage changes
-        the row, which then replaces them).
+    def min_p_rows(self, blk: Block, rows: list) -> None:
+        """Step 11 on the given rows of blk.x float32 [n, V]: tokens whose probability is
+        < min_p * the row's largest are cut (min_p float32 [n]; 0 keeps all). Rows that a
+        later stage reads in full get the cut applied to x at once."""
+        sub, index = take_rows(blk.x, rows, blk.plan)
+        probs = torch.softmax(sub, dim=-1, out=self.workspace.take("min_p_probs", tuple(sub.shape)))
+        # amax is NaN when probs hold a NaN: the row then keeps nothing
+        cut = blk.plan.min_p[index][:, None] * probs.amax(dim=-1, keepdim=True)
+        self.set_cut(blk, rows, probs, cut)
+        later = set(blk.plan.top_k_rows) | set(blk.plan.top_p_rows)
+        self.apply_cuts(blk, [row for row in rows if row in later])
 
-        No boolean mask: masked_fill and where with an irregular mask are ~40x slower than
-        vectorised arithmetic on CPUs. copysign(inf, probs - threshold) is +inf for kept
-        tokens (probs >= threshold) and -inf for dropped ones, and min() with it masks both.
-        Rows whose probabilities are NaN (float32 overflow upstream) drop every token, as the
-        reference's comparisons do; the draw then flags them."""
-        scratch = self.workspace.take(SCRATCH, tuple(probs.shape), torch.int32)
-        sign = torch.sub(probs, threshold, out=scratch.view(torch.float32))
-        torch.copysign(_INF, sign, out=sign)
-        broken = torch.isnan(threshold[:, 0])
-        if bool(broken.any()):
-            sign[broken] = NEG_INF
-        torch.minimum(sub, sign, out=sub)
-        put_rows(blk.x, index, sub)
-        blk.weights = torch.minimum(probs, sign, out=probs).clamp_(min=0.0)
-        blk.weight_rows = {row: j for j, row in enumerate(rows)}
+    def set_cut(self, blk: Block, rows: list, probs: torch.Tensor, cut: torch.Tensor) -> None:
+        """Record a cut (see :class:`Cut`) of the given rows: probs float32 [m, V] become the
+        kept probabilities in place (see :meth:`threshold_rows`)."""
+        record = Cut(rows, probs, [None] * len(rows))
+        self.threshold_rows(record, list(range(len(rows))), cut[:, 0].tolist())
+        self.attach(blk, record)
 
     @staticmethod
-    def forget_weights(blk: Block, rows: list) -> None:
-        """Rows changed after their weights were computed: draw them from blk.x instead."""
-        for row in rows:
-            blk.weight_rows.pop(row, None)
+    def attach(blk: Block, record: Cut) -> None:
+        for j, row in enumerate(record.rows):
+            blk.cuts[row] = (record, j)
+            blk.masked.discard(row)
 
-    def top_k_rows(self, blk: Block, rows: list, top_k: torch.Tensor) -> Optional[Candidates]:
-        """Step 12 for the given rows of x float32 [n, V] (top_k int64 [n], 1..V there).
+    @staticmethod
+    def threshold_rows(record: Cut, at: list, cuts: list) -> None:
+        """Set the cuts of places ``at`` and zero their weights below them, one threshold
+        pass per row (``p > the float32 just below the cut`` keeps exactly ``p >= cut``; a
+        NaN cut keeps nothing)."""
+        below = torch.nextafter(torch.tensor(cuts), torch.tensor(NEG_INF)).tolist()
+        for j, cut, value in zip(at, cuts, below):
+            torch.threshold_(record.weights[j], value, 0.0)
+            record.cut[j] = cut
+
+    def resolve(self, record: Cut, at: list) -> None:
+        """Find the pending top-p cuts of places ``at``: the nucleus threshold by histogram
+        select over the rows' probabilities (``select.nucleus_threshold``)."""
+        at = record.pending(at)
+        if not at:
+            return
+        index = torch.tensor(at, dtype=torch.long)
+        probs = record.weights if len(at) == len(record.rows) else record.weights.index_select(0, index)
+        top_p = torch.tensor([record.top_p[j] for j in at], dtype=torch.float32)
+        threshold = nucleus_threshold(probs, top_p, self.workspace)
+        # a row with a NaN (float32 overflow upstream) is NaN throughout: it keeps nothing
+        threshold = torch.where(torch.isnan(probs[:, 0]), float("nan"), threshold)
+        self.threshold_rows(record, at, threshold.tolist())
+
+    def apply_cuts(self, blk: Block, rows: list) -> None:
+        """Mask x where the cut of the given rows drops tokens (-inf), for stages that read
+        x itself. A positive cut keeps exactly the tokens with positive weight; a cut of 0
+        keeps every token; a NaN cut none."""
+        pending = [row for row in rows if row in blk.cuts and row not in blk.masked]
+        if not pending:
+            return
+        x = self.own(blk)
+        for row in pending:
+            record, j = blk.cuts[row]
+            self.resolve(record, [j])
+            if record.cut[j] != 0.0:
+                # sign(w) - 0.5 is -0.5 where w == 0 and 0.5 where w > 0; copysign makes that
+                # -inf / +inf and min() masks. (No subtraction of a tiny value: subnormal
+                # results cost a microcode assist each on x86, ~100x an ordinary one.)
+                sign = torch.sign(record.weights[j], out=self.workspace.take("sign", (x.shape[1],)))
+                torch.minimum(x[row], torch.copysign(_INF, sign.sub_(0.5), out=sign), out=x[row])
+            blk.masked.add(row)
+        blk.changed()
+
+    def top_k_rows(self, blk: Block, rows: list) -> None:
+        """Step 12 for the given rows of blk.x float32 [n, V] (top_k int64 [n], 1..V there),
+        as candidates (blk.cand). When the block divides candidates only (see
+        ``BlockPlan.candidates_only``), the candidates are divided by the temperature here.
 
         Rows whose ties at the k-th value may run past the candidate columns are masked in
-        place in x and left out of the candidates (their next stages take the whole row)."""
-        x = blk.x
-        sub, index = take_rows(x, rows)
-        k = top_k[index]
-        width = min(x.shape[1], int(k.max()) + self.TIE_SLACK)
-        values, ids, complete = top_k_candidates(sub, k, width)
+        place in x (divided first where needed) and left out of the candidates (their next
+        stages take the whole row)."""
+        bp = blk.plan
+        self.apply_cuts(blk, rows)
+        sub, index = take_rows(blk.x, rows, bp)
+        k = pick_rows(bp.top_k, rows, bp)
+        width = min(blk.x.shape[1], bp.top_k_max + self.TIE_SLACK)
+        divide = bp.candidates_only and bp.temperature_on
+        temperature = pick_rows(bp.temperature, rows, bp) if divide else None
+        maxima = blk.maxima() if sub is blk.x else None
+        values, ids, complete = top_k_candidates(sub, k, width, temperature, maxima)
         if not bool(complete.all()):
             spill = (~complete).nonzero().flatten()
-            self.forget_weights(blk, index[spill].tolist())
-            cut = kth_largest(values[spill], k[spill])   # masking kept the top k values
-            x[index[spill]] = mask_below(sub[spill], cut)
+            spilled = index[spill]
+            x = self.own(blk)
+            whole = x[spilled] if temperature is None else x[spilled] / temperature[spill]
+            x[spilled] = mask_below(whole, kth_largest(values[spill], k[spill]))
+            blk.changed()
+            for row in spilled.tolist():       # x now holds their min-p cut and more
+                blk.cuts.pop(row, None)
+                blk.masked.discard(row)
             keep = complete.nonzero().flatten()
             if keep.numel() == 0:
-                return None
+                return
             values, ids, index = values[keep], ids[keep], index[keep]
-        return Candidates(index, values, ids)
+        blk.cand = Candidates(index.tolist(), index, values, ids)
 
     def top_p_candidate_rows(self, cand: Candidates, top_p: torch.Tensor, V: int) -> None:
         """Step 13 on candidate rows (top_p float32 [n] per block row; 1 keeps all).
@@ -395,9 +492,7 @@ class CpuSampler(Sampler):
         From the softmax of the candidates alone when that provably picks the reference's
         tokens (``select.top_p_candidates_fast``); the other rows take the reference's
         softmax of the whole masked row."""
-        p = top_p[cand.rows]
-        if not bool((p < 1.0).any()):
-            return
+        p = top_p if len(cand.rows) == top_p.shape[0] else top_p[cand.index]
         values, settled = top_p_candidates_fast(cand.values, p)
         if not bool(settled.all()):
             rows = (~settled).nonzero().flatten()
@@ -407,84 +502,180 @@ class CpuSampler(Sampler):
             values[rows] = top_p_candidates(cand.values[rows], probs, p[rows])
         cand.values = values
 
-    def top_p_whole_rows(self, blk: Block, rows: list, top_p: torch.Tensor) -> None:
-        """Step 13 in place on whole rows of blk.x float32 [n, V] (top_p float32 [n], < 1
-        there): the threshold by histogram select, then one masking pass."""
-        sub, index = take_rows(blk.x, rows)
-        probs = torch.softmax(sub, dim=-1, out=self.workspace.take("probs", tuple(sub.shape)))
-        threshold = nucleus_threshold(probs, top_p[index], self.workspace)[:, None]
-        threshold = torch.where(torch.isnan(probs.amax(dim=-1, keepdim=True)), float("nan"), threshold)
-        self.drop_and_keep_weights(blk, rows, index, sub, probs, threshold)
+    def top_p_whole_rows(self, blk: Block, rows: list) -> None:
+        """Step 13 on whole rows of blk.x float32 [n, V] (top_p float32 [n], < 1 there): their
+        probabilities, kept as a pending cut (see :class:`Cut`; x is masked when read)."""
+        self.apply_cuts(blk, rows)                        # min-p first: top-p renormalises
+        sub, index = take_rows(blk.x, rows, blk.plan)
+        probs = torch.softmax(sub, dim=-1, out=self.workspace.take("top_p_probs", tuple(sub.shape)))
+        top_p = blk.plan.top_p[index].tolist()
+        self.attach(blk, Cut(rows, probs, [None] * len(rows), top_p))
 
     # ------------------------------------------------------------------ step 14
-    def draw_block(self, blk: Block, plan: StepPlan) -> torch.Tensor:
-        """int64 [n]: one token per row of the block (before invalid rows are flagged)."""
-        r0, r1 = blk.r0, blk.r1
-        n = r1 - r0
-        tokens = blk.greedy_ids if blk.greedy_ids is not None else torch.zeros(n, dtype=torch.long)
-        greedy, seeded = plan.greedy[r0:r1], plan.seeded[r0:r1]
-        if all(greedy):
-            return tokens
-        tokens = tokens.clone()
-        if blk.cand is not None:
-            c = blk.cand
-            is_seeded = torch.tensor([seeded[i] for i in c.rows.tolist()], dtype=torch.bool)
-            self.draw_into(tokens, c.rows, is_seeded,
-                           lambda sel, keys: draw_seeded_candidates(c.values[sel], c.ids[sel], keys),
-                           lambda sel: draw_unseeded_candidates(c.values[sel], c.ids[sel], self.generator),
-                           plan.keys, r0)
-        whole = [i for i in range(n) if not greedy[i] and i not in blk.candidate_rows]
+    def draw_block(self, blk: Block, keys: Optional[torch.Tensor]):
+        """Step 14 for a block: (int64 [n] token ids, bool [n] finite): finite is False where
+        the drawn token's final logit is not finite (the core's ``drawn_is_finite``: float32
+        overflow after step 5 flags the row instead of returning an arbitrary id)."""
+        bp = blk.plan
+        n = bp.n
+        if bp.all_greedy:
+            return blk.greedy_ids, self.finite_at(blk.x, blk.greedy_ids)
+        cand, candidate_rows = blk.cand, blk.candidate_rows
+        whole = [i for i in range(n) if not bp.greedy[i] and i not in candidate_rows]
+        if cand is not None and len(cand.rows) == n:           # the common top-k block
+            pos = self.race_candidates(cand, bp, keys)
+            return cand.ids.gather(1, pos)[:, 0], is_finite(cand.values.gather(1, pos)[:, 0])
+        tokens = blk.greedy_ids.clone() if bp.any_greedy else torch.zeros(n, dtype=torch.long)
+        ok = None
         if whole:
-            rows = torch.tensor(whole, dtype=torch.long)
-            is_seeded = torch.tensor([seeded[i] for i in whole], dtype=torch.bool)
-            self.draw_into(tokens, rows, is_seeded,
-                           lambda sel, keys: draw_seeded_rows(pick_rows(blk.x, rows[sel]), keys),
-                           lambda sel: self.draw_whole_unseeded(blk, rows[sel]),
-                           plan.keys, r0)
-        return tokens
-
-    def draw_whole_unseeded(self, blk: Block, rows: torch.Tensor) -> torch.Tensor:
-        """int64 [m]: inverse-CDF draws for whole rows (block-local int64 [m]), from the
-        weights a filter left when every row has them, else from blk.x. Rows whose weights
-        are NaN are marked in blk.draw_ok."""
-        at = [blk.weight_rows.get(row) for row in rows.tolist()]
-        if None not in at:
-            weights = blk.weights if at == list(range(blk.weights.shape[0])) else blk.weights[at]
-            tokens, ok = draw_from_weights(weights, self.generator)
-        else:
-            x = pick_rows(blk.x, rows)
-            tokens, ok = draw_by_inverse_cdf(x, self.generator, self.workspace.take("weights", tuple(x.shape)))
-        if not bool(ok.all()):
-            if blk.draw_ok is None:
-                blk.draw_ok = torch.ones(blk.x.shape[0], dtype=torch.bool)
-            blk.draw_ok[rows] = ok
-        return tokens
+            ids, ok = self.draw_whole(blk, whole, keys)
+            if len(whole) == n:
+                tokens = ids
+            else:
+                tokens[bp.index(whole)] = ids
+                ok = torch.ones(n, dtype=torch.bool).index_put_((bp.index(whole),), ok)
+        finite = self.finite_at(blk.x, tokens)
+        if cand is not None:
+            pos = self.race_candidates(cand, bp, keys)
+            tokens[cand.index] = cand.ids.gather(1, pos)[:, 0]
+            finite[cand.index] = is_finite(cand.values.gather(1, pos)[:, 0])
+        return tokens, finite if ok is None else finite & ok
 
     @staticmethod
-    def drawn_is_finite_in_block(blk: Block, token_ids: torch.Tensor) -> torch.Tensor:
-        """bool [n]: the drawn id is in range and its final logit finite (the core's
-        ``Sampler.drawn_is_finite``: rows whose float32 overflowed are flagged, not returned
-        with an arbitrary id). Candidate rows read the candidates' values."""
-        V = blk.x.shape[1]
-        safe = token_ids.clamp(0, V - 1)
-        picked = blk.x.gather(1, safe[:, None])[:, 0]
-        if blk.cand is not None:
-            c = blk.cand
-            hit = c.ids == safe[c.rows][:, None]
-            picked[c.rows] = torch.where(hit, c.values, NEG_INF).amax(dim=-1)
-        ok = (token_ids >= 0) & (token_ids < V) & torch.isfinite(picked)
-        return ok if blk.draw_ok is None else ok & blk.draw_ok
+    def finite_at(x: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """bool [n]: x[row, tokens[row]] is finite (tokens int64 [n], all in [0, V))."""
+        return is_finite(x.gather(1, tokens[:, None])[:, 0])
+
+    def race_candidates(self, cand: Candidates, bp: BlockPlan, keys: Optional[torch.Tensor]) -> torch.Tensor:
+        """int64 [nc, 1]: each candidate row's winning column (seeded rows: the contract's
+        noise for the candidates' ids; the others: this sampler's generator)."""
+        seeded = [i for i, row in enumerate(cand.rows) if bp.seeded[row]]
+        if not seeded:
+            return race_unseeded_candidates(cand.values, self.generator)
+        row_keys = keys[bp.r0:bp.r1][cand.index]
+        if len(seeded) == len(cand.rows):
+            return race_seeded_candidates(cand.values, cand.ids, row_keys)
+        pos = race_unseeded_candidates(cand.values, self.generator)
+        sel = torch.tensor(seeded, dtype=torch.long)
+        pos[sel] = race_seeded_candidates(cand.values[sel], cand.ids[sel], row_keys[sel])
+        return pos
+
+    def draw_whole(self, blk: Block, rows: list, keys: Optional[torch.Tensor]):
+        """(int64 [m] token ids, bool [m] ok) for whole rows (block-local, ascending): seeded
+        rows by the contract's race over their final logits, the others by the inverse CDF
+        over their kept probabilities or exp(x - max)."""
+        bp = blk.plan
+        seeded = [row for row in rows if bp.seeded[row]]
+        unseeded = [row for row in rows if not bp.seeded[row]]
+        if not seeded:
+            return self.draw_unseeded_whole(blk, unseeded)
+        if not unseeded:
+            return self.draw_seeded_whole(blk, seeded, keys)
+        at = {row: j for j, row in enumerate(rows)}
+        merged = torch.empty(len(rows), dtype=torch.long)
+        merged_ok = torch.empty(len(rows), dtype=torch.bool)
+        for subset, (ids, ok) in ((seeded, self.draw_seeded_whole(blk, seeded, keys)),
+                                  (unseeded, self.draw_unseeded_whole(blk, unseeded))):
+            where = torch.tensor([at[row] for row in subset], dtype=torch.long)
+            merged[where], merged_ok[where] = ids, ok
+        return merged, merged_ok
+
+    def draw_unseeded_whole(self, blk: Block, rows: list):
+        """(int64 [m] ids, bool [m] ok): inverse-CDF draws for unseeded whole rows."""
+        record, at = self.common_cut(blk, rows)
+        if record is not None and record.pending(at) == at:
+            return self.draw_in_nucleus(record, at)
+        return draw_from_weights(self.weights_of(blk, rows), self.generator)
+
+    def draw_in_nucleus(self, record: Cut, at: list):
+        """Unseeded draws from pending top-p cuts (places ``at`` of ``record``) without their
+        thresholds: a token drawn from the whole distribution is kept when it is in the
+        nucleus (rejection sampling: an accepted token follows the renormalised nucleus
+        exactly); rows rejected ``NUCLEUS_TRIES`` times resolve their cut and draw from it.
+        A row's acceptance rate is its nucleus mass, >= top_p."""
+        probs = rows_of(record.weights, at)
+        top_p = torch.tensor([record.top_p[j] for j in at], dtype=torch.float32)
+        ids, ok = draw_from_weights(probs, self.generator)
+        settled = nucleus_contains(probs, ids, top_p) | ~ok
+        for _ in range(self.NUCLEUS_TRIES - 1):
+            if bool(settled.all()):
+                return ids, ok
+            redo = (~settled).nonzero()[:, 0]
+            again, again_ok = draw_from_weights(probs[redo], self.generator)
+            ids[redo], ok[redo] = again, again_ok
+            settled[redo] = nucleus_contains(probs[redo], again, top_p[redo]) | ~again_ok
+        if not bool(settled.all()):
+            redo = (~settled).nonzero()[:, 0]
+            places = [at[j] for j in redo.tolist()]
+            self.resolve(record, places)
+            ids[redo], ok[redo] = draw_from_weights(rows_of(record.weights, places), self.generator)
+        return ids, ok
+
+    def draw_seeded_whole(self, blk: Block, rows: list, keys: torch.Tensor):
+        """(int64 [m] ids, bool [m] ok) for seeded whole rows: the reference's race over their
+        final logits. Rows with a pending top-p cut race over the whole row first: when the
+        winner is in the nucleus it also wins among the kept tokens (the lowest id of the
+        best score over a superset); the others resolve their cut and race over the kept
+        tokens, with the cut's weights as the mask (x itself stays unmasked)."""
+        bp = blk.plan
+        record, at = self.common_cut(blk, rows)
+        if record is None:
+            self.apply_cuts(blk, rows)
+        x = pick_rows(blk.x, rows, bp)
+        row_keys = keys[bp.r0:bp.r1][bp.index(rows)]
+        race = lambda x, keys, kept=None: draw_seeded_rows(                      # noqa: E731
+            x, keys, self.offsets(x.shape[1]), self.workspace, self.NOISE_CHUNK, kept)
+        if record is None:
+            return race(x, row_keys)
+        if record.pending(at) != at:
+            self.resolve(record, at)
+            return race(x, row_keys, rows_of(record.weights, at))
+        ids, ok = race(x, row_keys)
+        top_p = torch.tensor([record.top_p[j] for j in at], dtype=torch.float32)
+        settled = nucleus_contains(rows_of(record.weights, at), ids, top_p)
+        if not bool(settled.all()):
+            redo = (~settled).nonzero()[:, 0]
+            places = [at[j] for j in redo.tolist()]
+            self.resolve(record, places)
+            ids[redo], ok[redo] = race(x[redo], row_keys[redo], rows_of(record.weights, places))
+        return ids, ok
 
     @staticmethod
-    def draw_into(tokens, rows, is_seeded, seeded_draw, unseeded_draw, keys, r0) -> None:
-        """tokens[rows] = draws: seeded rows by ``seeded_draw(selection, keys)``, the others by
-        ``unseeded_draw(selection)`` (selections index ``rows``)."""
-        if bool(is_seeded.any()):
-            sel = is_seeded.nonzero().flatten()
-            tokens[rows[sel]] = seeded_draw(sel, keys[r0 + rows[sel]])
-        if not bool(is_seeded.all()):
-            sel = (~is_seeded).nonzero().flatten()
-            tokens[rows[sel]] = unseeded_draw(sel)
+    def common_cut(blk: Block, rows: list):
+        """(the Cut every given row belongs to and the rows' places in it), or (None, None)."""
+        cuts = [blk.cuts.get(row) for row in rows]
+        first = cuts[0]
+        if first is None or any(c is None or c[0] is not first[0] for c in cuts):
+            return None, None
+        return first[0], [j for _, j in cuts]
+
+    def weights_of(self, blk: Block, rows: list) -> torch.Tensor:
+        """float32 [m, V]: the draw weights of whole rows: their cut's kept probabilities
+        (cuts resolved first), or exp(x - max) for rows no probability filter touched."""
+        record, at = self.common_cut(blk, rows)
+        if record is not None:
+            self.resolve(record, at)
+            return rows_of(record.weights, at)
+        cuts = [blk.cuts.get(row) for row in rows]
+        if all(c is None for c in cuts):
+            x = pick_rows(blk.x, rows, blk.plan)
+            top = None if blk.top is None else pick_rows(blk.top, rows, blk.plan)
+            return exp_weights(x, self.workspace.take("weights", tuple(x.shape)), top)
+        weights = self.workspace.take("weights", (len(rows), blk.x.shape[1]))
+        for j, (row, c) in enumerate(zip(rows, cuts)):
+            if c is None:
+                exp_weights(blk.x[row:row + 1], weights[j:j + 1])
+            else:
+                self.resolve(c[0], [c[1]])
+                weights[j].copy_(c[0].weights[c[1]])
+        return weights
+
+    def offsets(self, V: int) -> torch.Tensor:
+        """int32 [V]: every token's share of the seeded hash (``token_offsets``), made once."""
+        offsets = self._offsets.get(V)
+        if offsets is None:
+            offsets = self._offsets[V] = token_offsets(torch.arange(V))
+        return offsets
 
     # ------------------------------------------------------------------ step 15
     def block_logprobs(self, blk: Block, token_ids: torch.Tensor, s: StepState) -> Logprobs:
@@ -513,41 +704,40 @@ class CpuSampler(Sampler):
         return Logprobs(torch.cat(ids, dim=1), torch.cat(values, dim=1), ranks)
 
     def materialize(self, blk: Block) -> torch.Tensor:
-        """float32 [n, V]: the block's final logits (candidate rows written out in full, -inf
-        for dropped tokens). Reuses blk.x."""
+        """float32 [n, V]: the block's final logits (cuts applied, candidate rows written out
+        in full, -inf for dropped tokens). Reuses blk.x."""
+        self.apply_cuts(blk, list(blk.cuts))
+        x = self.own(blk)
         if blk.cand is not None:
             c = blk.cand
-            full = torch.full((c.values.shape[0], blk.x.shape[1]), NEG_INF)
+            full = torch.full((c.values.shape[0], x.shape[1]), NEG_INF)
             full.scatter_(1, c.ids, c.values)
-            blk.x.index_copy_(0, c.rows, full)
+            x.index_copy_(0, c.index, full)
             blk.cand = None
-            blk.candidate_rows = set()
-        return blk.x
+            blk.changed()
+        return x
 
 
 _INF = torch.tensor(float("inf"))
 
 
-def take_rows(x: torch.Tensor, rows: list) -> tuple[torch.Tensor, torch.Tensor]:
+def take_rows(x: torch.Tensor, rows: list, bp: BlockPlan) -> tuple[torch.Tensor, torch.Tensor]:
     """(x's rows as a tensor, their indices int64). All rows: x itself (a view, so in-place
-    changes land in x); otherwise a copy, to be written back with :func:`put_rows`."""
-    index = torch.tensor(rows, dtype=torch.long)
+    changes land in x); otherwise a copy (to be written back by the caller)."""
+    index = bp.index(rows)
     if len(rows) == x.shape[0]:
         return x, index
     return x.index_select(0, index), index
 
 
-def pick_rows(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    """x[rows] for int64 rows [m], without a copy when rows are all of x's rows in order."""
-    if rows.numel() == x.shape[0] and bool((rows == torch.arange(x.shape[0])).all()):
-        return x
-    return x.index_select(0, rows)
+def rows_of(x: torch.Tensor, at: list) -> torch.Tensor:
+    """x[at] for places ``at`` (ascending), without a copy when they are all of x's rows."""
+    return x if at == list(range(x.shape[0])) else x[at]
 
 
-def put_rows(x: torch.Tensor, index: torch.Tensor, sub: torch.Tensor) -> None:
-    """Write rows taken by :func:`take_rows` back into x (nothing to do for a view)."""
-    if sub is not x:
-        x.index_copy_(0, index, sub)
+def pick_rows(x: torch.Tensor, rows: list, bp: BlockPlan) -> torch.Tensor:
+    """x[rows] for block-local rows (ascending), without a copy when they are all of x's."""
+    return x if len(rows) == x.shape[0] else x.index_select(0, bp.index(rows))
 
 
 def join_logprobs(pieces: list) -> Logprobs:

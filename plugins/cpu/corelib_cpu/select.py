@@ -9,40 +9,52 @@ float64 nucleus sums. Shapes: ``n`` rows, ``V`` vocabulary, ``W`` candidate colu
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from .rowops import top_values
 
 NEG_INF = float("-inf")
 
-# A positive float32's bit pattern (read as int32) orders like its value, so its top 16 bits
-# (sign, exponent, 7 mantissa bits) name a bucket, the next 8 a sub-bucket, the last 8 a value.
-_BUCKETS = 1 << 16
+# A positive float32's bit pattern (read as int32) orders like its value, so its top 12 bits
+# (sign, exponent, 3 mantissa bits) name a bucket, the next 10 a sub-bucket, the last 10 a
+# value. Few first-pass buckets keep the per-bucket work (cumulative sums, the search) small;
+# the bucket holding the threshold spans 1/8 of an octave, a few percent of a flat row.
+_KEY_SHIFT = 20
+_SUB_BITS = 10
 #: Workspace name of the int32 [n, V] scratch buffer (free again once a function returns).
 SCRATCH = "scratch32"
-# Probabilities are at most 1.0 (bits 0x3F800000): buckets past its one stay empty, except
-# for NaN rows, which are then all empty and go to the sort.
-_PROB_BUCKETS = 0x3F80 + 1
+# Probabilities are at most 1.0 (bits 0x3F800000): buckets past its one stay empty. NaN rows
+# are clamped into the last bucket, have no mass below it and go to the sort.
+_PROB_BUCKETS = (0x3F800000 >> _KEY_SHIFT) + 1
 # Buckets from here up hold values >= 2**-29: float32 multiples of 2**-52, so float64 sums of
 # them below 2 are exact, in any order (the reference's sequential cumsum included).
-_EXACT_BUCKET = (127 - 29) << 7
+_EXACT_BUCKET = (127 - 29) << (23 - _KEY_SHIFT)
 # A nucleus whose mass ends this close above top_p may depend on the reference's rounding of
 # tiny tail values; such rows take the exact sort (they only occur by construction).
 _MARGIN = 2.0 ** -30
 
 
-def top_k_candidates(x: torch.Tensor, k: torch.Tensor, width: int):
+def top_k_candidates(x: torch.Tensor, k: torch.Tensor, width: int,
+                     temperature: Optional[torch.Tensor] = None, maxima: Optional[torch.Tensor] = None):
     """Step 12 as candidates. x float32 [n, V] (dropped tokens -inf), k int64 [n] in [1, V],
     ``width`` >= max(k) candidate columns (a few more catch ties at the k-th value).
+    ``temperature`` float32 [n, 1]: x is step 10's input, and the candidates are divided by
+    it (x / T is non-decreasing in x, so its k largest are the k largest of x divided, ties
+    made by the division included: they are judged after it). ``maxima``: x's group maxima.
 
     Returns ``(values, ids, complete)``: values float32 [n, W] descending, tokens below the
     k-th largest set to -inf; ids int64 [n, W]; complete bool [n], False where tokens tied
     with the k-th value may lie beyond the W columns or the groups searched (the caller then
     masks the row in full with :func:`mask_below`). Does not modify x."""
     V = x.shape[-1]
-    values, ids, floor = top_values(x, width)                           # (n, W), descending
+    values, ids, floor = top_values(x, width, maxima)                   # (n, W), descending
+    floor = floor[:, None]
+    if temperature is not None:
+        values, floor = values / temperature, floor / temperature
     kth = values.gather(1, (k - 1)[:, None])                            # (n, 1)
-    complete = ((values[:, -1:] < kth) & (floor[:, None] < kth)) | (kth == NEG_INF)
+    complete = ((values[:, -1:] < kth) & (floor < kth)) | (kth == NEG_INF)
     if width >= V:
         complete = torch.ones_like(complete)
     return values.masked_fill(values < kth, NEG_INF), ids, complete[:, 0]
@@ -108,13 +120,29 @@ def top_p_candidates_fast(values: torch.Tensor, top_p: torch.Tensor):
     differ by at most (2W + 4) ulps per value, and every float64 prefix sum by as much
     relative to the mass. A row is settled when no prefix sum lies within twice that of
     top_p and no other value lies that close to the threshold: both rules then pick the
-    same tokens. (Exact boundaries, which hand-made cases hit, are never settled.)"""
+    same tokens. (Exact boundaries, which hand-made cases hit, are never settled.) The
+    probabilities follow the values' descending order, up to rounding between nearly equal
+    values, which the second rule leaves unsettled next to the threshold: no sort needed."""
     W = values.shape[-1]
     probs = torch.softmax(values, dim=-1)
-    keep, margin = nucleus_of_candidates(values, probs, top_p)
+    p64 = probs.double()
+    before = p64.cumsum(dim=-1).sub_(p64)                                # mass before each
+    top = top_p.double()[:, None]
+    # When every candidate, zeros included, is in the nucleus, the reference's last position
+    # is one of its zeros too: the threshold is 0 in both.
+    last = (before < top).sum(dim=-1, keepdim=True).clamp_(min=1).sub_(1)
+    threshold = probs.gather(1, last)
+    t64 = threshold.double()
+    sums_gap = (before - top).abs_().amin(dim=-1)
+    # Other values' distance from the threshold, relative, ignoring tokens whose logit equals
+    # the threshold token's (equal in any sum).
+    relative = (p64 - t64).abs_().div_(t64.clamp(min=1e-300))
+    value_gap = relative.masked_fill_(values == values.gather(1, last), float("inf")).amin(dim=-1)
     tolerance = (4 * W + 40) * 2.0 ** -24
-    settled = (margin > tolerance) | (top_p >= 1.0)
-    return values.masked_fill(~keep, NEG_INF), settled
+    # Relative bounds mean nothing for subnormal probabilities: never settle on those.
+    tiny = (t64[:, 0] > 0) & (t64[:, 0] < 2.0 ** -100)
+    settled = ((torch.minimum(sums_gap, value_gap) > tolerance) & ~tiny) | (top_p >= 1.0)
+    return values.masked_fill(~(probs >= threshold) & (top < 1.0), NEG_INF), settled
 
 
 def nucleus_threshold(probs: torch.Tensor, top_p: torch.Tensor, workspace=None) -> torch.Tensor:
@@ -133,40 +161,75 @@ def nucleus_threshold(probs: torch.Tensor, top_p: torch.Tensor, workspace=None) 
     return threshold
 
 
+def nucleus_contains(probs: torch.Tensor, tokens: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """bool [n]: token ``tokens[row]`` is in the row's nucleus, by the reference's rule, without
+    its threshold. probs float32 [n, V] (a softmax), tokens int64 [n], top_p float32 [n].
+
+    The reference keeps the tokens whose probability is >= v*, the smallest value whose
+    mass strictly before it (sorted, descending) is < top_p; so a token with probability p
+    is kept exactly when the mass M of the probabilities > p is < top_p. M is summed in
+    float32 first (one threshold pass and a sum per row): a float32 sum of V non-negative
+    terms, in any order, is within (V - 1) * 2**-24 of M relatively, which decides the
+    comparison unless top_p lies that close (a few rows in a hundred). Those rows sum in
+    float64, exact when p >= 2**-29 (every term is a multiple of 2**-52), as the
+    reference's own sums are. False (undecided) for smaller or NaN probabilities: the
+    caller then finds the threshold."""
+    n, V = probs.shape
+    picked = probs.gather(1, tokens[:, None])[:, 0]
+    # |rough - M| <= gamma * M with gamma = k u / (1 - k u), k = V - 1 additions, u = 2**-24
+    # (widened by 1%), so rough / (1 + gamma) <= M <= rough / (1 - gamma)
+    ku = (V - 1) * 2.0 ** -24
+    gamma = 1.01 * ku / (1.0 - ku) if ku < 0.5 else float("inf")
+    inside = []
+    for row, (p, limit) in enumerate(zip(picked.tolist(), top_p.tolist())):
+        above = torch.threshold(probs[row], p, 0.0)
+        rough = float(above.sum())
+        if rough < limit * (1.0 - gamma):
+            inside.append(True)
+        elif rough >= limit * (1.0 + gamma):
+            inside.append(False)
+        else:
+            inside.append(float(above.double().sum()) < limit)
+    return torch.tensor(inside, dtype=torch.bool) & (picked >= 2.0 ** -29)
+
+
 def select_by_histogram(probs: torch.Tensor, top_p: torch.Tensor, workspace=None):
     """The nucleus threshold by radix select. probs float32 [n, V], top_p float32 [n].
 
-    Pass 1 sums the probability mass per bucket of the top 16 bits (sign, exponent, 7
+    Pass 1 sums the probability mass per bucket of the top 12 bits (sign, exponent, 3
     mantissa bits) in float64 and finds the lowest bucket whose mass strictly above is
     < top_p: v* lies in it. Passes 2 and 3 do the same over that bucket's tokens with the
-    next 8 bits, then the last 8 (one distinct value per bin). Returns ``(threshold float32
-    [n], exact bool [n])``; rows with ``exact`` False must use :func:`threshold_by_sort`.
-    ``workspace`` (a :class:`~corelib_cpu.workspace.Workspace`) lends the [n, V] int32 keys
-    (as ``SCRATCH``) and a [V] float64 row."""
+    next 10 bits, then the last 10 (one distinct value per bin). Returns ``(threshold
+    float32 [n], exact bool [n])``; rows with ``exact`` False must use
+    :func:`threshold_by_sort`. ``workspace`` (a :class:`~corelib_cpu.workspace.Workspace`)
+    lends the [n, V] int32 keys (as ``SCRATCH``) and a [V] float64 row."""
     n, V = probs.shape
     bits = probs.view(torch.int32)
     p64 = top_p.double()[:, None]
 
     # Pass 1 over every token, a row at a time: the float64 copy bincount needs stays one
-    # row (and its histogram) in the cache. NaN rows have no mass below 1.0's bucket.
+    # row (and its histogram) in the cache.
     keys = _take(workspace, SCRATCH, (n, V), torch.int32)
-    torch.bitwise_right_shift(bits, 16, out=keys).bitwise_and_(0xFFFF)                 # (n, V)
+    torch.bitwise_right_shift(bits, _KEY_SHIFT, out=keys).clamp_(0, _PROB_BUCKETS - 1)   # (n, V)
     row64 = _take(workspace, "select_row64", (V,), torch.float64)
-    mass = torch.stack([torch.bincount(keys[i], row64.copy_(probs[i]), minlength=_PROB_BUCKETS)[:_PROB_BUCKETS]
+    mass = torch.stack([torch.bincount(keys[i], row64.copy_(probs[i]), minlength=_PROB_BUCKETS)
                         for i in range(n)])
     bucket, above = lowest_qualifying(mass, torch.zeros_like(p64), p64)   # (n,), (n, 1)
 
-    # Passes 2 and 3 over the bucket's tokens only.
-    rows, cols = (keys == bucket[:, None].to(torch.int32)).nonzero(as_tuple=True)
-    low = bits[rows, cols] & 0xFFFF                                      # (m,)
-    middle = low >> 8
-    sub, above = lowest_qualifying(bin_mass(rows, middle, probs[rows, cols], n), above, p64)
-    inside = (middle == sub[rows]).nonzero().flatten()
-    rows, low = rows[inside], low[inside]
-    mass3 = bin_mass(rows, low & 0xFF, probs[rows, cols[inside]], n)
+    # Passes 2 and 3 over the bucket's tokens only (flat indices: 1-D gathers are ~10x
+    # cheaper than indexing with row and column tensors).
+    at = (keys == bucket[:, None].to(torch.int32)).view(-1).nonzero()[:, 0]   # (m,)
+    rows = at // V
+    band = bits.view(-1).index_select(0, at)                          # float32 bits, (m,)
+    low = band & ((1 << _KEY_SHIFT) - 1)
+    middle = low >> _SUB_BITS
+    sub, above = lowest_qualifying(bin_mass(rows, middle, band.view(torch.float32), n), above, p64)
+    inside = (middle == sub[rows]).nonzero()[:, 0]
+    rows, band = rows[inside], band[inside]
+    mass3 = bin_mass(rows, band & ((1 << _SUB_BITS) - 1), band.view(torch.float32), n)
     last, above = lowest_qualifying(mass3, above, p64)
 
-    threshold_bits = ((bucket << 16) | (sub << 8) | last).to(torch.int32)
+    threshold_bits = ((bucket << _KEY_SHIFT) | (sub << _SUB_BITS) | last).to(torch.int32)
     mass_from = above[:, 0] + mass3.gather(1, last[:, None])[:, 0]    # mass of probs >= v*
     exact = (bucket >= _EXACT_BUCKET) & (mass_from - p64[:, 0] >= _MARGIN)
     return threshold_bits.view(torch.float32).clone(), exact
@@ -179,9 +242,10 @@ def _take(workspace, name: str, shape: tuple, dtype: torch.dtype) -> torch.Tenso
 
 
 def bin_mass(rows: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor, n: int) -> torch.Tensor:
-    """float64 [n, 256]: weights (float32 [m]) summed in float64 per (row, key in [0, 256))."""
-    flat = rows * 256 + keys.to(torch.long)
-    return torch.bincount(flat, weights.double(), minlength=n * 256).view(n, 256)
+    """float64 [n, 2**_SUB_BITS]: weights (float32 [m]) summed in float64 per (row, key)."""
+    bins = 1 << _SUB_BITS
+    flat = rows * bins + keys.to(torch.long)
+    return torch.bincount(flat, weights.double(), minlength=n * bins).view(n, bins)
 
 
 def lowest_qualifying(mass: torch.Tensor, above_all: torch.Tensor, p64: torch.Tensor):

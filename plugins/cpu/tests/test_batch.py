@@ -71,3 +71,13 @@ def test_rows_without_penalties_have_no_slots():
     batch.add("pen", SamplingParams(presence_penalty=1.0), [9])
     batch.remove("pen")
     assert not batch.has_penalty_slots
+
+
+def test_append_after_plain_rows_outgrow_the_slots():
+    """A penalty row first, then more plain rows than the slots were made for."""
+    batch = CpuBatch(V)
+    batch.add("pen", SamplingParams(presence_penalty=1.0), [9])
+    for i in range(12):
+        batch.add(f"plain-{i}", SamplingParams(), [1])
+    batch.append(torch.arange(batch.num_rows))
+    assert slot_state(batch) == dense_state(batch)

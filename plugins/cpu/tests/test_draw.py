@@ -7,7 +7,14 @@ import torch
 from corelib.noise import row_keys, seeded_gumbel
 from corelib.testing import chi_square_p_value
 
-from corelib_cpu.draw import CDF_BLOCK, draw_by_inverse_cdf, draw_seeded_candidates, draw_unseeded_candidates
+from corelib_cpu.draw import (
+    CDF_BLOCK,
+    NOISE_SPREAD,
+    draw_by_inverse_cdf,
+    draw_seeded_rows,
+    race_seeded_candidates,
+    race_unseeded_candidates,
+)
 
 NEG_INF = float("-inf")
 MIN_P_VALUE = 1e-6
@@ -16,6 +23,14 @@ MIN_P_VALUE = 1e-6
 def reference_seeded(x: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
     vocab = torch.arange(x.shape[1], dtype=torch.int32)[None, :]
     return torch.argmax(x + seeded_gumbel(keys[:, None], vocab), dim=-1)
+
+
+def draw_seeded_candidates(values, ids, keys):
+    return ids.gather(1, race_seeded_candidates(values, ids, keys))[:, 0]
+
+
+def draw_unseeded_candidates(values, ids, generator):
+    return ids.gather(1, race_unseeded_candidates(values, generator))[:, 0]
 
 
 def keys_for(rows: int, seed: int = 0) -> torch.Tensor:
@@ -107,3 +122,64 @@ def test_unseeded_candidates_follow_the_kept_distribution():
     kept = probs > 0
     assert int(counts[~kept].sum()) == 0
     assert chi_square_p_value(counts[kept], probs[kept]) > MIN_P_VALUE
+
+
+def test_noise_spread_bounds_every_value_the_hash_can_produce():
+    # all 2**23 uniforms of the 23-bit hash, through the same float32 functions
+    u = (torch.arange(2**23, dtype=torch.float32) + 0.5) * 2.0**-23
+    g = -torch.log(-torch.log(u))
+    assert float(g.max() - g.min()) < NOISE_SPREAD < float(g.max() - g.min()) + 0.01
+
+
+def seeded_rows_cases(V: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(6, V, generator=g)
+    x[1] *= 40.0                                   # a wide row: most groups cannot win
+    x[2] = torch.where(torch.rand(V, generator=g) < 0.7, NEG_INF, x[2] * 25.0)
+    x[3] = NEG_INF
+    x[3, V - 1] = 0.0                              # the only kept token is the last one
+    x[4] = torch.round(x[4] * 30.0)                # wide and full of ties
+    x[5] = -1e4 * torch.rand(V, generator=g)       # far from 0: the bound's slack matters
+    return x
+
+
+def test_seeded_rows_equal_the_reference_race_with_and_without_pruning():
+    for V in (1000, 4096 + 77, 50257):
+        x = seeded_rows_cases(V, V)
+        for position in range(4):
+            keys = keys_for(x.shape[0], seed=position)
+            ids, ok = draw_seeded_rows(x, keys, chunk_elements=V)
+            assert torch.equal(ids, reference_seeded(x, keys)), (V, position)
+            assert ok.tolist() == [True, True, True, True, True, True]
+
+
+def test_wide_rows_race_over_few_groups():
+    from corelib_cpu.draw import race_live_groups
+    from corelib_cpu.rowops import group_maxima
+    x = seeded_rows_cases(50257, 3)[[1, 2, 4, 5]]
+    maxima = group_maxima(x)
+    top = maxima.amax(dim=-1, keepdim=True)
+    live = maxima >= top - NOISE_SPREAD - (top.abs() + NOISE_SPREAD) * 2.0**-16
+    assert int(live.sum(dim=-1).max()) <= maxima.shape[1] // 2       # the pruned path is taken
+    keys = keys_for(4, seed=9)
+    most = int(live.sum(dim=-1).max())
+    ids, ok = race_live_groups(x, keys, live, most)
+    assert torch.equal(ids, reference_seeded(x, keys)) and bool(ok.all())
+
+
+def test_seeded_rows_with_a_weight_mask_race_over_the_kept_tokens_only():
+    V = 4096 + 77
+    x = seeded_rows_cases(V, 5)
+    g = torch.Generator().manual_seed(6)
+    kept = torch.where(torch.rand(x.shape, generator=g) < 0.5, 0.0, torch.rand(x.shape, generator=g))
+    kept[3, V - 1] = 0.3                       # row 3 keeps its only finite token
+    kept[5] = 0.0                              # a row that keeps nothing is reported
+    masked = x.masked_fill(kept == 0, NEG_INF)
+    keys = keys_for(x.shape[0], seed=2)
+    for chunk in (V, 1 << 30):
+        ids, ok = draw_seeded_rows(x, keys, chunk_elements=chunk, kept=kept)
+        assert torch.equal(ids[:5], reference_seeded(masked, keys)[:5])
+        assert ok.tolist() == [True, True, True, True, True, False]
+    wide = [1, 2, 4]                            # only wide rows: the race over live groups
+    ids, ok = draw_seeded_rows(x[wide], keys[wide], kept=kept[wide])
+    assert torch.equal(ids, reference_seeded(masked[wide], keys[wide])) and bool(ok.all())

@@ -131,13 +131,20 @@ def python_calls(fn) -> int:
 @pytest.mark.parametrize("config", ["random", "top_p", "full"])
 def test_python_work_per_step_does_not_grow_with_vocabulary_or_history(config):
     cpu = CpuSampler()
+    cpu.NOISE_CHUNK = 1 << 30      # one chunk of seeded noise (chunks are rows, not tokens)
     counts = []
     for vocab, history in [(20000, 8), (120000, 8), (20000, 2000)]:
         batch = build(cpu, requests_for(CONFIGS[config], rows=4, seeded=True, vocab=vocab,
                                         history=history), vocab)
         logits = make_logits(4, vocab, "flat", seed=1)
         cpu.sample(logits, batch)                                        # warm caches
-        counts.append(python_calls(lambda: cpu.sample(logits, batch)))
+        # A top-p row whose drawn token falls outside its nucleus (about 1 in 10) finds
+        # its threshold: steps differ by that, so compare the steps where none did.
+        steps = []
+        for _ in range(6):
+            steps.append(python_calls(lambda: cpu.sample(logits, batch)))
+            batch.append(cpu.sample(logits, batch).token_ids)
+        counts.append(min(steps))
     assert counts[0] == counts[1] == counts[2], counts
 
 
@@ -160,3 +167,111 @@ def test_overflowing_rows_are_flagged_never_answered_with_a_dropped_token():
         for row in range(len(params)):
             token, ok = int(out.token_ids[row]), bool(out.valid[row])
             assert (not ok and token == -1) or (ok and token in (1, 2)), (row, token, ok)
+
+
+def division_tie(T: float) -> tuple[float, float]:
+    """Two adjacent float32 logits a < b with a / T == b / T (a tie made by step 10): near 2
+    the inputs' spacing, divided by T < 2, is below the spacing of quotients near 1."""
+    a = torch.tensor(1.99)
+    for _ in range(200):
+        b = torch.nextafter(a, torch.tensor(2.0))
+        if float(a / T) == float(b / T):
+            return float(a), float(b)
+        a = b
+    raise AssertionError("no tie found")
+
+
+@pytest.mark.parametrize("with_greedy", [False, True])
+def test_top_k_on_undivided_candidates_keeps_ties_made_by_the_temperature(with_greedy):
+    vocab, T = 3000, 1.9
+    a, b = division_tie(T)
+    requests = [("ties", SamplingParams(top_k=1, temperature=T, seed=1), [], None),
+                ("spill", SamplingParams(top_k=2, temperature=T, top_p=0.8, seed=2), [], None),
+                ("plain", SamplingParams(top_k=40, temperature=0.6, top_p=0.9, seed=3), [], None)]
+    if with_greedy:
+        requests.append(("greedy", SamplingParams(temperature=0.0), [], None))
+    cpu, reference = CpuSampler(), Sampler("cpu")
+    mine, ref = build(cpu, requests, vocab), build(reference, requests, vocab)
+    logits = torch.randn(len(requests), vocab, generator=torch.Generator().manual_seed(4)) * 0.5
+    logits[0, 10], logits[0, 20] = b, a              # k = 1 keeps both after the division
+    logits[1, 100:140] = 6.0                         # 40 ties at the 2nd value: past the columns
+    assert cpu.plan(logits, mine, mine.step_state()).blocks[0].candidates_only
+    got = cpu.processed_logits(logits, mine)
+    assert_same_final_logits(got, reference.processed_logits(logits, ref), "candidates only")
+    assert torch.isfinite(got[0]).sum() == 2
+    for _ in range(3):
+        out, want = cpu.sample(logits, mine), reference.sample(logits, ref)
+        assert torch.equal(out.token_ids, want.token_ids)
+        mine.append(out.token_ids)
+        ref.append(want.token_ids)
+
+
+def test_the_step_plan_is_kept_until_rows_change_and_then_rebuilt():
+    vocab = 2000
+    cpu, reference = CpuSampler(block_elements=2 * vocab), Sampler("cpu")
+    requests = [(f"r{i}", SamplingParams(top_p=0.5 + 0.1 * i, seed=i, top_k=(0, 5)[i % 2]), [], None)
+                for i in range(4)]
+    mine, ref = build(cpu, requests, vocab), build(reference, requests, vocab)
+    g = torch.Generator().manual_seed(0)
+
+    def step():
+        logits = torch.randn(mine.num_rows, vocab, generator=g)
+        out, want = cpu.sample(logits, mine), reference.sample(logits, ref)
+        assert torch.equal(out.token_ids, want.token_ids)
+        mine.append(out.token_ids)
+        ref.append(want.token_ids)
+        return cpu.plan(logits, mine, mine.step_state())
+
+    first = step()
+    assert step() is first                                   # appends keep the plan
+    for change in (lambda b: b.add("new", SamplingParams(temperature=0.0), [1, 2]),
+                   lambda b: b.swap_rows(0, 3),
+                   lambda b: b.remove("r1"),
+                   lambda b: b.add("r1", SamplingParams(min_p=0.2, seed=9, n=2), [3])):
+        change(mine)
+        change(ref)
+        before = cpu.plan(torch.zeros(mine.num_rows, vocab), mine, mine.step_state())
+        assert before is not first
+        first = step()
+
+
+def test_small_nuclei_fall_back_to_their_threshold_and_keep_the_distribution():
+    # top_p 0.05 over flat logits: most tokens drawn from the whole row fall outside the
+    # nucleus, so rows reject, find their threshold and draw again.
+    from corelib.testing import chi_square_p_value
+    vocab, rows = 3000, 400
+    logits = torch.randn(1, vocab, generator=torch.Generator().manual_seed(5)) * 2
+    cpu, reference = CpuSampler(generator=torch.Generator().manual_seed(6)), Sampler("cpu")
+    seeded = [(f"s{i}", SamplingParams(top_p=0.05, seed=i), [], None) for i in range(8)]
+    mine, ref = build(cpu, seeded, vocab), build(reference, seeded, vocab)
+    for _ in range(4):
+        got, want = cpu.sample(logits.expand(8, vocab), mine), reference.sample(logits.expand(8, vocab), ref)
+        assert torch.equal(got.token_ids, want.token_ids)
+        mine.append(got.token_ids)
+        ref.append(want.token_ids)
+    unseeded = [(f"u{i}", SamplingParams(top_p=0.05), [], None) for i in range(rows)]
+    batch = build(cpu, unseeded, vocab)
+    final = reference.processed_logits(logits.expand(rows, vocab), build(reference, unseeded, vocab))[0]
+    kept = torch.isfinite(final)
+    counts = torch.zeros(vocab, dtype=torch.long)
+    for _ in range(10):
+        counts += torch.bincount(cpu.sample(logits.expand(rows, vocab), batch).token_ids, minlength=vocab)
+    assert int(counts[~kept].sum()) == 0
+    assert chi_square_p_value(counts[kept], torch.softmax(final, dim=-1)[kept]) > 1e-6
+
+
+def test_rows_that_spill_past_their_candidates_after_min_p_draw_from_the_top_k():
+    # min-p leaves a cut on the row; top-k then finds ties past its columns and masks the
+    # whole row: the draw must use the masked row, not the min-p cut's probabilities.
+    vocab = 64
+    logits = torch.zeros(1, vocab)
+    logits[0, :40] = 2.0                              # 40 tokens tied at the top
+    logits[0, 40:] = torch.arange(24, dtype=torch.float32) * 0.01
+    params = SamplingParams(top_k=3, min_p=0.05, temperature=2.3, n=3)
+    cpu, reference = CpuSampler(generator=torch.Generator().manual_seed(1)), Sampler("cpu")
+    mine = build(cpu, [("r", params, [], None)], vocab)
+    kept = torch.isfinite(reference.processed_logits(logits, build(reference, [("r", params, [], None)], vocab)))
+    for _ in range(200):
+        out = cpu.sample(logits, mine)
+        assert bool(out.valid.all())
+        assert bool(kept[0, out.token_ids].all()), out.token_ids

@@ -7,6 +7,7 @@ import torch
 from corelib import Sampler
 
 from corelib_cpu.select import (
+    nucleus_contains,
     top_p_candidates_fast,
     nucleus_threshold,
     select_by_histogram,
@@ -151,3 +152,24 @@ def test_candidate_softmax_leaves_exact_boundaries_to_the_reference():
     values = torch.tensor([[0.6931471805599453, 0.0, 0.0, NEG_INF]])
     _, settled = top_p_candidates_fast(values, torch.tensor([0.75]))
     assert not bool(settled[0])
+
+
+def test_nucleus_membership_of_single_tokens_agrees_with_the_threshold():
+    probs = torch.tensor([[0.5, 0.25, 0.125, 0.125]])
+    for top_p, kept in [(0.5, [0]), (0.75, [0, 1]), (0.76, [0, 1, 2, 3])]:
+        for token in range(4):
+            got = nucleus_contains(probs, torch.tensor([token]), torch.tensor([top_p]))
+            assert bool(got[0]) == (token in kept), (top_p, token)
+    probs = distributions(20000, seed=3)
+    g = torch.Generator().manual_seed(0)
+    for top_p in (0.05, 0.5, 0.9, 0.999):
+        p = torch.full((probs.shape[0],), top_p)
+        kept = kept_by_sort(probs, p)
+        for _ in range(30):
+            tokens = torch.randint(0, 20000, (probs.shape[0],), generator=g)
+            tokens[::2] = torch.multinomial(probs[::2], 1, generator=g)[:, 0]   # likely tokens too
+            got = nucleus_contains(probs, tokens, p)
+            want = kept.gather(1, tokens[:, None])[:, 0]
+            decided = probs.gather(1, tokens[:, None])[:, 0] >= 2.0 ** -29
+            assert torch.equal(got[decided], want[decided]), top_p
+            assert not bool(got[~decided].any())

@@ -14,6 +14,16 @@ Imported only when a sampler on a GPU chooses the FlashInfer path. Facts this re
   per-row seeds cannot be honoured: seeded rows never come here.
 - The wrappers reserve ``rows * 32`` Philox offsets per call for top-k/top-p sampling and
   ``rows * V`` for ``sampling_from_logits``; this module advances its offset tensor the same.
+- ``chain_speculative_sampling(draft_probs [B, K, V], draft_token_ids [B, K], target_probs
+  [B, K + 1, V], maybe_output_accepted_token_num, maybe_output_emitted_draft_token_num, ...,
+  seed, offset)`` returns (int32 ``[B, K + 1]`` ids: accepted drafts, then the residual or
+  bonus draw, then -1; the accepted count; the emitted draft count, each row's first rejected
+  slot ``pos``), the two counts added into the tensors passed in. Draft d at slot j passes when ``u * q(d) < p(d)``, the rule of the
+  contract; one seed for the batch (the row picks the Philox subsequence), so seeded rows
+  never come here. It reads ``draft_token_ids`` as indices without checking them, and it has no
+  notion of a row with fewer than K drafts: ``verify`` below clamps the ids and leaves slots
+  past a row's drafts to the caller (the core's ``judge_drafts`` emits such a slot's own draw).
+  It reserves ``B * (K + 2)`` Philox offsets per call.
 """
 
 from __future__ import annotations
@@ -22,6 +32,7 @@ from typing import Optional
 
 import torch
 from corelib import StepState
+from corelib.sampler import Drafts
 
 from .batch import FilterBounds
 
@@ -60,13 +71,39 @@ class FlashInferDraw:
         self._advance(B * 32)
         return ids.long()
 
+    def verify(self, target_probs: torch.Tensor, drafts: Drafts) -> tuple[torch.Tensor, torch.Tensor]:
+        """The ratio test and residual draw for every row, in one kernel: (bool [B, K] passed,
+        int64 [B, K] recovered), as ``Sampler.rejection_sample`` returns them. target_probs
+        float32 [B, K + 1, V]; drafts with probs float32 [B, K, V]. Never waits on the host.
+
+        ``passed[:, j]`` is ``j < pos`` (the kernel stops at its first rejection ``pos``, so
+        later slots are never reached); ``recovered[:, pos]`` is its residual draw. A residual
+        that is zero everywhere (p == q) makes the kernel return -1; then the draft itself,
+        which was drawn from q = p, is the right token."""
+        B, K = drafts.token_ids.shape
+        V = target_probs.shape[-1]
+        ids = drafts.token_ids
+        safe = torch.where((ids >= 0) & (ids < V), ids, 0).to(torch.int32)
+        emitted = torch.zeros(B, dtype=torch.int32, device=ids.device)
+        accepted = torch.zeros(B, dtype=torch.int32, device=ids.device)
+        out, _, emitted = self._sampling.chain_speculative_sampling(
+            drafts.probs, safe, target_probs, accepted, emitted,
+            seed=self.seed, offset=self.offset)
+        self._advance(B * (K + 2))
+        out = out[:, :K].long()
+        slot = torch.arange(K, device=ids.device)[None, :]
+        passed = slot < emitted.long()[:, None]
+        recovered = torch.where(out >= 0, out, safe.long())
+        return passed, recovered
+
     def _advance(self, used: int) -> None:
         # In place, on the device: the next call (or graph replay) draws fresh numbers.
         self.offset.add_((used + 3) // 4 * 4)
 
     def self_test(self, top_k_first: bool = False) -> None:
-        """Run the kernels this path uses on a tiny batch (compiling them if FlashInfer JITs),
-        so a missing compiler or an unsupported GPU shows up now, not mid-step."""
+        """Run the kernels this path uses (sampling and chain verification) on a tiny batch,
+        compiling them if FlashInfer JITs, so that a missing compiler or an unsupported GPU
+        shows up now, not mid-step."""
         V = FAST_MIN_VOCAB if top_k_first else 512
         gen = torch.Generator(device="cpu").manual_seed(0)
         x = torch.randn((2, V), generator=gen).to(self.device)
@@ -75,8 +112,14 @@ class FlashInferDraw:
         ids = self.draw(x, s, bounds, top_k_first)
         plain = self._sampling.sampling_from_logits(x, seed=self.seed, offset=self.offset)
         self._advance(2 * V)
+        K = 2
+        probs = torch.softmax(x[:, None, :].expand(2, K + 1, V), dim=-1).contiguous()
+        drafts = Drafts(torch.tensor([[1, 2], [3, -1]], device=self.device),
+                        torch.tensor([2, 1], device=self.device), probs[:, :K].contiguous(),
+                        torch.ones(2, dtype=torch.bool, device=self.device))
+        _, recovered = self.verify(probs, drafts)
         torch.cuda.synchronize(self.device)
-        for out in (ids, plain):
+        for out in (ids, plain, recovered):
             if not bool(((out >= 0) & (out < V)).all()):
                 raise RuntimeError(f"FlashInfer returned out-of-range token ids {out.tolist()}")
 

@@ -1,57 +1,73 @@
-"""CUDA-graph capture of the cuda backend's step over persistent buffers.
+"""CUDA-graph capture of the cuda backend's sample and verify steps over persistent buffers.
 
 A graph replays fixed kernels on fixed addresses, so a step is captured per padded batch size
-``P`` (the smallest of ``sizes`` holding the batch) over:
+``P`` (the smallest of ``sizes`` holding the batch), and a verify step per ``(P, K)``, over:
 
-- a static logits buffer ``[P, V]`` that each call copies the new logits into;
-- the batch's own per-row tensors, sliced to ``P`` rows (``batch.step_state(P)``): the core
-  keeps them at fixed addresses while its capacity holds, writes new requests' parameter values
-  into them in place and gives rows past ``len(batch)`` neutral values, so a replay reads the
-  current parameters and the padding rows are inert;
+- static input buffers that each call copies into: logits ``[P, V]`` (verify: ``[P, K + 1, V]``),
+  the token bitmask ``[P (K + 1), ceil(V / 32)]`` when one is used, and for verify the draft ids,
+  draft counts, usability flags and draft probabilities (``[P, K, V]``) as ``check_drafts``
+  returns them for the real rows;
+- the batch's own per-row tensors, sliced to ``P`` rows (``batch.step_state(P)``,
+  ``batch.speculative_state(drafts, num_rows=P)``, which a verify graph computes inside the
+  capture): the core keeps them at fixed addresses while its capacity holds, writes new
+  requests' parameter values into them in place and gives rows past ``len(batch)`` neutral
+  values, so a replay reads the current parameters and the padding rows are inert;
 - FlashInfer's seed and offset tensors and torch's generator state, advanced on the device.
 
-What the graph cannot see is host state: the stage flags, the filter bounds, and the addresses
-of the batch's tensors. They form the capture key; when a request changes one of them (the
-first request with penalties, a larger top_k, a capacity growth) the step is captured again.
-Flags that change during a request's life are turned on whenever their tensors exist (the
-min-tokens mask depends on each row's position, which the device tracks), so the key changes
-only when requests join or leave.
+What the graph cannot see is host state: the stage flags, the filter bounds, the custom stages
+in use and the addresses of the batch's tensors. They form the capture key; when a request
+changes one of them (the first request with penalties, a larger top_k, DRY's history growing
+past its width, a capacity growth) the step is captured again. Flags that change during a
+request's life are turned on whenever their tensors exist (the min-tokens mask depends on each
+row's position, which the device tracks), so the key changes only when requests join or leave.
+A bitmask, once passed for a (kind, size, K), stays on for it: calls without one fill the
+buffer with -1 (every token allowed), so engines that pass masks on some steps only do not
+capture again each time.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 from corelib import SamplerOutput, SamplingBatch, StepState
-from corelib.sampler import Logprobs
+from corelib.bitmask import bitmask_width
+from corelib.sampler import Drafts, Logprobs, VerifyOutput
 
 from .batch import FilterBounds
 from .sampler import CudaSampler, CudaStepState, with_bounds
 
 GRAPH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
-_KEY_FLAGS = ("any_greedy", "any_random", "any_seeded", "any_unseeded", "any_top_k",
-              "any_top_p", "any_min_p", "any_temperature", "any_penalties", "any_allowed",
-              "any_bias", "any_min_tokens", "any_bad_words", "num_logprobs", "logprobs_mode")
 
 
 @dataclass
 class _Capture:
     key: tuple
-    state: StepState
-    logits: torch.Tensor                  # static [P, V]
-    out: Optional[SamplerOutput] = None   # static outputs [P] (graph mode)
+    inputs: dict[str, torch.Tensor]           # static buffers the caller's tensors go into
+    run: Callable[[], object]                 # the step over those buffers (eager form)
+    out: object = None                        # static outputs (graph mode)
     graph: Optional["torch.cuda.CUDAGraph"] = None
 
 
+@dataclass
+class _Slot:
+    """The capture of one (kind, size, K) and whether it applies a bitmask."""
+
+    capture: Optional[_Capture] = None
+    masked: bool = False
+
+
 class GraphedSampler:
-    """Runs ``CudaSampler`` steps as CUDA-graph replays: ``sample`` / ``step`` as on the sampler.
+    """Runs ``CudaSampler`` steps as CUDA-graph replays: ``sample`` / ``step`` / ``verify`` as
+    on the sampler (``batch.append(out.token_ids)`` after ``verify`` records it, as usual).
 
     ``use_graphs`` None = on for CUDA devices; False replays the same captured step state
     eagerly (the CPU tests use this to check the buffer logic). Batches larger than the
     largest size run the eager sampler. Outputs are copies, valid after the next call.
+    A verify graph holds ``P (K + 1)`` rows of every ``[rows, V]`` temporary, and its draft
+    probability buffer ``[P, K, V]``: choose ``sizes`` with the memory in mind.
     """
 
     def __init__(self, sampler: CudaSampler, sizes: Sequence[int] = GRAPH_SIZES,
@@ -67,7 +83,7 @@ class GraphedSampler:
             raise ValueError(f"CUDA graphs need a CUDA device, the sampler runs on {sampler.device}")
         self.warmup = warmup
         self.captures = 0          # how many times a step was captured (for tests and logs)
-        self._by_size: dict[int, _Capture] = {}
+        self._slots: dict[tuple, _Slot] = {}
 
     @property
     def name(self) -> str:
@@ -80,39 +96,119 @@ class GraphedSampler:
     def new_batch(self, *args, **kwargs) -> SamplingBatch:
         return self.sampler.new_batch(*args, **kwargs)
 
-    def processed_logits(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    def processed_logits(self, logits: torch.Tensor, batch: SamplingBatch,
+                         token_bitmask: Optional[torch.Tensor] = None) -> torch.Tensor:
         """The sampler's (eager): a debugging view, not a step."""
-        return self.sampler.processed_logits(logits, batch)
+        return self.sampler.processed_logits(logits, batch, token_bitmask)
 
-    def sample(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
+    # ------------------------------------------------------------------ sample
+    def sample(self, logits: torch.Tensor, batch: SamplingBatch,
+               token_bitmask: Optional[torch.Tensor] = None) -> SamplerOutput:
         """As ``CudaSampler.sample``, replaying a captured step. logits ``[B, V]`` or
-        ``[num_requests, V]``; never modified."""
+        ``[num_requests, V]``; token_bitmask None or int32 ``[B, ceil(V / 32)]`` (host or
+        device). The caller's tensors are never modified."""
         batch.check_logits(logits)
         n = batch.num_rows
         size = self.padded_size(n)
         if n == 0 or size is None:
-            return self.sampler.sample(logits, batch)
+            return self.sampler.sample(logits, batch, token_bitmask)
+        mask = None if token_bitmask is None else batch.check_token_bitmask(token_bitmask)
         if logits.shape[0] != n:   # one row per request: expand here, outside the graph
             logits = logits.index_select(0, batch.request_index(n))
         state = self.graph_state(batch, size)
-        key = self.capture_key(state, logits.dtype)
-        capture = self._by_size.get(size)
-        if capture is None or capture.key != key:
-            capture = self._capture(key, state, logits, batch)
-            self._by_size[size] = capture
-        capture.logits[:n].copy_(logits)
-        if capture.graph is not None:
-            capture.graph.replay()
-            out = capture.out
-        else:
-            out = self.sampler.sample_state(capture.logits, batch, capture.state)
+        slot = self._slot(("sample", size), mask is not None)
+        key = ("sample", logits.dtype, slot.masked, self.capture_key(state))
+        if slot.capture is None or slot.capture.key != key:
+            slot.capture = self._capture(key, self._sample_buffers(state, logits.dtype, slot.masked),
+                                         lambda inputs: self._sample_body(inputs, batch, state))
+        inputs = slot.capture.inputs
+        inputs["logits"][:n].copy_(logits)
+        if slot.masked:
+            _copy_mask(inputs["bitmask"], mask, n)
+        out = self._replay(slot.capture)
         return _first_rows(out, n)
 
-    def step(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
+    def step(self, logits: torch.Tensor, batch: SamplingBatch,
+             token_bitmask: Optional[torch.Tensor] = None) -> SamplerOutput:
         """``sample`` then ``batch.append`` of the sampled tokens."""
-        out = self.sample(logits, batch)
+        out = self.sample(logits, batch, token_bitmask)
         batch.append(out.token_ids)
         return out
+
+    def _sample_buffers(self, s: CudaStepState, dtype: torch.dtype, masked: bool) -> dict:
+        P, V = s.num_rows, s.vocab_size
+        inputs = {"logits": torch.zeros((P, V), dtype=dtype, device=self.device)}
+        if masked:
+            inputs["bitmask"] = torch.full((P, bitmask_width(V)), -1, dtype=torch.int32, device=self.device)
+        return inputs
+
+    def _sample_body(self, inputs: dict, batch: SamplingBatch, s: CudaStepState) -> SamplerOutput:
+        if "bitmask" in inputs:
+            s = dataclasses.replace(s, token_bitmask=inputs["bitmask"], any_bitmask=True)
+        return self.sampler.sample_state(inputs["logits"], batch, s)
+
+    # ------------------------------------------------------------------ verify
+    def verify(self, logits: torch.Tensor, batch: SamplingBatch, draft_token_ids: torch.Tensor,
+               draft_probs: Optional[torch.Tensor] = None,
+               token_bitmask: Optional[torch.Tensor] = None) -> VerifyOutput:
+        """As ``CudaSampler.verify``, replaying a verify step captured per (padded rows, K):
+        logits ``[B, K + 1, V]``, draft_token_ids int64 ``[B, K]`` (-1 padding a row's tail),
+        draft_probs None or float32 ``[B, K, V]``, token_bitmask None or int32
+        ``[B, K + 1, ceil(V / 32)]``. Arguments are checked (and draft ids on the host
+        validated) eagerly before the replay, exactly as the sampler checks them."""
+        drafts = self.sampler.check_drafts(logits, batch, draft_token_ids, draft_probs)
+        B, S, V = logits.shape
+        size = self.padded_size(B)
+        if B == 0 or size is None:
+            return self.sampler.verify(logits, batch, draft_token_ids, draft_probs, token_bitmask)
+        mask = None if token_bitmask is None else batch.check_token_bitmask(token_bitmask, S)
+        state = self.graph_state(batch, size)
+        with_probs = drafts.probs is not None
+        slot = self._slot(("verify", size, S, with_probs), mask is not None)
+        key = ("verify", S, with_probs, logits.dtype, slot.masked, self.capture_key(state))
+        if slot.capture is None or slot.capture.key != key:
+            inputs = self._verify_buffers(state, S, logits.dtype, with_probs, slot.masked)
+            slot.capture = self._capture(key, inputs, lambda inputs: self._verify_body(inputs, batch, state))
+        inputs = slot.capture.inputs
+        inputs["logits"][:B].copy_(logits)
+        inputs["draft_ids"][:B].copy_(drafts.token_ids)
+        inputs["draft_ids"][B:].fill_(-1)          # padding rows propose nothing
+        inputs["draft_count"][:B].copy_(drafts.count)
+        inputs["draft_usable"][:B].copy_(drafts.usable)
+        if with_probs:
+            inputs["draft_probs"][:B].copy_(drafts.probs)
+        if slot.masked:
+            _copy_mask(inputs["bitmask"], mask, B * S)
+        out = self._replay(slot.capture)
+        return _first_verify_rows(out, B)
+
+    def _verify_buffers(self, s: CudaStepState, S: int, dtype: torch.dtype, with_probs: bool,
+                        masked: bool) -> dict:
+        P, V, dev = s.num_rows, s.vocab_size, self.device
+        K = S - 1
+        inputs = {
+            "logits": torch.zeros((P, S, V), dtype=dtype, device=dev),
+            "draft_ids": torch.full((P, K), -1, dtype=torch.long, device=dev),
+            "draft_count": torch.zeros(P, dtype=torch.long, device=dev),
+            "draft_usable": torch.ones(P, dtype=torch.bool, device=dev),
+        }
+        if with_probs:
+            inputs["draft_probs"] = torch.full((P, K, V), 1.0 / V, dtype=torch.float32, device=dev)
+        if masked:
+            inputs["bitmask"] = torch.full((P * S, bitmask_width(V)), -1, dtype=torch.int32, device=dev)
+        return inputs
+
+    def _verify_body(self, inputs: dict, batch: SamplingBatch, graph_state: CudaStepState) -> VerifyOutput:
+        """``verify_state`` over the static buffers: the speculative state of ``P`` rows is
+        computed inside the graph from the batch's tensors and the draft buffer."""
+        P, S, V = inputs["logits"].shape
+        drafts = Drafts(inputs["draft_ids"], inputs["draft_count"], inputs.get("draft_probs"),
+                        inputs["draft_usable"])
+        s = self.sampler.speculative_step_state(batch, drafts, num_rows=P)
+        s = dataclasses.replace(s, any_min_tokens=graph_state.any_min_tokens, bounds=graph_state.bounds)
+        if "bitmask" in inputs:
+            s = dataclasses.replace(s, token_bitmask=inputs["bitmask"], any_bitmask=True)
+        return self.sampler.verify_state(inputs["logits"].view(P * S, V), batch, s, drafts)
 
     # ------------------------------------------------------------------ capture
     def padded_size(self, rows: int) -> Optional[int]:
@@ -129,42 +225,76 @@ class GraphedSampler:
             bounds = FilterBounds(_round_up(bounds.candidates, batch.vocab_size),
                                   _round_up(bounds.max_top_k, batch.vocab_size),
                                   bounds.every_row_top_k)
-        return dataclasses.replace(s, any_min_tokens=s.stop_ids is not None, bounds=bounds)
+        max_top_k = _round_up(s.max_top_k, batch.vocab_size)
+        return dataclasses.replace(s, any_min_tokens=s.stop_ids is not None, bounds=bounds,
+                                   max_top_k=max_top_k)
 
     @staticmethod
-    def capture_key(s: CudaStepState, dtype: torch.dtype) -> tuple:
-        """Everything host-side a captured step depends on."""
-        tensors = tuple(
-            (f.name, t.data_ptr(), tuple(t.shape), tuple(t.stride()), t.dtype)
-            for f in dataclasses.fields(s)
-            if isinstance(t := getattr(s, f.name), torch.Tensor)
-        )
-        flags = tuple(getattr(s, name) for name in _KEY_FLAGS)
-        return (s.num_rows, s.vocab_size, dtype, s.bounds, flags, tensors)
+    def capture_key(s: StepState) -> tuple:
+        """Everything host-side a captured step depends on: every flag and bound of the step
+        state, the custom stages in use, and the address, shape and strides of every tensor."""
+        parts = []
+        for f in dataclasses.fields(s):
+            value = getattr(s, f.name)
+            if isinstance(value, torch.Tensor):
+                parts.append((f.name, _tensor_key(value)))
+            elif f.name == "stages":
+                parts.append((f.name, tuple(_stage_key(entry) for entry in value)))
+            else:
+                parts.append((f.name, value))
+        return tuple(parts)
 
-    def _capture(self, key: tuple, state: CudaStepState, logits: torch.Tensor,
-                 batch: SamplingBatch) -> _Capture:
-        size, V = state.num_rows, state.vocab_size
-        static = torch.zeros((size, V), dtype=logits.dtype, device=self.device)
-        static[: logits.shape[0]].copy_(logits)
-        capture = _Capture(key, state, static)
+    def _slot(self, where: tuple, masked_now: bool) -> _Slot:
+        slot = self._slots.setdefault(where, _Slot())
+        slot.masked = slot.masked or masked_now
+        return slot
+
+    def _capture(self, key: tuple, inputs: dict, body: Callable[[dict], object]) -> _Capture:
+        capture = _Capture(key, inputs, lambda: body(inputs))
         self.captures += 1
         if not self.use_graphs:
             return capture
-        sampler = self.sampler
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):          # warm-up: lazy inits, FlashInfer workspaces
+        with torch.cuda.stream(side):          # warm-up: lazy inits, Triton/FlashInfer JIT
             for _ in range(self.warmup):
-                sampler.sample_state(static, batch, state)
+                capture.run()
         torch.cuda.current_stream(self.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        if sampler.generator is not None:
-            graph.register_generator_state(sampler.generator)
+        if self.sampler.generator is not None:
+            graph.register_generator_state(self.sampler.generator)
         with torch.cuda.graph(graph):
-            capture.out = sampler.sample_state(static, batch, state)
+            capture.out = capture.run()
         capture.graph = graph
         return capture
+
+    @staticmethod
+    def _replay(capture: _Capture):
+        if capture.graph is None:
+            return capture.run()
+        capture.graph.replay()
+        return capture.out
+
+
+def _tensor_key(t: torch.Tensor) -> tuple:
+    return (t.data_ptr(), tuple(t.shape), tuple(t.stride()), t.dtype)
+
+
+def _stage_key(entry) -> tuple:
+    spec, inputs, plugin = entry
+    tensors = [("active", inputs.active), ("position", inputs.position)]
+    tensors += [(f"arg:{k}", v) for k, v in sorted(inputs.args.items())]
+    tensors += [(f"state:{k}", v) for k, v in sorted(inputs.state.items())]
+    return (spec.name, id(spec), plugin, tuple((name, _tensor_key(t)) for name, t in tensors))
+
+
+def _copy_mask(buffer: torch.Tensor, mask: Optional[torch.Tensor], rows: int) -> None:
+    """The caller's checked mask ``[rows, W]`` into the static buffer; -1 (all allowed) when
+    this call has none."""
+    if mask is None:
+        buffer[:rows].fill_(-1)
+    else:
+        buffer[:rows].copy_(mask)
 
 
 def _round_up(count: int, vocab_size: int) -> int:
@@ -174,9 +304,16 @@ def _round_up(count: int, vocab_size: int) -> int:
     return min(vocab_size, 1 << (count - 1).bit_length())
 
 
+def _clone_logprobs(lp: Optional[Logprobs], n: int) -> Optional[Logprobs]:
+    if lp is None:
+        return None
+    return Logprobs(lp.token_ids[:n].clone(), lp.logprobs[:n].clone(), lp.ranks[:n].clone())
+
+
 def _first_rows(out: SamplerOutput, n: int) -> SamplerOutput:
-    logprobs = None
-    if out.logprobs is not None:
-        lp = out.logprobs
-        logprobs = Logprobs(lp.token_ids[:n].clone(), lp.logprobs[:n].clone(), lp.ranks[:n].clone())
-    return SamplerOutput(out.token_ids[:n].clone(), out.valid[:n].clone(), logprobs)
+    return SamplerOutput(out.token_ids[:n].clone(), out.valid[:n].clone(), _clone_logprobs(out.logprobs, n))
+
+
+def _first_verify_rows(out: VerifyOutput, n: int) -> VerifyOutput:
+    return VerifyOutput(out.token_ids[:n].clone(), out.num_emitted[:n].clone(), out.valid[:n].clone(),
+                        _clone_logprobs(out.logprobs, n))

@@ -10,31 +10,44 @@ class changes:
   with the contract's noise, so they give the reference's tokens; unseeded rows with this
   sampler's generator, or through FlashInfer's sorting-free kernels when that path is active
   (FlashInfer reads one seed for the whole batch, so it cannot serve seeded rows);
-- everything is fixed-shape and branches only on host flags, so a step can be captured in a
-  CUDA graph (see ``corelib_cuda.graph``).
+- step 3's token bitmask is applied in place on the working copy, by a Triton kernel on CUDA
+  (``corelib_cuda.bitmask``): no ``[B, V]`` boolean;
+- step 8a (DRY) scatters its penalties into the working copy in place (O(B H) besides);
+- step 13a (typical-p) finds its threshold among the top-k candidates when every random row
+  has a top_k, instead of sorting the vocabulary;
+- verification judges unseeded rows with draft probabilities by FlashInfer's
+  ``chain_speculative_sampling`` when that path is active; seeded rows keep the contract's noise;
+- everything is fixed-shape and branches only on host flags, so a step (and a verify step) can
+  be captured in a CUDA graph (see ``corelib_cuda.graph``).
 
-Shapes: ``B`` rows, ``V`` vocabulary, ``K`` candidates. Stages return new tensors; none
-modifies its input.
+The stage order is the core template's (``corelib.Sampler``); this class only overrides stages.
+Shapes: ``B`` rows, ``V`` vocabulary, ``K`` candidates. Stages 3 and 8a work in place on the
+working copy that ``prepare`` owns (their docstrings say so); the others return new tensors.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
 from corelib import Sampler, SamplingBatch, StepState
 from corelib.noise import row_keys, seeded_gumbel
-from corelib.sampler import NEG_INF, nucleus_keep
+from corelib.sampler import NEG_INF, Drafts, nucleus_keep
 
 from .batch import CudaBatch, FilterBounds
+from .bitmask import apply_token_bitmask_, bitmask_path
 
 
 @dataclass
 class CudaStepState(StepState):
-    """``StepState`` plus the batch's host-side filter bounds (None: unknown, so sort)."""
+    """``StepState`` plus the batch's host-side filter bounds (None: unknown, so sort), and
+    whether the final logits must be complete even where FlashInfer draws (a verify step with
+    draft probabilities reads them for the ratio test)."""
 
     bounds: Optional[FilterBounds] = None
+    final_needed: bool = False
 
 
 class CudaSampler(Sampler):
@@ -99,34 +112,56 @@ class CudaSampler(Sampler):
             return self.generator.initial_seed() & (2**63 - 1)
         return int(torch.randint(0, 2**62, (1,)))  # host CPU generator: follows torch.manual_seed
 
+    @property
+    def bitmask_path(self) -> str:
+        """How step 3 applies token bitmasks here: "triton", or "torch (why)"."""
+        return bitmask_path(self.device)
+
     # ------------------------------------------------------------------ template
     def step_state(self, logits: torch.Tensor, batch: SamplingBatch) -> StepState:
         return with_bounds(super().step_state(logits, batch), batch)
 
+    def speculative_step_state(self, batch: SamplingBatch, drafts: Drafts,
+                               num_rows: Optional[int] = None) -> StepState:
+        """The verify step's state (``batch.speculative_state``) with the filter bounds, and
+        the final logits marked as needed when the drafts carry probabilities. ``num_rows``:
+        a padded row count (the graph runner's buckets; drafts then have that many rows)."""
+        if num_rows is None:
+            s = super().speculative_step_state(batch, drafts)
+        else:
+            s = batch.speculative_state(drafts.token_ids, num_rows=num_rows)
+        s = with_bounds(s, batch)
+        return dataclasses.replace(s, final_needed=drafts.probs is not None)
+
+    def flashinfer_draws(self, s: StepState) -> bool:
+        """Whether FlashInfer draws this step's unseeded rows. Its kernels fuse steps 12-14, so
+        only while no row uses a stage after step 13 (typical-p, XTC, custom "after_filters"
+        stages): those need the filtered distribution before the draw."""
+        return (self.flashinfer is not None and s.any_unseeded and not s.any_typical_p
+                and not s.any_xtc and not s.stages_at("after_filters"))
+
     def sample_random(self, x: torch.Tensor, s: StepState) -> tuple[torch.Tensor, torch.Tensor]:
-        """Steps 10-14 for every row. x float32 [B, V] (after step 8). Returns (int64 [B]
-        token ids, float32 [B, V] final logits). The final logits are fully filtered only when
-        something reads them: seeded rows, the torch draw, or processed logprobs; with only
-        FlashInfer drawing, steps 12-13 happen inside its kernels and the second value is x
-        after steps 10-11."""
-        if s.any_temperature:
-            x = self.apply_temperature(x, s)                                # step 10
-        if s.any_min_p:
-            x = self.apply_min_p(x, s)                                      # step 11
-        by_flashinfer = self.flashinfer is not None and s.any_unseeded
-        needs_final = (not by_flashinfer or s.any_seeded
-                       or (s.num_logprobs is not None and s.logprobs_mode == "processed"))
-        final = x
-        if needs_final and (s.any_top_k or s.any_top_p):
-            final = self.apply_top_k_top_p(x, s)                            # steps 12-13
-        token_ids = None
-        if by_flashinfer:                                                   # steps 12-14
-            token_ids = self.flashinfer.draw(x, s, getattr(s, "bounds", None), self.top_k_first)
-        elif s.any_unseeded:
-            token_ids = self.draw_unseeded(final)                           # step 14
-        if s.any_seeded:
-            seeded = self.draw_seeded(final, s)                             # step 14
-            token_ids = seeded if token_ids is None else torch.where(s.seeded, seeded, token_ids)
+        """Steps 10-14 for every row. x float32 [B, V] (after step 8a). Returns (int64 [B]
+        token ids, float32 [B, V] final logits).
+
+        The torch path is the template's ``filter`` and this class's ``draw``. When FlashInfer
+        draws, ``filter`` runs without steps 12-13 (FlashInfer's kernels apply them while
+        drawing) and the final logits are completed only when something reads them: seeded
+        rows, processed logprobs or a ratio test (``final_needed``); otherwise the second value
+        is x after steps 10-11."""
+        if not self.flashinfer_draws(s):
+            return super().sample_random(x, s)                              # steps 10-14
+        unfused = dataclasses.replace(s, any_top_k=False, any_top_p=False)
+        before = self.filter(x, unfused)                                    # steps 10-11
+        token_ids = self.flashinfer.draw(before, s, s.bounds, self.top_k_first)  # steps 12-14
+        final = before
+        processed = s.num_logprobs is not None and s.logprobs_mode == "processed"
+        if s.any_seeded or processed or getattr(s, "final_needed", False):
+            # flashinfer_draws holds, so steps 12-13 are the last stages filter would run.
+            if s.any_top_k or s.any_top_p:
+                final = self.apply_top_k_top_p(before, s)                   # steps 12-13
+            if s.any_seeded:
+                token_ids = torch.where(s.seeded, self.draw_seeded(final, s), token_ids)  # 14
         return token_ids, final
 
     # ------------------------------------------------------------------ row checks
@@ -142,7 +177,25 @@ class CudaSampler(Sampler):
         ``finite_rows`` already)."""
         return x.amax(dim=-1) > NEG_INF
 
-    # ------------------------------------------------------------------ steps 12-13
+    # ------------------------------------------------------------------ steps 3 and 8a
+    def apply_token_bitmask(self, x: torch.Tensor, s: StepState) -> torch.Tensor:
+        """Step 3, structured output: tokens whose bit is 0 in ``s.token_bitmask`` (int32
+        [B, ceil(V / 32)], bit j % 32 of word j // 32; -1 words disable it) -> -inf. IN PLACE
+        on x float32 [B, V] (the working copy ``prepare`` owns); returns x. On CUDA a Triton
+        kernel writes only the masked tokens (no [B, V] boolean); elsewhere ``masked_fill_``."""
+        return apply_token_bitmask_(x, s.token_bitmask)
+
+    def apply_dry(self, x: torch.Tensor, s: StepState) -> torch.Tensor:
+        """Step 8a, DRY, IN PLACE on x float32 [B, V] (the working copy ``prepare`` owns);
+        returns x. The reference's computation (``Sampler.apply_dry``: repeat lengths from the
+        batch's history arrays ``dry_history`` int64 [B, H], ``dry_match`` int32 [B, H], O(B H)),
+        with the penalties scattered into x itself instead of into a copy, so the vocabulary is
+        touched only where a history token lands. ``dry_multiplier`` 0 disables it."""
+        tokens, penalty = self.dry_penalties(s)
+        # x[t] - (the largest penalty on t): an amin over the history's entries for t.
+        return x.scatter_reduce_(1, tokens, x.gather(1, tokens) - penalty, reduce="amin")
+
+    # ------------------------------------------------------------------ steps 12-13a
     def apply_top_k_top_p(self, x: torch.Tensor, s: StepState) -> torch.Tensor:
         """Steps 12-13 without a full sort when the batch bounds the candidates.
 
@@ -184,6 +237,72 @@ class CudaSampler(Sampler):
         probs = torch.softmax(x, dim=-1)
         ordered = probs.gather(1, ids)                                      # (B, K)
         return x.masked_fill(~nucleus_keep(probs, ordered, s.top_p), NEG_INF)
+
+    def apply_typical_p(self, x: torch.Tensor, s: StepState) -> torch.Tensor:
+        """Step 13a, typical-p: the reference's kept set (``typical_p`` float32 [B], 1 = off;
+        H, scores and the final mask computed as the reference computes them, over the whole
+        row), with the threshold found among the top-k candidates when every random row has a
+        top_k (``bounds.every_row_top_k``) and the batch's largest top_k is small against V:
+        then only those candidates are sorted, not the vocabulary. Else the reference's sort.
+        x float32 [B, V]; not in place."""
+        V = x.shape[-1]
+        bounds = getattr(s, "bounds", None)
+        if (bounds is None or not bounds.every_row_top_k or bounds.max_top_k == 0
+                or bounds.max_top_k * self.SORT_FRACTION > V):
+            return super().apply_typical_p(x, s)
+        logp = torch.log_softmax(x, dim=-1)
+        p = logp.exp()
+        entropy = -torch.where(p > 0, p * logp, 0.0).sum(dim=-1, keepdim=True)
+        score = torch.where(p > 0, (-logp - entropy).abs(), float("inf"))
+        threshold = self.typical_threshold(x, p, score, s.typical_p, bounds.max_top_k)
+        keep = (score <= threshold) | (s.typical_p >= 1.0)[:, None]
+        return x.masked_fill(~keep, NEG_INF)
+
+    @staticmethod
+    def typical_threshold(x: torch.Tensor, p: torch.Tensor, score: torch.Tensor,
+                          typical_p: torch.Tensor, K: int) -> torch.Tensor:
+        """float32 [B, 1]: the smallest score t with mass(score <= t) >= typical_p, found
+        among the K largest logits of x float32 [B, V] (p, score float32 [B, V]).
+
+        Every row's kept tokens are its top-k survivors (k <= K), so the K candidates hold all
+        of them except ties of the smallest candidate, which share its logit, probability and
+        score: their mass is added as (survivors - candidates kept) * its probability. Mass in
+        float64, as in the reference; +inf (keep all) when rounding leaves it below
+        typical_p."""
+        values, ids = torch.topk(x, K, dim=-1)                             # (B, K), descending
+        cand_p, cand_score = p.gather(1, ids), score.gather(1, ids)
+        survivors = (x > NEG_INF).sum(dim=-1) - (values > NEG_INF).sum(dim=-1)   # (B,)
+        tie_mass = survivors.double() * cand_p[:, -1].double()                   # (B,)
+        tie_score = cand_score[:, -1:]                                           # (B, 1)
+        order = torch.argsort(cand_score, dim=-1, stable=True)
+        ordered_score = cand_score.gather(1, order)
+        mass = cand_p.gather(1, order).double().cumsum(dim=-1)
+        mass = mass + torch.where(ordered_score >= tie_score, tie_mass[:, None], 0.0)
+        reached = mass >= typical_p.double()[:, None]
+        first = reached.to(torch.int32).argmax(dim=-1, keepdim=True)             # (B, 1)
+        found = reached.any(dim=-1, keepdim=True)
+        return torch.where(found, ordered_score.gather(1, first), float("inf"))
+
+    # ------------------------------------------------------------------ verification
+    def rejection_sample(self, final: torch.Tensor, s: StepState,
+                         drafts: Drafts) -> tuple[torch.Tensor, torch.Tensor]:
+        """The ratio test and residual draws at the draft slots (see
+        ``Sampler.rejection_sample``): (bool [B, K] passed, int64 [B, K] recovered). final
+        float32 [B S, V]; drafts with probs float32 [B, K, V]. Unseeded rows go through
+        FlashInfer's ``chain_speculative_sampling`` when that path is active (one fused kernel,
+        its own Philox stream); seeded rows, and every row on the torch path, through the
+        reference's computation with the contract's noise. Not in place."""
+        if self.flashinfer is None or not s.any_unseeded:
+            return super().rejection_sample(final, s, drafts)
+        B, K = drafts.token_ids.shape
+        p = torch.softmax(final, dim=-1).view(B, K + 1, -1)
+        passed, recovered = self.flashinfer.verify(p, drafts)
+        if s.any_seeded:
+            seeded = s.seeded.view(B, K + 1)[:, :K]
+            torch_passed, torch_recovered = super().rejection_sample(final, s, drafts)
+            passed = torch.where(seeded, torch_passed, passed)
+            recovered = torch.where(seeded, torch_recovered, recovered)
+        return passed, recovered
 
     # ------------------------------------------------------------------ step 14
     def draw(self, x: torch.Tensor, s: StepState) -> torch.Tensor:

@@ -139,3 +139,108 @@ def test_flashinfer_top_k_first_fast_path(torch_sampler):
         counts += torch.bincount(fast.sample(logits.expand(rows, -1), batch).token_ids.cpu(), minlength=vocab)
     assert not ((counts > 0) & ~kept).any()
     assert chi_square_p_value(counts[kept], probs[kept]) > 1e-6
+
+
+# ---------------------------------------------------------------------------- engine features
+def verify_inputs(batch, K: int, seed: int = 0):
+    """Device logits [B, K+1, V], drafts (one short row), draft probs and a bitmask."""
+    from corelib.bitmask import pack_bitmask
+    B = len(batch)
+    gen = torch.Generator().manual_seed(seed)
+    logits = (torch.randn((B, K + 1, V), generator=gen) * 4).cuda()
+    ids = torch.randint(V, (B, K), generator=gen)
+    ids[0, 1:] = -1
+    probs = torch.softmax(torch.randn((B, K, V), generator=gen), dim=-1)
+    allowed = torch.rand((B, K + 1, V), generator=gen) < 0.7
+    return logits, ids.cuda(), probs.cuda(), pack_bitmask(allowed).cuda()
+
+
+ENGINE = dict(FULL, dry_multiplier=0.8, top_n_sigma=3.0, typical_p=0.95, xtc_probability=0.5,
+              xtc_threshold=0.05)
+
+
+def engine_requests():
+    return mixed_requests() + [("engine", SamplingParams(**ENGINE), [1, 2, 3, 1, 2], None),
+                               ("engine-seeded", SamplingParams(**ENGINE, seed=9), [1, 2], None)]
+
+
+@pytest.mark.parametrize("with_probs", [False, True], ids=["match", "ratio"])
+def test_verify_and_append_never_sync(sampler, with_probs):
+    batch = build(sampler, engine_requests(), eos_token_id=9)
+    K = 4
+    logits, ids, probs, mask = verify_inputs(batch, K)
+    probs = probs if with_probs else None
+    batch.append(sampler.verify(logits, batch, ids, probs, token_bitmask=mask).token_ids)   # warm-up
+    torch.cuda.synchronize()
+    with no_host_sync("cuda"):
+        for _ in range(3):
+            out = sampler.verify(logits, batch, ids, probs, token_bitmask=mask)
+            batch.append(out.token_ids)
+            step = sampler.sample(logits[:, 0], batch, token_bitmask=mask[:, 0])
+            batch.append(step.token_ids)
+    assert bool(((out.num_emitted >= 1) & (out.num_emitted <= K + 1)).all())
+
+
+def test_a_host_bitmask_is_copied_without_a_sync(sampler):
+    batch = build(sampler, engine_requests(), eos_token_id=9)
+    logits, _, _, mask = verify_inputs(batch, 0)
+    host = mask[:, 0].cpu()
+    sampler.sample(logits[:, 0], batch, token_bitmask=host)
+    torch.cuda.synchronize()
+    with no_host_sync("cuda"):
+        sampler.step(logits[:, 0], batch)
+        out = sampler.sample(logits[:, 0], batch, token_bitmask=host)
+    assert bool(out.valid.any())
+
+
+def test_the_bitmask_runs_the_triton_kernel(torch_sampler):
+    from corelib_cuda.bitmask import triton_import_error
+    if triton_import_error() is not None:
+        pytest.skip(f"triton unavailable on this GPU machine: {triton_import_error()}")
+    assert torch_sampler.bitmask_path == "triton"
+
+
+@pytest.mark.parametrize("with_probs", [False, True], ids=["match", "ratio"])
+def test_graph_verify_replays_never_sync(sampler, with_probs):
+    runner = GraphedSampler(sampler, sizes=(8,))
+    batch = build(sampler, engine_requests(), eos_token_id=9)
+    K = 3
+    logits, ids, probs, mask = verify_inputs(batch, K, seed=1)
+    probs = probs if with_probs else None
+    batch.append(runner.verify(logits, batch, ids, probs, token_bitmask=mask).token_ids)   # capture
+    torch.cuda.synchronize()
+    captures = runner.captures
+    with no_host_sync("cuda"):
+        for _ in range(3):
+            out = runner.verify(logits, batch, ids, probs, token_bitmask=mask)
+            batch.append(out.token_ids)
+    assert bool((out.num_emitted >= 1).all())
+    # DRY's history may outgrow its width after the appends (a new address: a new capture);
+    # nothing else may.
+    assert runner.captures - captures <= 1
+
+
+def test_verification_keeps_the_target_distribution_on_both_paths(sampler):
+    """Unseeded rows with draft probabilities: FlashInfer's chain kernel (flashinfer path) or
+    the torch ratio test: the first emitted token follows p at slot 0, draft 0 is accepted at
+    rate sum(min(p, q)), and the second emitted token follows p at slot 1, for rows with K
+    drafts and for rows with one draft (then it is slot 1's own draw)."""
+    vocab, K, R = 64, 3, 16384
+    gen = torch.Generator().manual_seed(77)
+    target = torch.randn((K + 1, vocab), generator=gen) * 1.5
+    q = torch.softmax(torch.randn((K, vocab), generator=gen) * 1.5, dim=-1)
+    p = torch.softmax(target, dim=-1)
+    ids = torch.stack([torch.multinomial(q[j], R, replacement=True, generator=gen) for j in range(K)], dim=1)
+    ids[R // 2:, 1:] = -1                                   # half the rows propose one draft
+    batch = build(sampler, [(f"v{i}", SamplingParams(), [], None) for i in range(R)], vocab=vocab)
+    out = sampler.verify(target.cuda().expand(R, -1, -1).contiguous(), batch, ids.cuda(),
+                         q.cuda().expand(R, -1, -1).contiguous())
+    tokens, count = out.token_ids.cpu(), out.num_emitted.cpu()
+    assert chi_square_p_value(torch.bincount(tokens[:, 0], minlength=vocab), p[0]) > 1e-6
+    accepted = (count >= 2).double().mean()
+    expected = torch.minimum(p[0], q[0]).sum().double()
+    assert (accepted - expected).abs() <= 5 * (expected * (1 - expected) / R).sqrt()
+    for rows in (slice(0, R // 2), slice(R // 2, R)):
+        second = tokens[rows][count[rows] >= 2, 1]
+        assert chi_square_p_value(torch.bincount(second, minlength=vocab), p[1]) > 1e-6
+    assert int(count[R // 2:].max()) <= 2

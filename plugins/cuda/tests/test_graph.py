@@ -146,3 +146,96 @@ def test_rejects_bad_arguments():
         GraphedSampler(CudaSampler("cpu"), sizes=(0, 4))
     with pytest.raises(ValueError, match="CUDA graphs need a CUDA device"):
         GraphedSampler(CudaSampler("cpu"), use_graphs=True)
+
+
+# ---------------------------------------------------------------------------- bitmask
+def random_mask(rows: int, seed: int, slots: int = 0) -> torch.Tensor:
+    from corelib.bitmask import pack_bitmask
+    gen = torch.Generator().manual_seed(seed)
+    shape = (rows, slots, V) if slots else (rows, V)
+    allowed = torch.rand(shape, generator=gen) < 0.5
+    return pack_bitmask(allowed)
+
+
+def test_bitmask_replays_and_stays_on_without_a_new_capture(pair):
+    runner, eager = pair
+    b_graph, b_eager = build(runner, seeded_requests()), build(eager, seeded_requests())
+    for step in range(4):
+        logits = logits_for(step, 4, runner.device)
+        mask = random_mask(4, seed=step).to(runner.device) if step % 2 == 1 else None
+        got = runner.step(logits, b_graph, token_bitmask=mask)
+        want = eager.sample(logits, b_eager, token_bitmask=mask)
+        b_eager.append(want.token_ids)
+        assert got.token_ids.tolist() == want.token_ids.tolist(), f"step {step}"
+    assert runner.captures == 2          # the first unmasked step, then the masked capture
+
+
+# ---------------------------------------------------------------------------- verify
+def verify_requests():
+    return [
+        ("a", SamplingParams(seed=1, top_k=40, top_p=0.9, temperature=0.8, repetition_penalty=1.2,
+                             dry_multiplier=0.5, typical_p=0.95, xtc_probability=0.5, logprobs=2), [1, 2], None),
+        ("b", SamplingParams(seed=2, n=2, min_p=0.05, min_tokens=2, stop_token_ids=[5]), [3], None),
+        ("g", SamplingParams(temperature=0.0, frequency_penalty=0.5), [], None),
+    ]
+
+
+def drafts_for(step: int, rows: int, K: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(2000 + step)
+    ids = torch.randint(V, (rows, K), generator=gen)
+    ids[0, K // 2:] = -1                                     # a short row
+    probs = torch.softmax(torch.randn((rows, K, V), generator=gen), dim=-1)
+    return ids.to(device), probs.to(device)
+
+
+@pytest.mark.parametrize("with_probs", [False, True], ids=["match", "ratio"])
+def test_verify_replays_match_the_eager_sampler(pair, with_probs):
+    runner, eager = pair
+    b_graph, b_eager = build(runner, verify_requests(), eos_token_id=6), build(eager, verify_requests(), eos_token_id=6)
+    K = 3
+    for step in range(4):
+        rows = len(b_graph)
+        logits = torch.stack([logits_for(10 * step + j, rows, runner.device) for j in range(K + 1)], dim=1)
+        ids, probs = drafts_for(step, rows, K, runner.device)
+        if step == 1:                                        # the drafts the target would emit
+            ids = torch.argmax(logits, dim=-1)[:, :K]
+        probs = probs if with_probs else None
+        mask = random_mask(rows, seed=step, slots=K + 1).to(runner.device) if step >= 2 else None
+        got = runner.verify(logits, b_graph, ids, probs, token_bitmask=mask)
+        want = eager.verify(logits, b_eager, ids, probs, token_bitmask=mask)
+        assert got.token_ids.tolist() == want.token_ids.tolist(), f"step {step}"
+        assert got.num_emitted.tolist() == want.num_emitted.tolist()
+        assert torch.allclose(got.logprobs.logprobs.nan_to_num(), want.logprobs.logprobs.nan_to_num())
+        b_graph.append(got.token_ids)
+        b_eager.append(want.token_ids)
+    assert runner.captures == 2          # unmasked, then masked (4 rows, K = 3)
+
+
+def test_verify_captures_per_size_and_k(pair):
+    runner, eager = pair
+    b_graph, b_eager = build(runner, verify_requests()), build(eager, verify_requests())
+    for K in (2, 4, 2):
+        logits = torch.stack([logits_for(j, 4, runner.device) for j in range(K + 1)], dim=1)
+        ids, _ = drafts_for(K, 4, K, runner.device)
+        got = runner.verify(logits, b_graph, ids)
+        want = eager.verify(logits, b_eager, ids)
+        assert got.token_ids.tolist() == want.token_ids.tolist()
+    assert runner.captures == 2          # K = 2 and K = 4; the second K = 2 call replays
+    b_graph.remove("g")                  # 3 rows: still padded to 4, same key
+    b_eager.remove("g")
+    logits = torch.stack([logits_for(j, 3, runner.device) for j in range(3)], dim=1)
+    ids, _ = drafts_for(7, 3, 2, runner.device)
+    assert runner.verify(logits, b_graph, ids).token_ids.tolist() == \
+        eager.verify(logits, b_eager, ids).token_ids.tolist()
+
+
+def test_verify_checks_arguments_before_any_replay(pair):
+    runner, _ = pair
+    batch = build(runner, verify_requests())
+    logits = torch.stack([logits_for(j, 4, runner.device) for j in range(3)], dim=1)
+    with pytest.raises(ValueError, match="draft_token_ids"):
+        runner.verify(logits, batch, torch.zeros((4, 3), dtype=torch.long, device=runner.device))
+    with pytest.raises(ValueError, match="token_bitmask"):
+        runner.verify(logits, batch, torch.zeros((4, 2), dtype=torch.long, device=runner.device),
+                      token_bitmask=torch.zeros((4, 2, V // 32), dtype=torch.int32))
+    assert batch.generated_counts() == [0, 0, 0, 0]

@@ -14,7 +14,7 @@ from corelib import Sampler, SamplingParams
 from corelib.testing import chi_square_p_value
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from corelib_cuda import CudaBatch, CudaSampler
+from corelib_cuda import CudaBatch, CudaSampler, GraphedSampler
 from corelib_cuda.sync_check import HostSyncError, no_host_sync
 
 V = 2048
@@ -57,12 +57,18 @@ def bf16_logits(rows: int, seed: int, vocab: int = V) -> torch.Tensor:
 
 
 class Recorder(TorchDispatchMode):
+    """Records each op's name, and the widths of the tensors each sort was given."""
+
     def __init__(self):
         super().__init__()
         self.ops = set()
+        self.sort_widths = set()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops.add(func.overloadpacket.__name__)
+        name = func.overloadpacket.__name__
+        self.ops.add(name)
+        if name == "sort" and args and isinstance(args[0], torch.Tensor):
+            self.sort_widths.add(args[0].shape[-1])
         return func(*args, **(kwargs or {}))
 
 
@@ -176,19 +182,29 @@ FULL = dict(temperature=0.7, top_k=50, top_p=0.9, min_p=0.01, repetition_penalty
             bad_words=[[4], [8, 10]], logprobs=5)
 
 
+NEW_SAMPLERS = dict(dry_multiplier=0.8, dry_allowed_length=1, dry_sequence_breakers=[3],
+                    top_n_sigma=2.0, typical_p=0.9, xtc_probability=0.5, xtc_threshold=0.01,
+                    top_k=30)
+
+
 @pytest.mark.parametrize("mode", ["raw", "processed"])
 def test_a_full_step_reads_nothing_on_the_host(sampler, mode):
     requests = [("full", SamplingParams(**FULL), [1, 2, 3], None),
                 ("seeded", SamplingParams(**FULL, seed=5), [1], [4, 8]),
                 ("greedy", SamplingParams(temperature=0.0, logprobs=2), [], None),
-                ("top_p", SamplingParams(top_p=0.8, n=2), [], None)]
+                ("top_p", SamplingParams(top_p=0.8, n=2), [], None),
+                ("new", SamplingParams(**NEW_SAMPLERS, seed=6), [1, 2, 1, 2], [1]),
+                ("new-unseeded", SamplingParams(**NEW_SAMPLERS), [3, 4, 3], None)]
     batch = build(sampler, requests, eos_token_id=9, logprobs_mode=mode)
     logits = torch.randn(len(batch), V)
+    mask = torch.full((len(batch), V // 32), -1, dtype=torch.int32)
+    mask[0, :5] = 0
     sampler.sample(logits, batch)                         # warm caches (request index, flags)
     with no_host_sync():
         out = sampler.sample(logits, batch)
         per_request = sampler.sample(logits[: batch.num_requests], batch)
-    assert out.token_ids.shape == per_request.token_ids.shape == (5,)
+        masked = sampler.sample(logits, batch, token_bitmask=mask)
+    assert out.token_ids.shape == per_request.token_ids.shape == masked.token_ids.shape == (7,)
 
 
 def test_the_detector_catches_host_reads(sampler):
@@ -227,3 +243,168 @@ def test_row_checks_match_the_reference(sampler, reference):
     finite = reference.finite_rows(x)               # NaN rows are flagged either way
     assert torch.equal(sampler.any_token_left(x)[finite], reference.any_token_left(x)[finite])
     assert sampler.finite_rows(x).tolist() == [True, False, False, False, True, True, True]
+
+
+# ---------------------------------------------------------------------------- new samplers
+def typical_requests(gen: torch.Generator, rows: int, with_top_k: bool = True):
+    def pick(options):
+        return options[int(torch.randint(len(options), (1,), generator=gen))]
+    return [(f"t{i}", SamplingParams(typical_p=pick([0.2, 0.5, 0.9, 0.99, 1.0]),
+                                     top_k=pick([3, 20, 64]) if with_top_k else 0,
+                                     top_p=pick([1.0, 0.9]), temperature=pick([0.7, 1.0, 1.5])),
+             [1, 2], None) for i in range(rows)]
+
+
+@pytest.mark.parametrize("trial", range(4))
+def test_typical_p_from_candidates_keeps_the_reference_sets(sampler, reference, trial):
+    """Every row has a top_k: the threshold comes from the candidates (no vocabulary sort),
+    on bf16 logits where ties at the k-th place push survivors past the candidates."""
+    gen = torch.Generator().manual_seed(300 + trial)
+    requests = typical_requests(gen, 16)
+    logits = bf16_logits(16, seed=400 + trial)
+    logits[0, 50:90] = logits[0].max()                  # 40 tokens tied at the top, top_k <= 64
+    logits[1, 10:30] = 1.0
+    logits[1, 5] = 9.0                                  # one leader, then 20 tied tokens
+    batch = build(sampler, requests)
+    with Recorder() as rec:
+        got = sampler.processed_logits(logits, batch)
+    assert V not in rec.sort_widths, "typical-p sorted the vocabulary although every row has a top_k"
+    want = reference.processed_logits(logits, build(reference, requests))
+    assert torch.equal(torch.isfinite(got), torch.isfinite(want))
+    assert torch.equal(got[torch.isfinite(want)], want[torch.isfinite(want)])
+
+
+def test_typical_p_without_top_k_takes_the_reference_sort(sampler, reference):
+    gen = torch.Generator().manual_seed(5)
+    requests = typical_requests(gen, 6, with_top_k=False)
+    logits = bf16_logits(6, seed=6)
+    with Recorder() as rec:
+        got = sampler.processed_logits(logits, build(sampler, requests))
+    assert V in rec.sort_widths
+    want = reference.processed_logits(logits, build(reference, requests))
+    assert torch.equal(torch.isfinite(got), torch.isfinite(want))
+
+
+def test_dry_in_place_matches_the_reference_on_a_long_history(sampler, reference):
+    gen = torch.Generator().manual_seed(8)
+    phrase = torch.randint(V, (12,), generator=gen).tolist()
+    history = (phrase * 30)[:300]                        # long repeats of one phrase
+    requests = [("d", SamplingParams(dry_multiplier=0.8, dry_allowed_length=2, seed=1), history, phrase[:2]),
+                ("r", SamplingParams(dry_multiplier=1.5, dry_range=40, dry_sequence_breakers=[phrase[5]],
+                                     temperature=0.0), history, None),
+                ("off", SamplingParams(), history, None)]
+    logits = torch.randn((3, V), generator=gen)
+    got = sampler.processed_logits(logits, build(sampler, requests))
+    want = reference.processed_logits(logits, build(reference, requests))
+    assert torch.allclose(got, want, atol=1e-5, rtol=0) and torch.equal(torch.isinf(got), torch.isinf(want))
+    assert not torch.equal(got[0], logits[0]), "DRY changed nothing on a repeating history"
+    assert torch.equal(got[2], logits[2])
+
+
+# ---------------------------------------------------------------------------- bitmask
+def test_bitmask_is_applied_in_place_on_the_working_copy_only(sampler, reference):
+    from corelib.bitmask import pack_bitmask
+    allowed = torch.rand((3, V), generator=torch.Generator().manual_seed(9)) < 0.3
+    mask = pack_bitmask(allowed)
+    mask[2] = -1
+    logits = torch.randn(3, V)
+    before = logits.clone()
+    requests = [(f"b{i}", SamplingParams(seed=i), [], None) for i in range(3)]
+    got = sampler.processed_logits(logits, build(sampler, requests), token_bitmask=mask)
+    assert torch.equal(logits, before), "the caller's logits were modified"
+    assert torch.equal(torch.isfinite(got[:2]), allowed[:2]) and torch.isfinite(got[2]).all()
+    assert sampler.bitmask_path.startswith("torch (the device is cpu")
+
+
+# ---------------------------------------------------------------------------- verification
+def test_verify_state_reads_nothing_on_the_host(sampler):
+    """Everything after the argument checks (which read draft ids only when the caller passes
+    them on the host): the speculative state, every stage at every slot, the ratio test,
+    the residual draws, the emitted tokens and logprobs."""
+    requests = [("full", SamplingParams(**FULL, dry_multiplier=0.5, typical_p=0.9, xtc_probability=0.5,
+                                        top_n_sigma=2.0), [1, 2, 3], None),
+                ("seeded", SamplingParams(**FULL, seed=5), [1], [4, 8]),
+                ("greedy", SamplingParams(temperature=0.0, logprobs=2), [], None),
+                ("plain", SamplingParams(n=2), [], None)]
+    batch = build(sampler, requests, eos_token_id=9)
+    K = 3
+    logits = torch.randn(len(batch), K + 1, V)
+    drafts = torch.randint(V, (len(batch), K))
+    drafts[1, 2:] = -1
+    probs = torch.softmax(torch.randn(len(batch), K, V), dim=-1)
+    bitmask = torch.full((len(batch), K + 1, V // 32), -1, dtype=torch.int32)
+    bitmask[0, 1, :10] = 0
+    for q in (None, probs):
+        checked = sampler.check_drafts(logits, batch, drafts, q)
+        with no_host_sync():
+            s = sampler.speculative_step_state(batch, checked)
+            s = sampler.with_bitmask(s, batch, bitmask, slots=K + 1)
+            out = sampler.verify_state(logits.view(-1, V), batch, s, checked)
+        assert out.token_ids.shape == (5, K + 1)
+
+
+def test_verify_and_append_read_nothing_on_the_host_with_device_tensors():
+    """The whole verify + append + sample + append cycle on the meta device: tensors that are
+    not on the host, so the code takes its accelerator branches (draft and appended ids are
+    not validated on the host), and no value can be read at all."""
+    meta = CudaSampler("meta", use_flashinfer=False)
+    requests = [("full", SamplingParams(**dict(FULL, **NEW_SAMPLERS)), [1, 2, 3], None),
+                ("seeded", SamplingParams(**FULL, seed=5), [1], [4, 8]),
+                ("greedy", SamplingParams(temperature=0.0, logprobs=2), [], None)]
+    K = 4
+    for runner in (meta, GraphedSampler(meta, sizes=(4,), use_graphs=False)):
+        batch = build(runner, requests, eos_token_id=9)
+        with no_host_sync():
+            for with_probs in (False, True):
+                logits = torch.randn(3, K + 1, V, device="meta")
+                drafts = torch.zeros(3, K, dtype=torch.long, device="meta")
+                probs = torch.rand(3, K, V, device="meta") if with_probs else None
+                mask = torch.zeros(3, K + 1, V // 32, dtype=torch.int32, device="meta")
+                out = runner.verify(logits, batch, drafts, probs, token_bitmask=mask)
+                batch.append(out.token_ids)
+                step = runner.sample(torch.randn(3, V, device="meta"), batch,
+                                     token_bitmask=torch.zeros(3, V // 32, dtype=torch.int32, device="meta"))
+                batch.append(step.token_ids)
+        assert out.token_ids.shape == (3, K + 1) and out.logprobs.token_ids.shape == (3, K + 1, 6)
+
+
+def test_a_short_row_with_draft_probs_emits_its_slot_draw(sampler, reference):
+    """k < K drafts with probabilities: after they are accepted, slot k's own draw (the seeded
+    token of plain sampling), whatever the padding slots of draft_probs hold."""
+    vocab, K = 64, 3
+    logits = torch.randn((2, K + 1, vocab), generator=torch.Generator().manual_seed(12))
+    requests = [("short", SamplingParams(seed=3), [], None), ("full", SamplingParams(seed=4), [], None)]
+    plain = build(sampler, requests, vocab=vocab)
+    first = sampler.sample(logits[:, 0], plain).token_ids
+    plain.append(first)
+    second = sampler.sample(logits[:, 1], plain).token_ids
+    drafts = torch.full((2, K), -1, dtype=torch.long)
+    drafts[:, 0] = first
+    drafts[1, 1:] = 0
+    q = torch.full((2, K, vocab), 1.0 / vocab)
+    q[:, 0] = 0.0
+    q[:, 0, 63] = 1.0
+    q[torch.arange(2), 0, first] = 1e-30               # accepted for sure
+    q[0, 1] = 0.0
+    q[0, 1, second[0]] = 1.0                           # padding that excludes the slot's draw
+    out = sampler.verify(logits, build(sampler, requests, vocab=vocab), drafts, q)
+    assert out.token_ids[0].tolist() == [int(first[0]), int(second[0]), -1, -1]
+    want = reference.verify(logits, build(reference, requests, vocab=vocab), drafts, q)
+    assert torch.equal(out.token_ids, want.token_ids)
+
+
+def test_typical_p_counts_the_mass_of_ties_beyond_the_candidates(sampler, reference):
+    """One leader (p = 0.3) and 100 tokens tied behind it (0.007 each) with top_k = 2: all 100
+    survive step 12, more than the 64 candidates. The tied tokens are the more typical ones and
+    hold 0.7 of the mass, so typical_p = 0.5 keeps them and drops the leader; counting only
+    the 63 tied candidates (0.441) would keep the leader too."""
+    logits = torch.full((2, V), -float("inf"))
+    logits[:, 200:300] = 0.0
+    logits[:, 7] = torch.log(torch.tensor(0.3 / 0.007))
+    requests = [("ties", SamplingParams(top_k=2, typical_p=0.5), [], None),
+                ("wide", SamplingParams(top_k=64), [], None)]       # the batch's K is 64
+    got = sampler.processed_logits(logits, build(sampler, requests))
+    want = reference.processed_logits(logits, build(reference, requests))
+    kept = torch.isfinite(got[0])
+    assert int(kept.sum()) == 100 and not kept[7]
+    assert torch.equal(kept, torch.isfinite(want[0]))

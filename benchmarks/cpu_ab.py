@@ -1,0 +1,84 @@
+"""The cpu backend of this checkout against the same backend at another git revision, in one
+process, calls alternating: "did this change make anything slower?" on a machine whose load
+moves (both sides see the same load), and whether seeded tokens stayed the same.
+
+The other revision's ``plugins/cpu/corelib_cpu`` is extracted with ``git archive`` into a
+temporary folder and imported as ``corelib_cpu_base`` (it runs on this checkout's core).
+Prints, per cell, both medians and base / current (above 1: the current code is faster).
+
+    python benchmarks/cpu_ab.py --base 4de1acf                          # B in 32, 128, 256
+    python benchmarks/cpu_ab.py --base main --batch-sizes 1,8 --repeats 15
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+from corelib.bench import make_logits
+
+from corelib_cpu.sampler import CpuSampler
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from cpu_grid import GRID_CONFIGS, SEEDED, make_batch  # noqa: E402
+
+
+def load_base(revision: str, folder: str):
+    """The CpuSampler class of ``revision``'s cpu plugin, imported as corelib_cpu_base."""
+    root = subprocess.run(["git", "rev-parse", "--show-toplevel"], capture_output=True, text=True,
+                          check=True).stdout.strip()
+    archive = subprocess.run(["git", "-C", root, "archive", revision, "plugins/cpu/corelib_cpu"],
+                             capture_output=True, check=True).stdout
+    subprocess.run(["tar", "-x", "-C", folder], input=archive, check=True)
+    os.rename(os.path.join(folder, "plugins", "cpu", "corelib_cpu"), os.path.join(folder, "corelib_cpu_base"))
+    sys.path.insert(0, folder)
+    return importlib.import_module("corelib_cpu_base.sampler").CpuSampler
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--base", required=True, help="git revision to compare with")
+    parser.add_argument("--batch-sizes", default="32,128,256")
+    parser.add_argument("--vocab-size", type=int, default=128256)
+    parser.add_argument("--configs", default=",".join(GRID_CONFIGS))
+    parser.add_argument("--profiles", default="flat,peaked")
+    parser.add_argument("--repeats", type=int, default=5, help="timed calls per cell and side")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    V = args.vocab_size
+    with tempfile.TemporaryDirectory() as folder:
+        Base = load_base(args.base, folder)
+        print(f"base {args.base} vs this checkout, V = {V}, {args.threads} thread(s), "
+              f"median of {args.repeats}, load average {os.getloadavg()[0]:.2f} at start")
+        print(f"{'config':20s} {'B':>4s} {'logits':7s} {'base ms':>9s} {'now ms':>9s} {'base/now':>8s}")
+        for profile in args.profiles.split(","):
+            for config in args.configs.split(","):
+                for B in map(int, args.batch_sizes.split(",")):
+                    logits = make_logits(B, V, profile)
+                    base, now = Base(), CpuSampler()
+                    base_batch, now_batch = make_batch(base, config, B, V), make_batch(now, config, B, V)
+                    same = torch.equal(base.sample(logits, base_batch).token_ids,
+                                       now.sample(logits, now_batch).token_ids)
+                    base_ms, now_ms = [], []
+                    for _ in range(args.repeats):
+                        for sampler, batch, times in ((base, base_batch, base_ms), (now, now_batch, now_ms)):
+                            start = time.perf_counter()
+                            sampler.sample(logits, batch)
+                            times.append((time.perf_counter() - start) * 1000.0)
+                    b, n = statistics.median(base_ms), statistics.median(now_ms)
+                    seeded = f"  seeded tokens equal: {same}" if config in SEEDED else ""
+                    print(f"{config:20s} {B:4d} {profile:7s} {b:9.3f} {n:9.3f} {b / n:7.2f}x{seeded}", flush=True)
+        print(f"load average {os.getloadavg()[0]:.2f} at end")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,240 @@
+"""The cpu backend against vLLM's CPU sampler, on the same logits in one process (issue 13).
+
+Runs vLLM's ``vllm.v1.sample.sampler.Sampler`` (the V1 sampler a vLLM CPU build uses: its
+top-k/top-p by sorting, its fused Gumbel-argmax draw with a seed per row) and corelib's
+``cpu`` backend on the same random logits, for the six configurations of issue 13 and
+B in {1, 8, 32, 128}, and prints the ratio table (vLLM time / corelib time: above 1 means
+corelib is faster) with the issue's targets, the milliseconds of both, and corelib's time
+in clone-passes at B = 1. Calls of the two samplers alternate, so load changes hit both.
+
+vLLM is not a dependency of corelib. Run this script with the vLLM venv the test command
+builds (``scripts/lib.sh``'s ``ensure_vllm_venv``: vLLM's CPU build on the pinned torch, with
+corelib and the cpu plugin). Without vLLM, the script times corelib alone.
+
+    .venv-vllm/bin/python benchmarks/cpu_vs_vllm.py                 # one torch thread
+    .venv-vllm/bin/python benchmarks/cpu_vs_vllm.py --threads 2
+    .venv-vllm/bin/python benchmarks/cpu_vs_vllm.py --batch-sizes 1,8 --repeats 9
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import argparse
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+from corelib import SamplingParams
+from corelib.bench import machine_description, make_logits
+
+from corelib_cpu.sampler import CpuSampler
+
+V = 128256
+BATCH_SIZES = (1, 8, 32, 128)
+# name -> (corelib SamplingParams fields, seeded); the rows of issue 13's table, in order
+CONFIGS: dict[str, tuple[dict, bool]] = {
+    "top-k 50 + top-p 0.9 + T 0.7": (dict(top_k=50, top_p=0.9, temperature=0.7), False),
+    "top-p 0.9 alone": (dict(top_p=0.9), False),
+    "plain random": (dict(), False),
+    "every row seeded: top-k + top-p + T": (dict(top_k=50, top_p=0.9, temperature=0.7), True),
+    "every row seeded: top-p alone": (dict(top_p=0.9), True),
+    "every row seeded: plain random": (dict(), True),
+}
+# Issue 13's targets: the smallest acceptable ratio, per config, as a function of B.
+TARGETS: dict[str, tuple[Callable[[int], float], str]] = {
+    "top-k 50 + top-p 0.9 + T 0.7": (lambda B: 15.0 if B == 1 else 25.0, ">= 15x at B=1, >= 25x at B >= 8"),
+    "top-p 0.9 alone": (lambda B: 8.0, ">= 8x everywhere"),
+    "plain random": (lambda B: 1.0, ">= 1x"),
+    "every row seeded: top-k + top-p + T": (lambda B: 15.0 if B == 1 else 25.0, "as unseeded"),
+    "every row seeded: top-p alone": (lambda B: 8.0, ">= 8x"),
+    "every row seeded: plain random": (lambda B: 1.0, ">= 1x"),
+}
+
+
+@dataclass
+class Cell:
+    config: str
+    batch_size: int
+    corelib_ms: float
+    vllm_ms: Optional[float]
+    clone_ms: float
+
+    @property
+    def ratio(self) -> Optional[float]:
+        return None if self.vllm_ms is None else self.vllm_ms / self.corelib_ms
+
+
+def load_vllm():
+    """vLLM's Sampler class and its metadata types, or None when vLLM is not importable."""
+    try:
+        from vllm.v1.sample.logits_processor import LogitsProcessors
+        from vllm.v1.sample.metadata import SamplingMetadata
+        from vllm.v1.sample.sampler import Sampler
+    except Exception as exc:   # ImportError, or a vLLM build that fails to initialise
+        print(f"vLLM is not importable ({type(exc).__name__}: {exc}); timing corelib alone",
+              file=sys.stderr)
+        return None
+    return Sampler, SamplingMetadata, LogitsProcessors
+
+
+def vllm_metadata(vllm, params: dict, seeded: bool, B: int):
+    """SamplingMetadata for B random rows with ``params`` (a generator per row when seeded,
+    as vLLM's input batch builds it for requests with a seed)."""
+    _, SamplingMetadata, LogitsProcessors = vllm
+    generators = {}
+    if seeded:
+        for i in range(B):
+            generators[i] = torch.Generator().manual_seed(100_003 + i)
+    top_k, top_p = params.get("top_k"), params.get("top_p")
+    return SamplingMetadata(
+        temperature=torch.full((B,), float(params.get("temperature", 1.0))),
+        all_greedy=False,
+        all_random=True,
+        top_p=None if top_p is None else torch.full((B,), float(top_p)),
+        top_k=None if top_k is None else torch.full((B,), int(top_k), dtype=torch.int32),
+        generators=generators,
+        max_num_logprobs=None,
+        no_penalties=True,
+        prompt_token_ids=None,
+        frequency_penalties=torch.zeros(B),
+        presence_penalties=torch.zeros(B),
+        repetition_penalties=torch.ones(B),
+        output_token_ids=[[] for _ in range(B)],
+        allowed_token_ids_mask=None,
+        bad_words_token_ids={},
+        logitsprocs=LogitsProcessors(),
+    )
+
+
+def corelib_batch(sampler: CpuSampler, params: dict, seeded: bool, B: int):
+    batch = sampler.new_batch(V)
+    for i in range(B):
+        extra = dict(seed=100_003 + i) if seeded else {}
+        batch.add(f"req-{i}", SamplingParams(**params, **extra))
+    return batch
+
+
+def bench_cell(vllm, name: str, B: int, repeats: int) -> Cell:
+    params, seeded = CONFIGS[name]
+    logits = make_logits(B, V, "flat")
+    sampler = CpuSampler()
+    batch = corelib_batch(sampler, params, seeded, B)
+    # A decode loop: each call samples and appends, so seeded rows move to a new position.
+    corelib_step = lambda: sampler.step(logits, batch)                      # noqa: E731
+    vllm_step = None
+    if vllm is not None:
+        vllm_sampler, metadata = vllm[0](), vllm_metadata(vllm, params, seeded, B)
+        spare = [logits.clone() for _ in range(repeats + 1)]   # vLLM works in place on its input
+        vllm_step = lambda: vllm_sampler(spare.pop(), metadata)              # noqa: E731
+    corelib_step()                                                          # warm-up
+    if vllm_step is not None:
+        vllm_step()
+    corelib_times, vllm_times = [], []
+    for _ in range(repeats):
+        corelib_times.append(timed(corelib_step))
+        if vllm_step is not None:
+            vllm_times.append(timed(vllm_step))
+    clone_ms = statistics.median(timed(logits.clone) for _ in range(max(repeats, 9)))
+    return Cell(name, B, statistics.median(corelib_times),
+                statistics.median(vllm_times) if vllm_times else None, clone_ms)
+
+
+CLOCKS = {"wall": time.perf_counter, "thread": time.thread_time}
+clock = CLOCKS["wall"]
+
+
+def timed(fn: Callable[[], object]) -> float:
+    start = clock()
+    fn()
+    return (clock() - start) * 1000.0
+
+
+def table(cells: list[Cell], batch_sizes, value: Callable[[Cell], str], last: Optional[Callable[[str], str]] = None) -> str:
+    head = ["config"] + [f"B={B}" for B in batch_sizes] + (["target"] if last else [])
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for name in dict.fromkeys(c.config for c in cells):
+        row = [name]
+        for B in batch_sizes:
+            cell = next((c for c in cells if c.config == name and c.batch_size == B), None)
+            row.append("-" if cell is None else value(cell))
+        if last:
+            row.append(last(name))
+        lines.append("| " + " | ".join(row) + " |")
+    return "\n".join(lines)
+
+
+def verdicts(cells: list[Cell]) -> list[str]:
+    out = []
+    for c in cells:
+        if c.ratio is None:
+            continue
+        need = TARGETS[c.config][0](c.batch_size)
+        out.append(f"{'MET ' if c.ratio >= need else 'MISS'} {c.config}, B={c.batch_size}: "
+                   f"{c.ratio:.1f}x (target {need:g}x)")
+    return out
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
+    parser.add_argument("--batch-sizes", default=",".join(map(str, BATCH_SIZES)))
+    parser.add_argument("--configs", default=None,
+                        help="comma-separated indices (0-5) of the configs to run (default: all)")
+    parser.add_argument("--repeats", type=int, default=None,
+                        help="timed calls per cell, median reported (default: 15 for B <= 8, else 5)")
+    parser.add_argument("--no-vllm", action="store_true", help="time corelib alone")
+    parser.add_argument("--clock", choices=sorted(CLOCKS), default="wall",
+                        help="wall time (default), or the calling thread's CPU time: on a loaded "
+                             "machine it leaves out the time other processes hold the core "
+                             "(one torch thread only: other threads' work is not counted)")
+    args = parser.parse_args(argv)
+    if args.clock == "thread" and args.threads != 1:
+        parser.error("--clock thread counts the calling thread only: use --threads 1")
+    global clock
+    clock = CLOCKS[args.clock]
+    torch.set_num_threads(args.threads)
+    batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
+    names = list(CONFIGS)
+    if args.configs:
+        names = [names[int(i)] for i in args.configs.split(",")]
+    vllm = None if args.no_vllm else load_vllm()
+    version = ""
+    if vllm is not None:
+        import vllm as vllm_module
+        version = f", vLLM {vllm_module.__version__}"
+    print(f"{machine_description()}{version}, {args.threads} torch thread(s), {args.clock} clock, V = {V}, "
+          f"flat logits, median of {args.repeats or '15 (B <= 8) or 5'} calls; load average {os.getloadavg()[0]:.2f} at start")
+    cells = []
+    for name in names:
+        for B in batch_sizes:
+            repeats = args.repeats or (15 if B <= 8 else 5)
+            cells.append(bench_cell(vllm, name, B, repeats))
+            sys.stderr.write(f"\r{len(cells)}/{len(names) * len(batch_sizes)}   ")
+            sys.stderr.flush()
+    sys.stderr.write("\n")
+    print(f"load average {os.getloadavg()[0]:.2f} at end\n")
+    if vllm is not None:
+        print("vLLM time / corelib cpu time (higher is better for corelib)\n")
+        print(table(cells, batch_sizes, lambda c: f"{c.ratio:.1f}x", lambda n: TARGETS[n][1]))
+        print("\nvLLM ms\n")
+        print(table(cells, batch_sizes, lambda c: f"{c.vllm_ms:.3f}"))
+    print("\ncorelib cpu ms\n")
+    print(table(cells, batch_sizes, lambda c: f"{c.corelib_ms:.3f}"))
+    print("\ncorelib cpu time / one clone() of the logits\n")
+    print(table(cells, batch_sizes, lambda c: f"{c.corelib_ms / c.clone_ms:.1f}"))
+    if vllm is not None:
+        print("\nTargets:")
+        for line in verdicts(cells):
+            print("  " + line)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

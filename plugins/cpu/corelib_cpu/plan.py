@@ -1,0 +1,128 @@
+"""What a step needs to know about its rows that only changes when requests join or leave.
+
+Each row's parameters are fixed for its life, so which rows are greedy, seeded or use each
+filter, the filters' effective per-row parameters (greedy rows get neutral ones), the blocks
+the rows fall into and the index tensors of row subsets are worked out once and kept by the
+batch (:meth:`CpuBatch.cached_plan`) until a request joins, leaves or moves. A step then
+reads host lists instead of tensors, and only the row keys of seeded rows, which depend on
+the position, are computed per step (one ``mix32`` per row: the seed and child part of the
+key is kept). Shapes: ``B`` rows, ``n`` rows of a block.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+from corelib import StepState
+from corelib.noise import mix32_, row_key_prefix
+
+
+@dataclass
+class BlockPlan:
+    """The rows ``r0:r1`` of a step and what each of them uses (lists are block-local)."""
+
+    r0: int
+    r1: int
+    greedy: list            # bool per row
+    seeded: list            # bool per row: random rows with a seed
+    min_p_rows: list        # block-local rows with min_p > 0 (random rows only)
+    top_k_rows: list
+    top_p_rows: list
+    temperature_on: bool    # some random row has a temperature other than 1
+    temperature: torch.Tensor   # float32 [n, 1] (greedy rows: 1)
+    min_p: torch.Tensor         # float32 [n]
+    top_k: torch.Tensor         # int64 [n], 0 = off, at most V
+    top_p: torch.Tensor         # float32 [n]
+    top_k_max: int              # largest top_k of the block's top-k rows (0: none)
+    any_greedy: bool = False
+    all_greedy: bool = False
+    #: Every random row is a top-k row without min-p: no whole random row is filtered, so
+    #: the temperature divides the candidates only (the division is monotone, so the top k
+    #: of x / T are the top k of x divided) and steps 10-13 never write x itself.
+    candidates_only: bool = False
+    _index: dict = field(default_factory=dict, repr=False)
+
+    def __post_init__(self):
+        self.any_greedy, self.all_greedy = any(self.greedy), all(self.greedy)
+        random = [i for i, g in enumerate(self.greedy) if not g]
+        top_k, min_p = set(self.top_k_rows), set(self.min_p_rows)
+        self.candidates_only = bool(random) and all(i in top_k and i not in min_p for i in random)
+
+    @property
+    def n(self) -> int:
+        return self.r1 - self.r0
+
+    def index(self, rows: list) -> torch.Tensor:
+        """int64 tensor of block-local rows, made once per list of rows."""
+        key = tuple(rows)
+        tensor = self._index.get(key)
+        if tensor is None:
+            tensor = self._index[key] = torch.tensor(rows, dtype=torch.long)
+        return tensor
+
+
+@dataclass
+class StepPlan:
+    """The blocks of a step, and the seed-and-child part of each seeded row's key."""
+
+    num_rows: int
+    blocks: list
+    key_prefix: Optional[torch.Tensor]   # int32 [B], or None when no random row is seeded
+    sparse_penalties: bool
+
+    def row_keys(self, s: StepState) -> Optional[torch.Tensor]:
+        """int32 [B]: ``corelib.noise.row_keys`` of every row at its current position (a
+        buffer of the plan's, rewritten each step)."""
+        if self.key_prefix is None:
+            return None
+        keys, scratch = self._key_buffers
+        return mix32_(torch.bitwise_xor(self.key_prefix, s.position, out=keys), scratch)
+
+    def __post_init__(self):
+        size = 0 if self.key_prefix is None else self.key_prefix.shape[0]
+        self._key_buffers = (torch.empty(size, dtype=torch.int32), torch.empty(size, dtype=torch.int32))
+
+
+def make_plan(s: StepState, rows_per_block: int, sparse_penalties: bool) -> StepPlan:
+    """The plan of a step state (see the module docstring)."""
+    B, V = s.num_rows, s.vocab_size
+    temperature, min_p, top_p = s.temperature, s.min_p, s.top_p
+    top_k = s.top_k.to(torch.long).clamp(max=V)
+    greedy = s.greedy.tolist() if s.any_greedy else [False] * B
+    if s.any_greedy:
+        g = s.greedy
+        temperature = torch.where(g, 1.0, temperature)
+        min_p = torch.where(g, 0.0, min_p)
+        top_k = torch.where(g, 0, top_k)
+        top_p = torch.where(g, 1.0, top_p)
+    off = [False] * B
+    seeded = (s.seeded & ~s.greedy).tolist() if s.any_seeded else off
+    temperature_on = (temperature != 1.0).tolist() if s.any_temperature else off
+    min_p_on = (min_p > 0.0).tolist() if s.any_min_p else off
+    top_k_on = (top_k > 0).tolist() if s.any_top_k else off
+    top_p_on = (top_p < 1.0).tolist() if s.any_top_p else off
+    top_k_list = top_k.tolist() if s.any_top_k else off
+    key_prefix = None
+    if any(seeded):
+        key_prefix = row_key_prefix(s.seed_lo, s.seed_hi, s.child)
+    blocks = []
+    for r0 in range(0, B, rows_per_block):
+        r1 = min(r0 + rows_per_block, B)
+        local = range(r0, r1)
+        blocks.append(BlockPlan(
+            r0, r1,
+            greedy=greedy[r0:r1],
+            seeded=seeded[r0:r1],
+            min_p_rows=[i - r0 for i in local if min_p_on[i]],
+            top_k_rows=[i - r0 for i in local if top_k_on[i]],
+            top_p_rows=[i - r0 for i in local if top_p_on[i]],
+            temperature_on=any(temperature_on[r0:r1]),
+            temperature=temperature[r0:r1, None],
+            min_p=min_p[r0:r1],
+            top_k=top_k[r0:r1],
+            top_p=top_p[r0:r1],
+            top_k_max=max((top_k_list[i] for i in local if top_k_on[i]), default=0),
+        ))
+    return StepPlan(B, blocks, key_prefix, sparse_penalties)

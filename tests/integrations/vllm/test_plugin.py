@@ -1,0 +1,191 @@
+"""The plugin's wiring: vLLM finds it, it is inert without CORELIB_VLLM, every vLLM
+parameter maps to corelib's or fails the request with a clear error, and engine settings
+corelib cannot honour stop the engine at start."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from importlib.metadata import entry_points
+
+import pytest
+from vllm import SamplingParams as VllmParams
+from vllm.exceptions import VLLMValidationError
+from vllm.inputs import TokensPrompt
+
+import corelib
+from corelib.integrations.vllm import register
+from corelib.integrations.vllm.params import (
+    VLLM_EXTRA_ARGS,
+    UnsupportedParameterError,
+    corelib_params,
+    extra_args_fields,
+)
+
+from conftest import make_llm
+from tiny_llama import EOS
+
+
+def test_entry_point_is_declared_by_corelib():
+    eps = [ep for ep in entry_points(group="vllm.general_plugins") if ep.name == "corelib"]
+    assert len(eps) == 1
+    assert eps[0].dist.name == "corelib"
+    assert eps[0].load() is register
+
+
+def test_inert_without_the_variable():
+    """vLLM loading its plugins without CORELIB_VLLM imports none of corelib's hooks."""
+    env = {k: v for k, v in os.environ.items() if k != "CORELIB_VLLM"}
+    code = ("import sys; from vllm.plugins import load_general_plugins; load_general_plugins(); "
+            "import corelib.integrations.vllm as p; "
+            "assert 'corelib.integrations.vllm.patches' not in sys.modules; "
+            "assert not any(type(f).__name__ == '_PatchOnImport' for f in sys.meta_path); "
+            "print('inert')")
+    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip().endswith("inert")
+
+
+# ---------------------------------------------------------------------- parameter mapping
+def test_every_shared_field_keeps_its_value():
+    params = VllmParams(n=2, temperature=0.7, top_k=20, top_p=0.8, min_p=0.1,
+                        presence_penalty=0.5, frequency_penalty=-0.5, repetition_penalty=1.3,
+                        logit_bias={5: 2.0}, min_tokens=3, stop_token_ids=[9, 4],
+                        allowed_token_ids=[4, 5, 9], seed=42, logprobs=3)
+    assert corelib_params(params, vocab_size=512) == corelib.SamplingParams(
+        n=2, temperature=0.7, top_k=20, top_p=0.8, min_p=0.1, presence_penalty=0.5,
+        frequency_penalty=-0.5, repetition_penalty=1.3, logit_bias={5: 2.0}, min_tokens=3,
+        stop_token_ids=[4, 9], allowed_token_ids=[4, 5, 9], seed=42, logprobs=3)
+
+
+def test_derived_fields_take_vllms_values():
+    params = VllmParams(stop_token_ids=[7])
+    params.temperature = 5e-6      # (vLLM's constructor raises such temperatures to 0.01)
+    params.update_from_generation_config({"eos_token_id": [2, 3]}, eos_token_id=2)
+    mapped = corelib_params(params)
+    assert mapped.temperature == 0.0                      # below vLLM's greedy threshold
+    assert mapped.stop_token_ids == [2, 3, 7]              # what vLLM's min-tokens stage masks
+    params = VllmParams(bad_words=["x"])
+    params._bad_words_token_ids = [[11], [12, 13]]         # what vLLM's tokenizer step writes
+    assert corelib_params(params).bad_words == [[11], [12, 13]]
+
+
+@pytest.mark.parametrize("field", sorted(extra_args_fields(VllmParams)))
+def test_extra_args_pass_corelib_only_fields(field):
+    """Runs once per corelib field vLLM lacks (none while corelib's fields are all vLLM's)."""
+    value = corelib.SamplingParams.model_fields[field].default
+    mapped = corelib_params(VllmParams(extra_args={field: value}))
+    assert field in mapped.model_fields_set and getattr(mapped, field) == value
+
+
+def test_extra_args_keys_vllm_reads_are_left_to_vllm():
+    for key in VLLM_EXTRA_ARGS:
+        assert corelib_params(VllmParams(extra_args={key: {"a": 1}})) == corelib.SamplingParams()
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(extra_args={"mirostat_tau": 5.0}), "extra_args\\['mirostat_tau'\\] is not a corelib"),
+    (dict(extra_args={"temperature": 0.5}), "field of vLLM's SamplingParams; set it there"),
+    (dict(logprob_token_ids=[1, 2]), "logprob_token_ids is not supported"),
+    (dict(logprobs=-1), "logprobs=-1"),
+    (dict(logprobs=25), "logprobs must be in \\[0, 20\\], got 25"),
+    (dict(seed=-5), "seed must be in \\[0, 2\\*\\*63\\)"),
+    (dict(thinking_token_budget=10), "thinking_token_budget is not supported"),
+    (dict(allowed_token_ids=[3, 600]), "token id 600 .* vocabulary of 512"),
+    (dict(allowed_token_ids=[7, 9], min_tokens=2, stop_token_ids=[9, 7]),
+     "allowed_token_ids \\[7, 9\\] are all excluded .* no first token"),
+])
+def test_what_corelib_cannot_honour_is_an_error(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        corelib_params(VllmParams(**kwargs), vocab_size=512)
+
+
+def test_unsupported_is_a_value_error():
+    assert issubclass(UnsupportedParameterError, ValueError)
+
+
+# ---------------------------------------------------------------------- in the engine
+def test_a_bad_request_fails_alone_at_admission(corelib_llm):
+    """The error comes from vLLM's request validation (HTTP 400 in the server), names the
+    parameter, and the engine goes on serving."""
+    prompt = [TokensPrompt(prompt_token_ids=[1, 2, 3])]
+    with pytest.raises(VLLMValidationError,
+                       match="corelib sampler \\(CORELIB_VLLM\\): extra_args\\['foo'\\]"):
+        corelib_llm.generate(prompt, VllmParams(extra_args={"foo": 1}), use_tqdm=False)
+    with pytest.raises(VLLMValidationError, match="logprob_token_ids"):
+        corelib_llm.generate(prompt, VllmParams(logprob_token_ids=[4]), use_tqdm=False)
+    # eos joins the stop ids only in vLLM's final parameters: the check sees those.
+    with pytest.raises(VLLMValidationError, match="allowed_token_ids \\[2\\] are all excluded"):
+        corelib_llm.generate(prompt, VllmParams(allowed_token_ids=[EOS], min_tokens=2),
+                             use_tqdm=False)
+    out = corelib_llm.generate(prompt, VllmParams(max_tokens=3, temperature=0.0), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 3
+
+
+NO_TOKEN_SCRIPT = """
+import sys
+from transformers import AutoTokenizer
+from vllm import LLM, SamplingParams
+from vllm.inputs import TokensPrompt
+tokenizer = AutoTokenizer.from_pretrained(sys.argv[1])
+token = next(t for t in range(3, 512)
+             if tokenizer.decode([t]).isalpha()
+             and tokenizer.encode(tokenizer.decode([t]) * 2, add_special_tokens=False) == [t, t])
+llm = LLM(model=sys.argv[1], dtype="float32", enforce_eager=True, max_model_len=256, seed=0)
+llm.generate([TokensPrompt(prompt_token_ids=[1, 2, 3])],
+             SamplingParams(allowed_token_ids=[token], max_tokens=4,
+                            bad_words=[tokenizer.decode([token]) * 2]), use_tqdm=False)
+"""
+
+
+def test_a_row_left_without_tokens_stops_the_engine_naming_the_request(model_dir):
+    """allowed_token_ids=[t] and the bad word "t t": the first token is t, the second has no
+    token left. corelib flags the row and the engine stops with an error naming the request
+    instead of emitting a token nobody drew. (In a process of its own: a stopped engine
+    tears down the distributed state every engine of its process shares.)"""
+    import subprocess
+    import sys
+    result = subprocess.run([sys.executable, "-c", NO_TOKEN_SCRIPT, str(model_dir)],
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode != 0
+    assert "has no token to sample" in result.stderr, result.stderr[-3000:]
+
+
+def test_speculative_decoding_is_refused_at_start(model_dir):
+    with pytest.raises(Exception, match="speculative decoding .* not supported yet"):
+        make_llm(model_dir, "cpu", speculative_config={
+            "method": "draft_model", "model": str(model_dir), "num_speculative_tokens": 2})
+
+
+def test_model_runner_v2_is_refused():
+    """vLLM's V2 runner (its default on CUDA) is not supported: the plugin selects V1 unless
+    the user chose V2, and a V2 runner refuses to start. (V2 needs Triton, so on this CPU
+    build vLLM itself never builds one: the hook is called directly.)"""
+    register()                     # as vLLM does at start (once per process)
+    assert os.environ["VLLM_USE_V2_MODEL_RUNNER"] == "0"
+    from vllm.v1.worker.gpu.model_runner import GPUModelRunner
+    runner = GPUModelRunner.__new__(GPUModelRunner)
+    with pytest.raises(ValueError, match="CORELIB_VLLM works with vLLM's V1 model runner"):
+        GPUModelRunner.__init__(runner, None, None)
+
+
+def test_logits_logprobs_modes_are_refused(model_dir):
+    with pytest.raises(Exception, match="logprobs_mode='raw_logits' is not supported"):
+        make_llm(model_dir, "cpu", logprobs_mode="raw_logits")
+
+
+# ---------------------------------------------------------------------- the backend choice
+def test_backend_choice_auto_named_and_wrong_device():
+    import torch
+
+    from corelib.integrations.vllm.sampler import make_sampler
+    auto = make_sampler("auto", torch.device("cpu"), seed=3)
+    assert auto.name == corelib.get_sampler(torch.device("cpu")).name
+    assert auto.generator.initial_seed() == 3      # unseeded rows: the engine's seed
+    assert make_sampler("reference", torch.device("cpu"), seed=None).name == "reference"
+    with pytest.raises(ValueError, match="logits are on cuda:0"):
+        make_sampler("cpu", torch.device("cuda", 0), seed=0)
+    with pytest.raises(ValueError, match="unknown backend 'nope'"):
+        make_sampler("nope", torch.device("cpu"), seed=0)
