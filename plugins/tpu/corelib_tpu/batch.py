@@ -175,34 +175,32 @@ class XlaSamplingBatch(SamplingBatch):
 
     def padded_bitmask(self, token_bitmask: Optional[torch.Tensor], bucket: int,
                        slots: Optional[int] = None, graph_slots: Optional[int] = None) -> torch.Tensor:
-        """The token bitmask of a step in ``bucket`` rows as int32 ``[bucket * graph_slots,
-        ceil(V / 32)]`` on the device, padding rows and slots unconstrained (-1).
+        """The token bitmask of a step in ``bucket`` rows, on the device: int32 ``[bucket, W]``
+        for ``sample`` (``slots`` None), ``[bucket, graph_slots, W]`` for ``verify`` (``slots``
+        = the caller's K + 1, ``graph_slots`` the graph's, default ``slots``); padding rows and
+        slots unconstrained (-1).
 
-        slots: None for ``sample`` (a ``[rows, W]`` mask), else ``verify``'s K + 1 (a ``[rows,
-        K + 1, W]`` mask); graph_slots: the slots of the graph (default ``slots``). None gives a
-        cached all -1 tensor (no upload). A mask is checked as the core checks it
+        None gives a cached all -1 tensor (no upload). A mask is checked as the core checks it
         (``SamplingBatch.check_token_bitmask``: dtype, shape, rows), or may come padded to
-        ``bucket`` rows; a host mask is padded on the host and uploaded without blocking, a
-        device mask that needs padding goes through a one-op graph per row count."""
-        per_row = graph_slots or slots or 1
+        ``bucket`` rows. A host mask is padded on the host and uploaded without blocking; a
+        device mask of the right shape is used as it is (an input of the step graph, like the
+        all -1 one); one that needs padding goes through a one-op graph per row count."""
         W = bitmask_width(self.vocab_size)
+        shape = (bucket, W) if slots is None else (bucket, graph_slots or slots, W)
         if token_bitmask is None:
-            return self._constant(("no_bitmask", bucket * per_row), (bucket * per_row, W), -1, torch.int32)
+            return self._constant(("no_bitmask", shape), shape, -1, torch.int32)
         n = self.num_rows
-        given = 1 if slots is None else slots
         padded_shape = [bucket, W] if slots is None else [bucket, slots, W]
-        if (isinstance(token_bitmask, torch.Tensor) and bucket != n
-                and list(token_bitmask.shape) == padded_shape and token_bitmask.dtype == torch.int32
-                and token_bitmask.device.type in ("cpu", self.device.type)):
-            rows = bucket
-        elif isinstance(token_bitmask, torch.Tensor) and token_bitmask.device.type == "cpu":
-            token_bitmask, rows = _host_checked_bitmask(self, token_bitmask, slots), n
-        else:
-            token_bitmask, rows = self.check_token_bitmask(token_bitmask, slots), n
-        view = token_bitmask.reshape(rows, given, W)
-        fitted = xla.fit_block(view, (bucket, per_row, W), -1, torch.int32, self.device, self.guard,
-                               f"padding a device token bitmask ({rows} rows, {given} slot(s))")
-        return fitted.reshape(bucket * per_row, W)
+        padded = (isinstance(token_bitmask, torch.Tensor) and bucket != n
+                  and list(token_bitmask.shape) == padded_shape and token_bitmask.dtype == torch.int32
+                  and token_bitmask.device.type in ("cpu", self.device.type))
+        if not padded:
+            if isinstance(token_bitmask, torch.Tensor) and token_bitmask.device.type == "cpu":
+                _host_checked_bitmask(self, token_bitmask, slots)
+            else:
+                self.check_token_bitmask(token_bitmask, slots)      # the result is a view: unused
+        return xla.fit_block(token_bitmask, shape, -1, torch.int32, self.device, self.guard,
+                             f"padding a device token bitmask ({list(token_bitmask.shape)})")
 
     # ------------------------------------------------------------------ add / append
     def add(self, request_id: str, params: SamplingParams,
@@ -402,7 +400,8 @@ class XlaSamplingBatch(SamplingBatch):
         floats = xla.bitcast(table[:, :len(FLOAT_COLUMNS)], torch.float32)
         position = col("position") if position is None else position
         asked = self._asked_logprobs()
-        variant = self.variant() if self._row_keys else Variant(path="greedy")
+        variant = self.variant() if self._row_keys else Variant(
+            path="greedy", stages=tuple(spec.name for spec, _ in self._stages_in_use()))
         dense = dict(dense, position=position)
         return XlaStepState(
             num_rows=B, vocab_size=self.vocab_size, logprobs_mode=self.logprobs_mode,
@@ -417,7 +416,7 @@ class XlaSamplingBatch(SamplingBatch):
             static_add=dense["static_add"], stop_mask=dense["stop_mask"],
             dry_history=dense["dry_history"], dry_match=dense["dry_match"],
             dry_since_breaker=dense["dry_since"], dry_breakers=dense["dry_breakers"],
-            stages=self._stage_inputs(dense) if variant.stages else (),
+            stages=self._stage_inputs(dense),
             variant=variant, live_rows=len(self._row_keys), logprobs_asked=asked,
             **flags_for(variant, asked, self.padded_logprobs),
         )

@@ -246,7 +246,7 @@ class TpuSampler(Sampler):
                     if processed_logits:
                         xla.launch([Sampler.processed_logits(self, x, scratch)])
             for K in spec_k:
-                xs = self._zeros((bucket * (K + 1), V), torch.float32)
+                xs = self._zeros((bucket, K + 1, V), torch.float32)
                 ids = torch.full((bucket, K), -1, dtype=torch.long).to(self.device)
                 q = self._zeros((bucket, K, V), torch.float32)
                 mask = scratch.padded_bitmask(None, bucket, K + 1)
@@ -295,7 +295,7 @@ class TpuSampler(Sampler):
         is always an input of the step graph, so passing one or not compiles nothing new)."""
         bucket = s.num_rows // (slots or 1)
         mask = batch.padded_bitmask(token_bitmask, bucket, slots)
-        return dataclasses.replace(s, token_bitmask=mask, any_bitmask=True)
+        return dataclasses.replace(s, token_bitmask=mask.reshape(s.num_rows, -1), any_bitmask=True)
 
     def row_uniforms(self, s: XlaStepState, stream: int) -> torch.Tensor:
         """float32 ``[B]`` uniforms of ``stream`` (``corelib.noise``): seeded rows keyed by
@@ -425,16 +425,39 @@ class TpuSampler(Sampler):
         ids): torch-xla lowers a ``topk`` over the vocabulary to a sort."""
         return thresholds.top_entries(logprobs, n)
 
+    def emit_tokens(self, tokens: torch.Tensor, accepted: torch.Tensor, valid: torch.Tensor,
+                    drafts: Drafts) -> tuple[torch.Tensor, torch.Tensor]:
+        """The core's ``emit_tokens`` (each row's leading accepted drafts, then the token of
+        the slot where it stopped, unless that slot has no token), with the leading run
+        counted by ``leading_count``. tokens int64 ``[B, S]``, accepted bool ``[B, K]``, valid
+        bool ``[B S]``. Returns (int64 ``[B, S]`` emitted, -1 after; int64 ``[B]`` their
+        count, 0 for a flagged row)."""
+        B, S = tokens.shape
+        K = S - 1
+        valid = valid.view(B, S)
+        real = xla.iota(K, torch.long, tokens.device) < drafts.count[:, None]
+        taken = leading_count(accepted & real & valid[:, :K])                   # (B,)
+        stops_with_token = valid.gather(1, taken[:, None])[:, 0]
+        num_emitted = torch.where(drafts.usable, taken + stops_with_token.to(torch.long), 0)
+        last = tokens.gather(1, taken[:, None])                                  # (B, 1)
+        padded = torch.cat([drafts.token_ids, torch.full_like(last, INVALID_TOKEN)], dim=1)
+        column = xla.iota(S, torch.long, tokens.device)
+        emitted = torch.where(column < taken[:, None], padded, last)
+        emitted = torch.where(column < num_emitted[:, None], emitted, INVALID_TOKEN)
+        return emitted, num_emitted
+
     # ------------------------------------------------------------------ internals: verify
     def _verify_padded(self, x: torch.Tensor, batch: XlaSamplingBatch, draft_ids: torch.Tensor,
                        probs: Optional[torch.Tensor], mask: torch.Tensor) -> VerifyOutput:
         """The verify graph's contents: ``Sampler.verify_state`` on padded inputs (x float32
-        ``[B (K+1), V]``, draft_ids int64 ``[B, K]``, probs float32 ``[B, K, V]`` or None, mask
-        int32 ``[B (K+1), W]``)."""
-        drafts = _device_drafts(draft_ids, probs, x.shape[-1])
+        ``[B, K+1, V]``, draft_ids int64 ``[B, K]``, probs float32 ``[B, K, V]`` or None, mask
+        int32 ``[B, K+1, W]``). The slots are flattened inside the graph, so the caller's
+        tensors, padded or not, are its inputs as they are."""
+        B, S, V = x.shape
+        drafts = _device_drafts(draft_ids, probs, V)
         s = self.speculative_step_state(batch, drafts)
-        s = dataclasses.replace(s, token_bitmask=mask, any_bitmask=True)
-        return self.verify_state(x, batch, s, drafts)
+        s = dataclasses.replace(s, token_bitmask=mask.reshape(B * S, -1), any_bitmask=True)
+        return self.verify_state(x.reshape(B * S, V), batch, s, drafts)
 
     def _verify_without_drafts(self, logits: torch.Tensor, batch: XlaSamplingBatch,
                                token_bitmask: Optional[torch.Tensor]) -> VerifyOutput:
@@ -514,18 +537,17 @@ class TpuSampler(Sampler):
 
     def _padded_slots(self, logits: torch.Tensor, batch: XlaSamplingBatch, bucket: int,
                       slots: int) -> torch.Tensor:
-        """float32 ``[bucket * slots, V]``: verify's logits with their rows padded to the bucket
-        and their slots to ``slots`` (the graph's K + 1); no graph when they already are, in
-        float32."""
+        """float32 ``[bucket, slots, V]``: verify's logits with their rows padded to the bucket
+        and their slots to ``slots`` (the graph's K + 1; extra slots repeat the last, and
+        nothing reads them); the caller's tensor itself when it already is that."""
         rows, S, V = logits.shape
         if rows == bucket and S == slots and logits.dtype == torch.float32:
-            x = logits.reshape(bucket * slots, V)
-            return x if xla.is_xla(x.device) else x.clone()
+            return logits if xla.is_xla(logits.device) else logits.clone()
         sources = batch.row_sources(bucket, per_request=False).tolist()
         index = torch.tensor([r * S + min(j, S - 1) for r in sources for j in range(slots)],
                              dtype=torch.long)
         with self.guard.watch(f"padding verify logits ({rows} rows, {S} slots, {logits.dtype})"):
-            x = self._pad(logits.reshape(rows * S, V), index)
+            x = self._pad(logits.reshape(rows * S, V), index).reshape(bucket, slots, V)
             xla.launch([x])
         return x
 
@@ -616,6 +638,9 @@ class TpuSampler(Sampler):
         if self._forced is None:
             return s
         variant = self._forced
+        if variant.stages != tuple(spec.name for spec, _, _ in s.stages):
+            raise RuntimeError(f"warm-up forced {variant} on a batch tracing stages "
+                               f"{[spec.name for spec, _, _ in s.stages]}")
         asked = MAX_LOGPROBS if variant.logprobs else None
         return dataclasses.replace(s, variant=variant, logprobs_asked=asked,
                                    **flags_for(variant, asked, MAX_LOGPROBS))
@@ -635,13 +660,20 @@ def _device_drafts(ids: torch.Tensor, probs: Optional[torch.Tensor], V: int) -> 
     real drafts (the leading ids >= 0), and whether the row is usable (ids in range, -1 only as
     a suffix, probabilities of real drafts finite and >= 0)."""
     present = ids >= 0
-    count = torch.cumprod(present.to(torch.int32), dim=1).sum(dim=1).to(torch.long)
+    count = leading_count(present)
     usable = ((ids >= -1) & (ids < V)).all(dim=1) & (present.sum(dim=1) == count)
     if probs is not None:
         real = xla.iota(ids.shape[1], torch.long, ids.device) < count[:, None]
         sane = (torch.isfinite(probs) & (probs >= 0)).all(dim=-1) | ~real
         usable = usable & sane.all(dim=1)
     return Drafts(ids, count, probs, usable)
+
+
+def leading_count(mask: torch.Tensor) -> torch.Tensor:
+    """int64 ``[B]``: how many leading entries of each row of bool ``[B, K]`` are True (the
+    core's ``cumprod(...).sum()``, by a running sum: torch-xla 2.9 runs ``cumprod`` on the host,
+    a transfer and a graph cut in the middle of the step)."""
+    return (torch.cumsum((~mask).to(torch.int32), dim=1) == 0).sum(dim=1).to(torch.long)
 
 
 def _pad_slots(tensor: torch.Tensor, width: int, fill) -> torch.Tensor:
