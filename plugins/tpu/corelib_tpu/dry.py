@@ -99,8 +99,9 @@ def penalties(history: torch.Tensor, match: torch.Tensor, since: torch.Tensor,
 
 def apply(x: torch.Tensor, tokens: torch.Tensor, penalty: torch.Tensor) -> torch.Tensor:
     """``x[row, t] -= the largest penalty on t`` for every entry (float32 ``[n, V]`` x; int64
-    and float32 ``[n, H]`` entries from ``penalties``). One scatter of ``n H`` values into a
-    fresh ``[n, V]`` buffer (a max, so a token seen several times takes its longest repeat),
-    then one subtraction that fuses into the next stage. Not in place."""
-    dense = torch.zeros_like(x).scatter_reduce(1, tokens, penalty, reduce="amax")
-    return x - dense
+    and float32 ``[n, H]`` entries from ``penalties``; an entry with penalty 0 changes
+    nothing). One scatter-min of ``n H`` values into x, the reference's formula: x is an
+    intermediate of the step, so XLA scatters into its buffer in place (a fresh zero buffer to
+    scatter into and subtract costs a write and a read of ``[n, V]`` more on XLA:CPU). Not in
+    place for the caller."""
+    return x.scatter_reduce(1, tokens, x.gather(1, tokens) - penalty, reduce="amin")

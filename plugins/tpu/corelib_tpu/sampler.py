@@ -48,9 +48,6 @@ __all__ = ["TpuSampler", "RecompilationError", "WarmupReport"]
 #: Parameters of warm-up's scratch rows (graphs depend on shapes, not parameters).
 _WARM_PARAMS = SamplingParams(temperature=0.0)
 
-#: K values ``verify`` compiles graphs for unless the sampler is told otherwise; another K up to
-#: the largest runs in the next one, with empty slots.
-DEFAULT_SPECULATIVE_K = (1, 2, 4)
 
 
 @dataclasses.dataclass
@@ -71,8 +68,9 @@ class TpuSampler(Sampler):
     buckets: row counts to compile for (default 8, 16, ..., ``max_rows``); a batch holds at
     most the largest. top_k_candidates: the static K of the candidate path. max_bad_words,
     max_bad_word_length: size of the bad-word tables (words of two or more tokens).
-    speculative_k: the draft counts ``verify`` has graphs for (another K runs in the next
-    larger one; above the largest raises). dry_window: tokens of history DRY sees per row;
+    speculative_k: the draft counts K ``verify`` is compiled for by ``warmup`` (another K runs
+    in the next larger one; above the largest raises); empty (the default): each K gets its
+    own graphs when first used, none at warm-up. dry_window: tokens of history DRY sees per row;
     max_dry_breakers: sequence breakers per request. stages: None traces the custom stages the
     rows use, or a tuple of stage names traced in every step (fixed graphs: requests may
     switch them on and off without compiling). strict: after ``warmup()``, raise
@@ -88,7 +86,7 @@ class TpuSampler(Sampler):
                  buckets: Optional[Iterable[int]] = None, max_rows: int = 256,
                  top_k_candidates: int = 64, max_bad_words: int = 8,
                  max_bad_word_length: int = 8,
-                 speculative_k: Iterable[int] = DEFAULT_SPECULATIVE_K, dry_window: int = 1024,
+                 speculative_k: Iterable[int] = (), dry_window: int = 1024,
                  max_dry_breakers: int = 64, stages: Optional[Sequence[str]] = None,
                  strict: bool = False):
         if generator is not None and generator.device.type != "cpu":
@@ -106,6 +104,7 @@ class TpuSampler(Sampler):
         self.guard = xla.CompileGuard(strict)
         self._host_generator = generator if generator is not None else _entropy_generator()
         self._forced: Optional[Variant] = None
+        self._noise_cache: Optional[tuple] = None
 
     @property
     def strict(self) -> bool:
@@ -162,10 +161,10 @@ class TpuSampler(Sampler):
         logits ``[rows, K + 1, V]`` on the device (any float dtype); draft_token_ids int
         ``[rows, K]``, draft_probs float ``[rows, K, V]`` and token_bitmask int32
         ``[rows, K + 1, ceil(V / 32)]`` on the host or the device. Every argument may instead
-        come padded to ``batch.bucket()`` rows (the layout that needs no padding graph). K
-        must not exceed the largest of ``speculative_k``; a K between them runs in the next
-        configured one (its extra slots hold no draft and are cut from the result). K = 0 is
-        ``sample``. Draft ids on the device are not read back: out-of-range ones flag their
+        come padded to ``batch.bucket()`` rows (the layout that needs no padding graph). With
+        ``speculative_k`` configured, K must not exceed its largest; a K between them runs in
+        the next configured one (its extra slots hold no draft and are cut from the result).
+        K = 0 is ``sample``. Draft ids on the device are not read back: out-of-range ones flag their
         row, as in the core.
         """
         self._check_batch(batch)
@@ -213,7 +212,7 @@ class TpuSampler(Sampler):
                logits_dtypes: Sequence[torch.dtype] = (torch.float32,),
                per_request_logits: bool = False, processed_logits: bool = False,
                unpadded_verify: bool = False, device_bitmask: bool = False,
-               speculative: bool = True, filters: bool = True) -> WarmupReport:
+               filters: bool = True) -> WarmupReport:
         """Compile every graph serving can need for this vocabulary, then arm strict mode.
 
         Per bucket: the step for each static variant (``variants()``), the verify step for
@@ -222,8 +221,7 @@ class TpuSampler(Sampler):
         every row count in the bucket and each of ``logits_dtypes``; once: the row write and
         move graphs. ``per_request_logits`` adds padding from ``[m, V]`` per-request logits for
         every ``m`` up to the bucket; ``processed_logits`` adds the ``processed_logits`` graphs
-        (tests and debugging); ``speculative=False`` leaves out ``verify`` (a deployment
-        without speculative decoding), ``filters=False`` the variants with the filters 10a-13b
+        (tests and debugging); ``filters=False`` leaves out the variants with the filters 10a-13b
         (a deployment whose requests never use top-n-sigma, typical-p or XTC);
         ``unpadded_verify`` adds the padding graphs of ``verify``'s
         device inputs (logits in each dtype, draft ids, float32 draft probabilities) for every
@@ -234,7 +232,7 @@ class TpuSampler(Sampler):
         """
         start, t0 = xla.compile_count(), time.perf_counter()
         scratch = self.new_batch(vocab_size, logprobs_mode=logprobs_mode)
-        spec_k = self.speculative_k if speculative else ()
+        spec_k = self.speculative_k
         scratch.warm_state_graphs(slots=(1, *(k + 1 for k in spec_k)))
         V = vocab_size
         variants = self.variants(scratch, filters)
@@ -341,15 +339,13 @@ class TpuSampler(Sampler):
         """Step 4 for words of two or more tokens: when the row's last generated tokens equal a
         word's prefix, its last token -> -inf. ``bad_prefix`` int64 ``[B, W, P]``
         (right-aligned, -2 = any), ``recent`` int64 ``[B, P]``, ``bad_last`` int64 ``[B, W]``,
-        ``bad_valid`` bool ``[B, W]`` (False = no word). W compares per token instead of a
-        scatter (XLA copies a whole ``[B, V]`` operand to scatter into it). Not in place."""
+        ``bad_valid`` bool ``[B, W]`` (False = no word). One scatter-add of the ``B W`` bans
+        (-inf, or 0 at token 0 for a word that does not apply) into x, an intermediate XLA
+        scatters into in place; -inf is added, so NaN and +inf stay visible to the valid-row
+        check. Not in place for the caller."""
         matches = ((s.bad_prefix == s.recent[:, None, :]) | (s.bad_prefix == -2)).all(dim=-1)
-        banned = torch.where(matches & s.bad_valid, s.bad_last, -1)         # (B, W), -1 = none
-        vocab = xla.iota(x.shape[-1], torch.int64, x.device)
-        hit = torch.zeros_like(x, dtype=torch.bool)
-        for w in range(banned.shape[1]):
-            hit = hit | (vocab == banned[:, w:w + 1])
-        return x + torch.where(hit, NEG_INF, 0.0)
+        banned = matches & s.bad_valid                                        # (B, W)
+        return x.scatter_add(1, torch.where(banned, s.bad_last, 0), torch.where(banned, NEG_INF, 0.0))
 
     def apply_min_tokens(self, x: torch.Tensor, s: XlaStepState) -> torch.Tensor:
         """Step 5: while ``position < min_tokens``, tokens in ``stop_mask`` (bool ``[B, V]``:
@@ -360,9 +356,9 @@ class TpuSampler(Sampler):
 
     def apply_dry(self, x: torch.Tensor, s: XlaStepState) -> torch.Tensor:
         """Step 8a, DRY, over each row's window of the last ``dry_window`` tokens (``dry``):
-        penalties from the window's repeat lengths (O(B H)), then one scatter-max of the
-        ``B H`` entries into a fresh ``[B, V]`` buffer subtracted from x. dry_multiplier
-        float32 ``[B]``, 0 = off. Not in place."""
+        penalties from the window's repeat lengths (O(B H)), then one scatter-min of the
+        ``B H`` penalised logits into x (``dry.apply``). dry_multiplier float32 ``[B]``, 0 =
+        off. Not in place."""
         tokens, penalty = dry.penalties(s.dry_history, s.dry_match, s.dry_since_breaker,
                                         s.dry_multiplier, s.dry_base, s.dry_allowed_length,
                                         s.dry_range)
@@ -414,11 +410,38 @@ class TpuSampler(Sampler):
         whole vocabulary (x float32 ``[B, V]``, dropped tokens -inf). Seeded rows key the
         contract's noise by (seed, child, position); unseeded rows by a fresh host-drawn key
         (``random_key``), so one hash serves both and nothing waits on the host."""
-        vocab = xla.iota(x.shape[-1], torch.int32, x.device)
-        gumbel = noise.seeded_gumbel(self._noise_keys(s)[:, None], vocab)
         # Greedy rows carry neutral filter parameters, so ``x`` is still their step-8a logits:
         # without noise, this argmax is step 9 (the template skips its own, see flags_for).
-        return thresholds.first_argmax(x + torch.where(s.greedy[:, None], 0.0, gumbel))
+        return thresholds.first_argmax(x + self._row_noise(s, x.shape[-1]))
+
+    def rejection_sample(self, final: torch.Tensor, s: XlaStepState,
+                         drafts: Drafts) -> tuple[torch.Tensor, torch.Tensor]:
+        """The core's ``rejection_sample``: draft d passes when ``u * q(d) < p(d)``; the
+        recovered token is drawn from ``max(p - q, 0)`` renormalised (p itself where that is all
+        zero) with the slot's own step-14 noise. final float32 ``[B (K+1), V]`` (p = its
+        softmax), draft probabilities float32 ``[B, K, V]``. Returns (bool ``[B, K]`` passed,
+        int64 ``[B, K]`` recovered).
+
+        Shaped for few passes over the vocabulary: only the K draft slots (the core also builds
+        slot K's row to keep one draw over every slot); p = ``exp(x - logsumexp(x))`` is
+        recomputed where it is read instead of being stored; the draw reuses the noise tensor
+        of the slots' own draws (one hash per step, not two). Rounding differs from the
+        core's ``softmax`` in the last bits."""
+        B, K = drafts.token_ids.shape
+        S, V = K + 1, final.shape[-1]
+        x = final.view(B, S, V)[:, :K]                                          # (B, K, V)
+        top = x.max(dim=-1, keepdim=True).values
+        log_total = top + torch.exp(x - top).sum(dim=-1, keepdim=True).log()   # logsumexp
+        q = drafts.probs
+        d = drafts.token_ids.clamp(min=0)[..., None]
+        u = self.acceptance_uniforms(s).view(B, S)[:, :K]
+        passed = u * q.gather(2, d)[..., 0] < torch.exp(x.gather(2, d) - log_total)[..., 0]
+        residual = (torch.exp(x - log_total) - q).clamp(min=0.0)
+        has_mass = (residual > 0).any(dim=-1, keepdim=True)
+        target = torch.where(has_mass, residual.log(), x - log_total)           # log p: fallback
+        noise_at_drafts = self._row_noise(s, V).view(B, S, V)[:, :K]
+        recovered = thresholds.first_argmax((target + noise_at_drafts).reshape(B * K, V))
+        return passed, recovered.view(B, K)
 
     def top_logprobs(self, logprobs: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Step 15's top-N from ``thresholds.top_entries`` (float32 [B, n] values, int64 [B, n]
@@ -488,7 +511,10 @@ class TpuSampler(Sampler):
         return x, draft_ids, q, mask
 
     def _graph_k(self, K: int) -> int:
-        """The configured K whose graph serves K drafts per row (the smallest >= K)."""
+        """The configured K whose graph serves K drafts per row (the smallest >= K; K itself
+        when none is configured)."""
+        if not self.speculative_k:
+            return K
         for k in self.speculative_k:
             if k >= K:
                 return k
@@ -626,6 +652,16 @@ class TpuSampler(Sampler):
 
     def _random_keys(self, rows: int) -> torch.Tensor:
         return torch.randint(-(2**31), 2**31, (rows,), dtype=torch.int32, generator=self._host_generator)
+
+    def _row_noise(self, s: XlaStepState, V: int) -> torch.Tensor:
+        """float32 ``[B, V]``: each row's Gumbel noise (0 for greedy rows), made once per step
+        state and reused by every draw of that step (``draw``, ``rejection_sample``)."""
+        cached = self._noise_cache
+        if cached is None or cached[0] is not s.random_key or cached[1] is not s.greedy:
+            vocab = xla.iota(V, torch.int32, s.random_key.device)
+            gumbel = noise.seeded_gumbel(self._noise_keys(s)[:, None], vocab)
+            self._noise_cache = cached = (s.random_key, s.greedy, torch.where(s.greedy[:, None], 0.0, gumbel))
+        return cached[2]
 
     @staticmethod
     def _noise_keys(s: XlaStepState) -> torch.Tensor:

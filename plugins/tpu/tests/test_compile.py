@@ -54,15 +54,15 @@ def _logits(rows: int, seed: int, dtype=torch.float32, slots: int = 0) -> torch.
     return (torch.randn(shape, generator=gen) * 3).to(dtype).to(xla_device())
 
 
-def _sampler(buckets=BUCKETS, **kwargs) -> TpuSampler:
-    return TpuSampler(xla_device(), buckets=buckets, speculative_k=(K,), dry_window=DRY_WINDOW,
+def _sampler(buckets=BUCKETS, speculative_k=(K,), **kwargs) -> TpuSampler:
+    return TpuSampler(xla_device(), buckets=buckets, speculative_k=speculative_k, dry_window=DRY_WINDOW,
                       stages=STAGES, **kwargs)
 
 
 @pytest.fixture(scope="module")
 def warm():
     """The ``sample`` sampler: (sampler, first-call compile counts per variant, report)."""
-    sampler = _sampler(strict=True)
+    sampler = _sampler(speculative_k=(), strict=True)
     firsts = {}
     for path, params in PATH_PARAMS.items():
         for logprobs in (None, 3):
@@ -78,7 +78,7 @@ def warm():
                 sampler.sample(_logits(8, 1), batch)
                 firsts[batch.variant()] = (first, compile_count() - before - first)
     report = sampler.warmup(V, logits_dtypes=(torch.float32, torch.bfloat16), per_request_logits=True,
-                            device_bitmask=True, speculative=False)
+                            device_bitmask=True)
     return sampler, firsts, report
 
 
@@ -290,20 +290,24 @@ def _step_graphs_hlo(sampler: TpuSampler, bucket: int, vocab: int):
                 yield f"verify {variant} probs={q is not None}", torch_xla._XLAC._get_xla_tensors_hlo([out])
 
 
-def test_no_vocabulary_wide_sort_and_only_dry_scatters_the_vocabulary():
+def test_no_vocabulary_wide_sort_and_only_two_small_scatters():
     """No step or verify graph's HLO, as torch-xla lowers it, sorts a vocabulary-wide array;
-    the one scatter into a vocabulary-wide array is DRY's, of ``B x dry_window`` entries.
-    (Custom stages are the plugins' code and stay out of this check.)"""
-    vocab, bucket = 1000, 8
-    sampler = TpuSampler(xla_device(), buckets=(bucket,), speculative_k=(K,), dry_window=DRY_WINDOW)
+    the only scatters into one are bad words' ``B x max_bad_words`` bans and DRY's
+    ``B x dry_window`` penalised logits. (Custom stages are the plugins' code and stay out of
+    this check.)"""
+    vocab, bucket, words = 1000, 8, 8
+    sampler = TpuSampler(xla_device(), buckets=(bucket,), speculative_k=(K,), dry_window=DRY_WINDOW,
+                         max_bad_words=words)
     for what, hlo in _step_graphs_hlo(sampler, bucket, vocab):
         lines = [line.strip() for line in hlo.splitlines()]
         sorts = [line[:160] for line in lines if " sort(" in line and f",{vocab}]" in line]
         assert not sorts, f"{what}: {sorts}"
         scatters = [line for line in lines if " scatter(" in line and f",{vocab}]" in line]
         rows = bucket * (K + 1) if what.startswith("verify") else bucket
-        assert len(scatters) == 1, f"{what}: {[s[:160] for s in scatters]}"
-        assert f"f32[{rows},{DRY_WINDOW}]" in scatters[0], f"{what}: {scatters[0][:200]}"
+        operands = " ".join(line.split("scatter(", 1)[1] for line in scatters)
+        updates = sorted(n for n in re.findall(rf"f32\[{rows},(\d+)\]", operands) if n != str(vocab))
+        assert len(scatters) == 2 and updates == sorted([str(words), str(DRY_WINDOW)]), \
+            f"{what}: {[line[:200] for line in scatters]}"
 
 
 BITMASK_HLO = """
