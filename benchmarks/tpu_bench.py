@@ -185,18 +185,12 @@ def bench_one(name, params, scale, rows, vocab, reps, tpu, cpu_python, device):
         sort_based_sample(logits, temperature, top_k, top_p, keys).cpu().tolist()
 
     result = {"config": name, "rows": rows, "path": batch.path()}
-    for label, fn in (("tpu", run_tpu), ("sort", run_sort)):
-        before = compile_count()
-        result[f"{label}_first"] = timed(fn)
-        result[f"{label}_graphs"] = compile_count() - before
-    times = {"tpu": [], "sort": []}
-    for _ in range(reps):
-        times["sort"].append(timed(run_sort))
-        times["tpu"].append(timed(run_tpu))
-    result["tpu"] = statistics.median(times["tpu"])
-    result["sort"] = statistics.median(times["sort"])
+    times = interleaved({"tpu": run_tpu, "sort": run_sort}, reps)
+    for label in ("tpu", "sort"):
+        result[f"{label}_first"], result[f"{label}_graphs"], result[label] = times[label][:3]
     # Each round times both back to back: the median of the per-round ratios resists load drift.
-    result["ratio"] = statistics.median(s / t for s, t in zip(times["sort"], times["tpu"]))
+    result["ratio"] = ratio(times, "sort", "tpu")
+    result["cpu_ratio"] = ratio(times, "sort", "tpu", 4)
     result["cpu"], result["cpu_error"] = (cpu_backend_time(cpu_python, vocab, rows, scale, reps, params)
                                           if cpu_python else (None, "not measured"))
     return result
@@ -358,13 +352,14 @@ def main():
                 print(f"# {name}, B={rows}: tpu {r['tpu']*1e3:.1f} ms, sort {r['sort']*1e3:.1f} ms, "
                       f"ratio {r['ratio']:.1f}, cpu {r['cpu']} {r['cpu_error']}", flush=True)
         print(f"\n## sample (load average {load():.1f})\n")
-        print("| config | B | path | tpu ms | sort ms | sort / tpu | cpu ms | tpu first s (graphs) | sort first s (graphs) |")
-        print("|---|---|---|---|---|---|---|---|---|")
+        print("| config | B | path | tpu ms | sort ms | sort / tpu | sort / tpu, CPU time | cpu ms "
+              "| tpu first s (graphs) | sort first s (graphs) |")
+        print("|---|---|---|---|---|---|---|---|---|---|")
         for r in results:
             cpu_ms = f"{r['cpu'] * 1e3:.1f}" if r["cpu"] is not None else "-"
             print(f"| {r['config']} | {r['rows']} | {r['path']} | {r['tpu'] * 1e3:.1f} | {r['sort'] * 1e3:.1f} "
-                  f"| {r['ratio']:.1f}x | {cpu_ms} | {r['tpu_first']:.1f} ({r['tpu_graphs']}) "
-                  f"| {r['sort_first']:.1f} ({r['sort_graphs']}) |", flush=True)
+                  f"| {r['ratio']:.1f}x | {r['cpu_ratio']:.1f}x | {cpu_ms} | {r['tpu_first']:.1f} "
+                  f"({r['tpu_graphs']}) | {r['sort_first']:.1f} ({r['sort_graphs']}) |", flush=True)
 
     if "verify" in args.suites:
         results = []

@@ -575,10 +575,8 @@ class XlaSamplingBatch(SamplingBatch):
         tail = outputs[-P:]
         if tail:
             recent[P - len(tail):] = torch.tensor(tail, dtype=torch.long)
-        if params.uses_dry:
-            history, match, since = dry.initial_window(prompt + outputs, params.dry_sequence_breakers, H)
-        else:
-            history, match, since = torch.full((H,), dry.EMPTY, dtype=torch.int32), torch.zeros(H, dtype=torch.int32), 0
+        tokens = prompt + outputs if params.uses_dry else []
+        history, match, since = dry.initial_window(tokens, params.dry_sequence_breakers, H)
         rows = dict(output_counts=counts, recent=recent, dry_history=history, dry_match=match,
                     dry_since=torch.tensor(min(since, _INT32_MAX), dtype=torch.int32))
         rows.update(self._stage_rows(prompt, outputs, stages))
@@ -715,7 +713,8 @@ def _stage_tensors(spec: StageSpec, vocab_size: int) -> dict[str, tuple[torch.dt
     for field, (dtype, default) in spec.arg_fields().items():
         tensors[_stage_key(spec.name, "arg", field)] = (dtype, default, ())
     for state in spec.state:
-        tensors[_stage_key(spec.name, "state", state.name)] = (state.dtype, 0, tuple(state.shape(vocab_size)))
+        shape = tuple(state.shape(vocab_size))
+        tensors[_stage_key(spec.name, "state", state.name)] = (state.dtype, 0, shape)
     return tensors
 
 

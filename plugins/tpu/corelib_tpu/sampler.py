@@ -580,7 +580,8 @@ class TpuSampler(Sampler):
     # ------------------------------------------------------------------ internals
     def _check_batch(self, batch: SamplingBatch) -> None:
         if batch.device.type != self.device.type:
-            raise ValueError(f"batch lives on {batch.device}, but sampler {self.name!r} runs on {self.device}")
+            raise ValueError(f"batch lives on {batch.device}, but sampler {self.name!r} runs on "
+                             f"{self.device}")
         if not isinstance(batch, XlaSamplingBatch):
             raise TypeError(f"sampler {self.name!r} needs a batch from its new_batch(), got "
                             f"{type(batch).__name__}")
@@ -660,7 +661,8 @@ class TpuSampler(Sampler):
         if cached is None or cached[0] is not s.random_key or cached[1] is not s.greedy:
             vocab = xla.iota(V, torch.int32, s.random_key.device)
             gumbel = noise.seeded_gumbel(self._noise_keys(s)[:, None], vocab)
-            self._noise_cache = cached = (s.random_key, s.greedy, torch.where(s.greedy[:, None], 0.0, gumbel))
+            row_noise = torch.where(s.greedy[:, None], 0.0, gumbel)
+            self._noise_cache = cached = (s.random_key, s.greedy, row_noise)
         return cached[2]
 
     @staticmethod

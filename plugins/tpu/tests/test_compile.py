@@ -94,7 +94,8 @@ def test_one_graph_per_bucket_and_variant(warm):
     _, firsts, _ = warm
     assert len(firsts) == 2 + 4 * 2 * 2        # greedy: logprobs on/off; others x filters on/off
     for variant, (first, second) in firsts.items():
-        assert (first, second) == (1, 0), f"{variant}: {first} graph(s) on the first call, {second} on the second"
+        assert (first, second) == (1, 0), \
+            f"{variant}: {first} graph(s) on the first call, {second} on the second"
 
 
 def test_warmup_compiles_the_rest(warm):
@@ -230,7 +231,9 @@ def test_a_step_reads_back_one_tensor_and_never_falls_back_to_the_host():
     drafts = torch.tensor([[1, 2], [3, -1], [5, 6]]).to(xla_device())
     probs = torch.full((3, K, V), 1.0 / V).to(xla_device())
     words = pack_bitmask(torch.rand((3, K + 1, V), generator=torch.Generator().manual_seed(0)) < 0.5)
-    fallbacks = lambda: {n: met.counter_value(n) for n in met.counter_names() if n.startswith("aten::")}  # noqa: E731
+
+    def fallbacks():
+        return {n: met.counter_value(n) for n in met.counter_names() if n.startswith("aten::")}
     for call in (lambda: sampler.sample(logits, batch, words[:, 0]),
                  lambda: sampler.verify(slots, batch, drafts, probs, words.to(xla_device()))):
         call()                                                   # compiles

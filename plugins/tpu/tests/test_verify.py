@@ -48,7 +48,8 @@ def _arguments(K: int, seed: int = 0):
 
 
 def _same(got, want, what: str) -> None:
-    assert torch.equal(got.token_ids, want.token_ids), f"{what}: {got.token_ids.tolist()} vs {want.token_ids.tolist()}"
+    assert torch.equal(got.token_ids, want.token_ids), \
+        f"{what}: {got.token_ids.tolist()} vs {want.token_ids.tolist()}"
     assert torch.equal(got.num_emitted, want.num_emitted) and torch.equal(got.valid, want.valid), what
     assert got.logprobs.token_ids.shape == want.logprobs.token_ids.shape, what
     n = want.num_emitted
