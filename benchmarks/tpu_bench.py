@@ -1,11 +1,15 @@
-"""The tpu backend's step on XLA against a sort-based traced sampler and the cpu backend.
+"""The tpu backend on XLA against sort-based traced samplers, and what its features cost.
 
 Run with the XLA venv (torch 2.9 + torch-xla 2.9, corelib, corelib-tpu, optionally corelib-cpu)::
 
-    PJRT_DEVICE=CPU python benchmarks/tpu_bench.py [--vocab 128256] [--rows 1 8 32] [--reps 7]
+    PJRT_DEVICE=CPU python benchmarks/tpu_bench.py [--suites sample verify costs]
+        [--vocab 128256] [--rows 1 8 32] [--reps 7] [--verify-rows 32] [--k 4]
 
-For each configuration and batch size it measures, in the same process and interleaved
-round by round (so machine load hits all three alike):
+Three suites, each measured in one process and interleaved round by round (so machine load
+hits every variant alike); times are medians over the rounds, ratios the medians of the
+per-round ratios:
+
+``sample`` (each configuration and batch size):
 
 - ``tpu``: ``TpuSampler.sample`` on logits already on the XLA device (all stages, padding to
   the bucket, one transfer of the results);
@@ -15,8 +19,19 @@ round by round (so machine load hits all three alike):
 - ``cpu``: the ``cpu`` backend on the same logits as CPU tensors, timed by ``--cpu-python``
   (the cpu plugin targets the project's main torch, not torch 2.9).
 
-Times are medians over the rounds, "sort / tpu" the median of the per-round ratios; "first" is the first call, compilation included, and
-"graphs" counts the XLA graphs that call compiled. Prints a Markdown table.
+``verify`` (B rows, K drafts each, with and without draft probabilities):
+
+- ``tpu``: ``TpuSampler.verify`` (one graph for B (K+1) slots, one transfer);
+- ``sort``: the same verification traced the straightforward way: the sort-based filter at
+  every slot, the Gumbel draw, the ratio test and a residual draw, the emitted tokens, one
+  transfer.
+
+``costs`` (B rows, one step): the production step against the same step built without one
+feature, to price what every graph carries (the token bitmask input, DRY) and what a variant
+adds (the filters 10a-13b, a real DRY history).
+
+"first" is the first call, compilation included, and "graphs" counts the XLA graphs that call
+compiled. Prints Markdown tables.
 """
 
 from __future__ import annotations
@@ -41,22 +56,63 @@ CONFIGS = {
 }
 
 
-def sort_based_sample(logits, temperature, top_k, top_p, keys):
-    """The straightforward traced sampler (see the module docstring). int64 ``[B]``."""
-    from corelib_tpu import noise
-    V = logits.shape[-1]
+def sort_based_filter(x, temperature, top_k, top_p):
+    """Steps 10-13 the straightforward traced way: float32 ``[B, V]`` logits with the dropped
+    tokens at -inf, through a full sort and a scatter back to vocabulary order."""
+    V = x.shape[-1]
     greedy = temperature == 0
-    x = logits / torch.where(greedy, 1.0, temperature)[:, None]
+    x = x / torch.where(greedy, 1.0, temperature)[:, None]
     ordered, order = torch.sort(x, dim=-1, descending=True)
     ranks = torch.arange(V, device=x.device)[None, :]
     ordered = ordered.masked_fill((top_k[:, None] > 0) & (ranks >= top_k[:, None]), NEG_INF)
     probs = torch.softmax(ordered, dim=-1)
     mass_before = torch.cumsum(probs, dim=-1) - probs
     ordered = ordered.masked_fill(mass_before >= top_p[:, None], NEG_INF)
-    x = torch.full_like(x, NEG_INF).scatter(1, order, ordered)
-    vocab = torch.arange(V, dtype=torch.int32, device=x.device)[None, :]
+    return torch.full_like(x, NEG_INF).scatter(1, order, ordered)
+
+
+def gumbel_draw(x, keys, greedy):
+    """Step 14: ``argmax(x + gumbel)`` with the contract's noise keyed per row."""
+    from corelib import noise
+    vocab = torch.arange(x.shape[-1], dtype=torch.int32, device=x.device)[None, :]
     gumbel = torch.where(greedy[:, None], 0.0, noise.seeded_gumbel(keys[:, None], vocab))
     return torch.argmax(x + gumbel, dim=-1)
+
+
+def sort_based_sample(logits, temperature, top_k, top_p, keys):
+    """The straightforward traced sampler (see the module docstring). int64 ``[B]``."""
+    return gumbel_draw(sort_based_filter(logits, temperature, top_k, top_p), keys, temperature == 0)
+
+
+def sort_based_verify(logits, temperature, top_k, top_p, keys, uniforms, drafts, probs):
+    """Verification the straightforward traced way: the sort-based filter and the draw at every
+    slot of ``logits`` ``[B, K+1, V]``; with draft ``probs`` ``[B, K, V]``, the ratio test
+    (``uniforms`` ``[B (K+1)]``) and a draw from the residual at each draft slot; the emitted
+    tokens and their count, packed as int32 ``[B, K + 2]``."""
+    B, S, V = logits.shape
+    K = S - 1
+    per_slot = lambda t: t.repeat_interleave(S)                            # noqa: E731
+    final = sort_based_filter(logits.reshape(B * S, V), per_slot(temperature), per_slot(top_k),
+                              per_slot(top_p))
+    greedy = per_slot(temperature == 0)
+    tokens = gumbel_draw(final, keys, greedy).view(B, S)
+    accepted = drafts == tokens[:, :K]
+    if probs is not None:
+        p = torch.softmax(final, dim=-1).view(B, S, V)[:, :K]
+        d = drafts.clamp(min=0)[..., None]
+        u = uniforms.view(B, S)[:, :K]
+        accepted = u * probs.gather(2, d)[..., 0] < p.gather(2, d)[..., 0]
+        residual = (p - probs).clamp(min=0.0)
+        residual = torch.where(residual.sum(dim=-1, keepdim=True) > 0, residual, p)
+        recovered = gumbel_draw(residual.log().reshape(B * K, V), keys.view(B, S)[:, :K].reshape(-1),
+                                greedy.view(B, S)[:, :K].reshape(-1)).view(B, K)
+        tokens = torch.cat([recovered, tokens[:, K:]], dim=1)
+    taken = (torch.cumsum((~accepted).to(torch.int32), dim=1) == 0).sum(dim=1)
+    last = tokens.gather(1, taken[:, None])
+    column = torch.arange(S, device=logits.device)[None, :]
+    padded = torch.cat([drafts, last], dim=1)
+    emitted = torch.where(column < taken[:, None], padded, torch.where(column == taken[:, None], last, -1))
+    return torch.cat([emitted, (taken + 1)[:, None]], dim=1).to(torch.int32)
 
 
 def compile_count() -> int:
@@ -68,6 +124,13 @@ def timed(fn):
     start = time.perf_counter()
     fn()
     return time.perf_counter() - start
+
+
+def cpu_timed(fn):
+    """(wall s, CPU s of this process: every XLA:CPU thread, none of the other jobs)."""
+    wall, cpu = time.perf_counter(), time.process_time()
+    fn()
+    return time.perf_counter() - wall, time.process_time() - cpu
 
 
 CPU_SCRIPT = """
@@ -122,58 +185,211 @@ def bench_one(name, params, scale, rows, vocab, reps, tpu, cpu_python, device):
         sort_based_sample(logits, temperature, top_k, top_p, keys).cpu().tolist()
 
     result = {"config": name, "rows": rows, "path": batch.path()}
-    for label, fn in (("tpu", run_tpu), ("sort", run_sort)):
-        before = compile_count()
-        result[f"{label}_first"] = timed(fn)
-        result[f"{label}_graphs"] = compile_count() - before
-    times = {"tpu": [], "sort": []}
-    for _ in range(reps):
-        times["sort"].append(timed(run_sort))
-        times["tpu"].append(timed(run_tpu))
-    result["tpu"] = statistics.median(times["tpu"])
-    result["sort"] = statistics.median(times["sort"])
+    times = interleaved({"tpu": run_tpu, "sort": run_sort}, reps)
+    for label in ("tpu", "sort"):
+        result[f"{label}_first"], result[f"{label}_graphs"], result[label] = times[label][:3]
     # Each round times both back to back: the median of the per-round ratios resists load drift.
-    result["ratio"] = statistics.median(s / t for s, t in zip(times["sort"], times["tpu"]))
+    result["ratio"] = ratio(times, "sort", "tpu")
+    result["cpu_ratio"] = ratio(times, "sort", "tpu", 4)
     result["cpu"], result["cpu_error"] = (cpu_backend_time(cpu_python, vocab, rows, scale, reps, params)
                                           if cpu_python else (None, "not measured"))
     return result
 
 
+VERIFY_CONFIGS = {
+    # name: (parameters, with draft probabilities)
+    "top-k 50 + top-p 0.9, draft probs": (dict(top_k=50, top_p=0.9), True),
+    "top-k 50 + top-p 0.9, no draft probs": (dict(top_k=50, top_p=0.9), False),
+    "greedy": (dict(temperature=0.0), False),
+}
+
+
+def interleaved(fns: dict, reps: int) -> dict:
+    """{label: [first call s, graphs it compiled, median wall s, [per-round wall s],
+    [per-round CPU s]]}, rounds interleaved."""
+    out = {}
+    for label, fn in fns.items():
+        before = compile_count()
+        out[label] = [timed(fn), compile_count() - before, None, [], []]
+    for _ in range(reps):
+        for label, fn in fns.items():
+            wall, cpu = cpu_timed(fn)
+            out[label][3].append(wall)
+            out[label][4].append(cpu)
+    for label in out:
+        out[label][2] = statistics.median(out[label][3])
+    return out
+
+
+def ratio(times: dict, slow: str, fast: str, column: int = 3) -> float:
+    """Median of the per-round ratios, of wall times (column 3) or CPU times (4)."""
+    return statistics.median(s / f for s, f in zip(times[slow][column], times[fast][column]))
+
+
+def bench_verify(name, params, with_probs, rows, K, vocab, reps, device):
+    from corelib_tpu.sampler import TpuSampler
+    import torch_xla
+    S = K + 1
+    gen = torch.Generator().manual_seed(K)
+    logits = (torch.randn((rows, S, vocab), generator=gen) * 3).to(device)
+    q_host = torch.softmax(torch.randn((rows, K, vocab), generator=gen) * 3, dim=-1)
+    drafts = torch.multinomial(q_host.reshape(-1, vocab), 1, generator=gen).view(rows, K).to(device)
+    q = q_host.to(device) if with_probs else None
+    sp = SamplingParams(**params)
+    tpu = TpuSampler(device, buckets=(rows,), speculative_k=(K,))
+    batch = tpu.new_batch(vocab)
+    for i in range(rows):
+        batch.add(f"r{i}", SamplingParams(**params, seed=i))
+    temperature = torch.full((rows,), sp.temperature).to(device)
+    top_k = torch.full((rows,), sp.effective_top_k).to(device)
+    top_p = torch.full((rows,), sp.top_p).to(device)
+    keys = torch.randint(-(2**31), 2**31, (rows * S,), dtype=torch.int32, generator=gen).to(device)
+    uniforms = torch.rand((rows * S,), generator=gen).to(device)
+    torch_xla.sync()
+    times = interleaved({
+        "tpu": lambda: tpu.verify(logits, batch, drafts, q).token_ids.tolist(),
+        "sort": lambda: sort_based_verify(logits, temperature, top_k, top_p, keys, uniforms, drafts,
+                                          q).cpu().tolist(),
+    }, reps)
+    return {"config": name, "rows": rows, "K": K, "path": batch.path(), "times": times,
+            "ratio": ratio(times, "sort", "tpu"), "cpu_ratio": ratio(times, "sort", "tpu", 4)}
+
+
+COST_CONFIGS = {
+    "top-k 50 + top-p 0.9": dict(top_k=50, top_p=0.9),
+    "temperature 0.8 + min-p 0.05": dict(temperature=0.8, min_p=0.05),
+}
+
+
+def _sampler_without(flag: str):
+    """A TpuSampler whose step graphs leave out one stage the production graphs always carry
+    (``any_bitmask`` or ``any_dry``): for pricing it only."""
+    import dataclasses
+    from corelib_tpu.sampler import TpuSampler
+
+    class Without(TpuSampler):
+        def with_bitmask(self, s, batch, token_bitmask, slots=None):
+            s = super().with_bitmask(s, batch, token_bitmask, slots)
+            return dataclasses.replace(s, **{flag: False})
+    return Without
+
+
+def bench_costs(name, params, rows, vocab, reps, device, dry_history=1024):
+    from corelib.bitmask import pack_bitmask
+    from corelib_tpu.sampler import TpuSampler
+    import torch_xla
+    gen = torch.Generator().manual_seed(rows)
+    logits = (torch.randn((rows, vocab), generator=gen) * 3).to(device)
+    allowed = torch.rand((rows, vocab), generator=gen) < 0.5
+    allowed[:, :100] = True
+    mask = pack_bitmask(allowed)
+    history = torch.randint(0, 200, (dry_history,), generator=gen).tolist()
+
+    def batch_of(sampler, extra=None, first=None):
+        batch = sampler.new_batch(vocab)
+        for i in range(rows):
+            row = dict(params, seed=i, **(extra or {}))
+            if i == 0 and first:
+                row.update(first)
+            batch.add(f"r{i}", SamplingParams(**row), prompt_token_ids=history if extra else [])
+        return batch
+
+    make = lambda cls=TpuSampler: cls(device, buckets=(rows,), dry_window=dry_history)  # noqa: E731
+    production = make()
+    plain = batch_of(production)
+    no_mask, no_dry = make(_sampler_without("any_bitmask")), make(_sampler_without("any_dry"))
+    steps = {
+        "production": (production, plain, None),
+        "with a host bitmask": (production, plain, mask),
+        "no bitmask stage": (no_mask, batch_of(no_mask), None),
+        "no DRY stage": (no_dry, batch_of(no_dry), None),
+        f"every row DRY, {dry_history}-token history":
+            (production, batch_of(production, extra=dict(dry_multiplier=0.8, dry_allowed_length=2)), None),
+        "filters variant (one row top-n-sigma)":
+            (production, batch_of(production, first=dict(top_n_sigma=2.0)), None),
+    }
+    torch_xla.sync()
+    fns = {label: (lambda s=s, b=b, m=m: s.sample(logits, b, m).token_ids.tolist())
+           for label, (s, b, m) in steps.items()}
+    times = interleaved(fns, reps)
+    return {"config": name, "rows": rows, "times": times,
+            "ratios": {label: ratio(times, label, "production") for label in times},
+            "cpu_ratios": {label: ratio(times, label, "production", 4) for label in times}}
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--suites", nargs="+", default=["sample", "verify", "costs"],
+                        choices=["sample", "verify", "costs"])
     parser.add_argument("--vocab", type=int, default=128256)
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--reps", type=int, default=7)
     parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
+    parser.add_argument("--verify-rows", type=int, default=32)
+    parser.add_argument("--k", type=int, default=4)
+    parser.add_argument("--cost-rows", type=int, default=32)
     parser.add_argument("--cpu-python", default=None,
                         help="a Python with corelib and corelib-cpu installed, to time the cpu backend")
     args = parser.parse_args()
+    torch.set_num_threads(1)
 
     from corelib_tpu.sampler import TpuSampler
     from corelib_tpu.xla import default_device
     device = default_device()
-    tpu = TpuSampler(device, max_rows=max(args.rows))
+    load = lambda: os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")  # noqa: E731
+    print(f"V = {args.vocab}, XLA:CPU ({os.cpu_count()} cores), torch {torch.__version__}, "
+          f"median of {args.reps} interleaved rounds\n")
 
-    results = []
-    for name in args.configs:
-        params, scale = CONFIGS[name]
-        for rows in args.rows:
-            results.append(bench_one(name, params, scale, rows, args.vocab, args.reps, tpu,
-                                     args.cpu_python, device))
-            r = results[-1]
-            print(f"# {name}, B={rows}: tpu {r['tpu']*1e3:.1f} ms, sort {r['sort']*1e3:.1f} ms, "
-                  f"ratio {r['ratio']:.1f}, cpu {r['cpu']} {r['cpu_error']}", flush=True)
+    if "sample" in args.suites:
+        tpu = TpuSampler(device, max_rows=max(args.rows))
+        results = []
+        for name in args.configs:
+            params, scale = CONFIGS[name]
+            for rows in args.rows:
+                results.append(bench_one(name, params, scale, rows, args.vocab, args.reps, tpu,
+                                         args.cpu_python, device))
+                r = results[-1]
+                print(f"# {name}, B={rows}: tpu {r['tpu']*1e3:.1f} ms, sort {r['sort']*1e3:.1f} ms, "
+                      f"ratio {r['ratio']:.1f}, cpu {r['cpu']} {r['cpu_error']}", flush=True)
+        print(f"\n## sample (load average {load():.1f})\n")
+        print("| config | B | path | tpu ms | sort ms | sort / tpu | sort / tpu, CPU time | cpu ms "
+              "| tpu first s (graphs) | sort first s (graphs) |")
+        print("|---|---|---|---|---|---|---|---|---|---|")
+        for r in results:
+            cpu_ms = f"{r['cpu'] * 1e3:.1f}" if r["cpu"] is not None else "-"
+            print(f"| {r['config']} | {r['rows']} | {r['path']} | {r['tpu'] * 1e3:.1f} | {r['sort'] * 1e3:.1f} "
+                  f"| {r['ratio']:.1f}x | {r['cpu_ratio']:.1f}x | {cpu_ms} | {r['tpu_first']:.1f} "
+                  f"({r['tpu_graphs']}) | {r['sort_first']:.1f} ({r['sort_graphs']}) |", flush=True)
 
-    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
-    print(f"\nV = {args.vocab}, XLA:CPU ({os.cpu_count()} cores, load average {load:.1f}), "
-          f"torch {torch.__version__}, median of {args.reps} interleaved rounds\n")
-    print("| config | B | path | tpu ms | sort ms | sort / tpu | cpu ms | tpu first s (graphs) | sort first s (graphs) |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    for r in results:
-        cpu_ms = f"{r['cpu'] * 1e3:.1f}" if r["cpu"] is not None else "-"
-        print(f"| {r['config']} | {r['rows']} | {r['path']} | {r['tpu'] * 1e3:.1f} | {r['sort'] * 1e3:.1f} "
-              f"| {r['ratio']:.1f}x | {cpu_ms} | {r['tpu_first']:.1f} ({r['tpu_graphs']}) "
-              f"| {r['sort_first']:.1f} ({r['sort_graphs']}) |")
+    if "verify" in args.suites:
+        results = []
+        for name, (params, with_probs) in VERIFY_CONFIGS.items():
+            results.append(bench_verify(name, params, with_probs, args.verify_rows, args.k,
+                                        args.vocab, args.reps, device))
+            print(f"# verify {name}: ratio {results[-1]['ratio']:.1f} (CPU time "
+                  f"{results[-1]['cpu_ratio']:.1f})", flush=True)
+        print(f"\n## verify (load average {load():.1f})\n")
+        print("| config | B | K | path | tpu ms | sort ms | sort / tpu | sort / tpu, CPU time | tpu first s (graphs) | sort first s (graphs) |")
+        print("|---|---|---|---|---|---|---|---|---|---|")
+        for r in results:
+            t, o = r["times"]["tpu"], r["times"]["sort"]
+            print(f"| {r['config']} | {r['rows']} | {r['K']} | {r['path']} | {t[2] * 1e3:.1f} | "
+                  f"{o[2] * 1e3:.1f} | {r['ratio']:.1f}x | {r['cpu_ratio']:.1f}x | {t[0]:.1f} ({t[1]}) | "
+                  f"{o[0]:.1f} ({o[1]}) |", flush=True)
+
+    if "costs" in args.suites:
+        results = []
+        for name, params in COST_CONFIGS.items():
+            results.append(bench_costs(name, params, args.cost_rows, args.vocab, args.reps, device))
+            print(f"# costs {name}: {results[-1]['ratios']}", flush=True)
+        print(f"\n## costs (load average {load():.1f})\n")
+        print("| config | B | step | ms | / production | / production, CPU time | first s (graphs) |")
+        print("|---|---|---|---|---|---|---|")
+        for r in results:
+            for label, t in r["times"].items():
+                print(f"| {r['config']} | {r['rows']} | {label} | {t[2] * 1e3:.1f} | "
+                      f"{r['ratios'][label]:.2f} | {r['cpu_ratios'][label]:.2f} | {t[0]:.1f} ({t[1]}) |",
+                      flush=True)
 
 
 if __name__ == "__main__":

@@ -30,6 +30,8 @@ done
 
 echo "== setup: XLA venv ($XLA_VENV)"
 ensure_xla_venv
+# The tpu suite traces the third-party example stages into its graphs (test_stages.py).
+pip_quiet "$XLA_VENV" --no-deps -e tests/plugins/corelib-stage-example
 # XLA:CPU runs real compiled XLA graphs; CORELIB_TPU_REQUIRE_XLA=1 makes a missing XLA device
 # an error instead of a skip, so this suite cannot pass by skipping.
 PJRT_DEVICE=CPU CORELIB_TPU_REQUIRE_XLA=1 run_suite "plugin tpu (XLA:CPU)" "$XLA_VENV/bin/python" plugins/tpu/tests

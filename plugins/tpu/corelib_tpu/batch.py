@@ -4,18 +4,21 @@ The core's ``SamplingBatch`` writes rows with Python slices and grows its tensor
 appear; on XLA each distinct slice or shape is a new graph. ``XlaSamplingBatch`` keeps the
 same public behaviour with a layout that never changes shape:
 
-- Per-row scalars (temperature, top-k, seeds, positions, ...) live on the host, in one float32
-  and one int32 table of ``capacity`` rows; each step uploads the first ``bucket`` rows as one
-  int32 block. Rows past the live ones hold neutral values.
+- Per-row scalars (temperature, top-k, seeds, positions, DRY and XTC parameters, ...) live on
+  the host, in one float32 and one int32 table of ``capacity`` rows; each step uploads the
+  first ``bucket`` rows as one int32 block. Rows past the live ones hold neutral values.
 - Dense per-row state lives on the device at full capacity from the start: one float32
   ``[C, V]`` additive row (allowed ids, one-token bad words and logit bias), the prompt mask and
-  running output counts for penalties, the min-tokens stop mask, and fixed-width bad-word
-  tables. Rows are written, moved and counted one graph each, with the row numbers passed as
-  data (index tensors), so adding, removing and appending never compile anything new.
+  running output counts for penalties, the min-tokens stop mask, fixed-width bad-word tables,
+  DRY's history window (``dry``), and the custom stages' switches, arguments and state. Rows
+  are written, moved and counted one graph each, with the row numbers passed as data (index
+  tensors), so adding, removing, swapping and appending never compile anything new.
 
 ``capacity`` is the largest bucket. Limits that shape the graphs are set per sampler:
 ``max_bad_words`` words of two or more tokens per request, each at most
-``max_bad_word_length`` tokens (one-token words are unlimited: they go into the additive row).
+``max_bad_word_length`` tokens (one-token words are unlimited: they go into the additive row);
+``dry_window`` tokens of history and ``max_dry_breakers`` sequence breakers per row; the custom
+stages the graphs trace (``stages``).
 """
 
 from __future__ import annotations
@@ -24,26 +27,30 @@ from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import torch
-from corelib.batch import SamplingBatch, StepState
+from corelib.batch import SamplingBatch, StepState, _stage_key
+from corelib.bitmask import bitmask_width
 from corelib.noise import split_seed
 from corelib.params import SamplingParams
+from corelib.stages import StageError, StageInputs, StageSpec, describe_stage
 
-from . import xla
+from . import dry, xla
 from .buckets import Buckets
 
 NEG_INF = float("-inf")
 
 FLOAT_COLUMNS = ("temperature", "top_p", "min_p", "repetition_penalty", "frequency_penalty",
-                 "presence_penalty")
-NEUTRAL_FLOATS = (1.0, 1.0, 0.0, 1.0, 0.0, 0.0)
+                 "presence_penalty", "dry_multiplier", "dry_base", "top_n_sigma", "typical_p",
+                 "xtc_threshold", "xtc_probability")
+NEUTRAL_FLOATS = (1.0, 1.0, 0.0, 1.0, 0.0, 0.0, 0.0, 1.75, 0.0, 1.0, 0.1, 0.0)
 INT_COLUMNS = ("top_k", "seed_lo", "seed_hi", "child", "position", "min_tokens", "seeded",
-               "greedy", "random_key")
+               "greedy", "dry_allowed_length", "dry_range", "random_key")
 _COL = {name: i for i, name in enumerate(FLOAT_COLUMNS + INT_COLUMNS)}
 _POSITION = INT_COLUMNS.index("position")
 _RANDOM_KEY = INT_COLUMNS.index("random_key")
+_INT32_MAX = 2**31 - 1
 
 #: Static graph variants per bucket, chosen on the host from the rows' parameters (only random
-#: rows count; greedy rows skip steps 10-13):
+#: rows count; greedy rows skip steps 10-13b):
 #: greedy = every row greedy (no filter, no draw); plain = no row uses top-k or top-p;
 #: candidates = every top-k fits the candidate set and every top-p row has such a top-k
 #: (steps 11-13 from one small topk); nucleus = some row uses top-p without top-k (top-p by
@@ -51,48 +58,81 @@ _RANDOM_KEY = INT_COLUMNS.index("random_key")
 #: bisection too).
 PATHS = ("greedy", "plain", "candidates", "nucleus", "exhaustive")
 
-#: ``append`` marks rows that are not live with this id: their state is left untouched.
+#: ``append`` marks rows (or slots) that do not advance with this id: their state is left as
+#: it is. -1 advances the position without counting a token (a flagged row's id).
 NOT_LIVE = -2
+
+
+@dataclass(frozen=True)
+class Variant:
+    """What a step graph is compiled for besides its shapes (bucket, vocabulary, K).
+
+    path: steps 11-13's method (``PATHS``); logprobs: some row asks for logprobs; filters: some
+    random row uses top-n-sigma (10a), typical-p (13a) or XTC (13b) (always False on the greedy
+    path, which skips them); stages: the custom stages the graph traces, in registration order.
+    A stage a variant leaves out is not traced at all. DRY (8a) is in every graph: it costs a
+    few percent of a step (``docs/benchmarks-tpu.md``) and a variant would double the graphs.
+    """
+
+    path: str = "plain"
+    logprobs: bool = False
+    filters: bool = False
+    stages: tuple[str, ...] = ()
 
 
 @dataclass
 class XlaStepState(StepState):
     """``StepState`` plus the plugin's dense tensors and its static graph choice.
 
-    Every tensor has ``num_rows`` = the bucket size as first dimension; padding rows hold
-    neutral values (or stale dense state that no live row reads).
+    Every tensor has ``num_rows`` = the bucket size (times K + 1 in ``verify``) as first
+    dimension; padding rows hold neutral values (or stale dense state that no live row reads).
+    ``dry_history``, ``dry_match`` and ``dry_since_breaker`` hold DRY's window (``dry``: int32
+    ``[B, H]``, int32 ``[B, H]``, int32 ``[B]``), not the core's layout.
     """
 
-    path: str = "plain"
+    variant: Variant = Variant()
     static_add: Optional[torch.Tensor] = None   # float32 [B, V]: 0, bias, or -inf
     stop_mask: Optional[torch.Tensor] = None    # bool [B, V]: stop ids and eos of min-tokens rows
     random_key: Optional[torch.Tensor] = None   # int32 [B]: unseeded rows' noise keys this step
     live_rows: int = 0                          # rows before the padding
     logprobs_asked: Optional[int] = None        # the batch's real N (num_logprobs is padded)
 
+    @property
+    def path(self) -> str:
+        return self.variant.path
+
 
 class XlaSamplingBatch(SamplingBatch):
     """A ``SamplingBatch`` whose per-step work is a fixed set of XLA graphs (module docstring).
 
-    Created by ``TpuSampler.new_batch``; ``guard`` is the sampler's compile watch.
+    Created by ``TpuSampler.new_batch``; ``guard`` is the sampler's compile watch. ``stages``:
+    None traces the custom stages the live rows use (a new combination is a new graph), or a
+    tuple of stage names traced in every step (requests may use only those).
     """
 
     def __init__(self, vocab_size: int, device: torch.device | str = "cpu",
                  eos_token_id: Optional[int] = None, logprobs_mode: str = "raw", *,
                  buckets: Optional[Buckets] = None, top_k_candidates: int = 64,
-                 max_bad_words: int = 8, max_bad_word_length: int = 8,
+                 max_bad_words: int = 8, max_bad_word_length: int = 8, dry_window: int = 1024,
+                 max_dry_breakers: int = 64, stages: Optional[Sequence[str]] = None,
                  num_logprobs: int = 20, guard: Optional[xla.CompileGuard] = None):
         self.buckets = buckets if buckets is not None else Buckets()
         self.top_k_candidates = _positive("top_k_candidates", top_k_candidates)
         self.max_bad_words = _positive("max_bad_words", max_bad_words)
         self.max_bad_word_length = _positive("max_bad_word_length", max_bad_word_length)
+        self.dry_window = _positive("dry_window", dry_window)
+        self.max_dry_breakers = _positive("max_dry_breakers", max_dry_breakers)
+        self.fixed_stages = None if stages is None else tuple(stages)
         self.padded_logprobs = num_logprobs
         self.guard = guard if guard is not None else xla.CompileGuard()
         self._state: dict[str, torch.Tensor] = {}
-        self._path: Optional[str] = None
+        self._variant: Optional[Variant] = None
         self._asked: Optional[tuple[Optional[int]]] = None
         self._sources: dict[tuple[int, bool], torch.Tensor] = {}
+        self._cached: dict[tuple, torch.Tensor] = {}
         super().__init__(vocab_size, device, eos_token_id, logprobs_mode)
+        if self.fixed_stages is not None:
+            self._allocate_stages([self._spec(name) for name in self.fixed_stages])
 
     # ------------------------------------------------------------------ public additions
     @property
@@ -104,11 +144,20 @@ class XlaSamplingBatch(SamplingBatch):
         """The bucket a step of ``rows`` rows (default: the live rows) runs in."""
         return self.buckets.for_rows(max(1, self.num_rows if rows is None else rows))
 
+    def variant(self) -> Variant:
+        """The static graph variant the current rows need (``Variant``)."""
+        if self._variant is None:
+            params = self._row_params
+            path = choose_path(params, self.top_k_candidates, self.vocab_size)
+            self._variant = Variant(
+                path=path, logprobs=self._asked_logprobs() is not None,
+                filters=path != "greedy" and uses_filters(params),
+                stages=tuple(spec.name for spec, _ in self._stages_in_use()))
+        return self._variant
+
     def path(self) -> str:
-        """The static graph variant the current rows need (see ``PATHS``)."""
-        if self._path is None:
-            self._path = choose_path(self._row_params, self.top_k_candidates, self.vocab_size)
-        return self._path
+        """The path of steps 11-13 the current rows need (see ``PATHS``)."""
+        return self.variant().path
 
     def row_sources(self, bucket: int, per_request: bool) -> torch.Tensor:
         """int64 ``[bucket]`` host tensor: the logits row each batch row reads (its own row, or
@@ -124,38 +173,76 @@ class XlaSamplingBatch(SamplingBatch):
             self._sources[key] = torch.tensor(index, dtype=torch.long)
         return self._sources[key]
 
+    def padded_bitmask(self, token_bitmask: Optional[torch.Tensor], bucket: int,
+                       slots: Optional[int] = None, graph_slots: Optional[int] = None) -> torch.Tensor:
+        """The token bitmask of a step in ``bucket`` rows, on the device: int32 ``[bucket, W]``
+        for ``sample`` (``slots`` None), ``[bucket, graph_slots, W]`` for ``verify`` (``slots``
+        = the caller's K + 1, ``graph_slots`` the graph's, default ``slots``); padding rows and
+        slots unconstrained (-1).
+
+        None gives a cached all -1 tensor (no upload). A mask is checked as the core checks it
+        (``SamplingBatch.check_token_bitmask``: dtype, shape, rows), or may come padded to
+        ``bucket`` rows. A host mask is padded on the host and uploaded without blocking; a
+        device mask of the right shape is used as it is (an input of the step graph, like the
+        all -1 one); one that needs padding goes through a one-op graph per row count."""
+        W = bitmask_width(self.vocab_size)
+        shape = (bucket, W) if slots is None else (bucket, graph_slots or slots, W)
+        if token_bitmask is None:
+            return self._constant(("no_bitmask", shape), shape, -1, torch.int32)
+        n = self.num_rows
+        padded_shape = [bucket, W] if slots is None else [bucket, slots, W]
+        padded = (isinstance(token_bitmask, torch.Tensor) and bucket != n
+                  and list(token_bitmask.shape) == padded_shape and token_bitmask.dtype == torch.int32
+                  and token_bitmask.device.type in ("cpu", self.device.type))
+        if not padded:
+            if isinstance(token_bitmask, torch.Tensor) and token_bitmask.device.type == "cpu":
+                _host_checked_bitmask(self, token_bitmask, slots)
+            else:
+                self.check_token_bitmask(token_bitmask, slots)      # the result is a view: unused
+        return xla.fit_block(token_bitmask, shape, -1, torch.int32, self.device, self.guard,
+                             f"padding a device token bitmask ({list(token_bitmask.shape)})")
+
     # ------------------------------------------------------------------ add / append
     def add(self, request_id: str, params: SamplingParams,
             prompt_token_ids: Sequence[int] = (),
             output_token_ids=None) -> list[int]:
         """As ``SamplingBatch.add``; also raises ValueError when the request needs more than
         the graphs were sized for (rows past the largest bucket, too many or too long
-        multi-token bad words)."""
+        multi-token bad words, too many DRY sequence breakers, a custom stage the sampler's
+        graphs do not trace)."""
         if isinstance(params, SamplingParams):
             self._check_fits(request_id, params)
         return super().add(request_id, params, prompt_token_ids, output_token_ids)
 
-    def append(self, token_ids: torch.Tensor | Sequence[int]) -> None:
-        """Record one generated token per row (``[num_rows]`` ints).
+    def append(self, token_ids) -> None:
+        """Record each row's generated tokens: ``[num_rows]`` ids (from ``sample``) or
+        ``[num_rows, K+1]`` (from ``verify``: emitted tokens, then -1 padding).
 
-        Host ids (a list or CPU tensor, as ``TpuSampler.sample`` returns) outside
-        ``[0, vocab_size)`` raise, as in the core. Device ids are read back first (one
-        transfer); there, out-of-range ids (the -1 of a flagged row) only advance the position.
-        One graph per bucket updates the running counts and the recent-token window.
+        Host ids (a list or CPU tensor, as ``TpuSampler`` returns them) are checked as in the
+        core (out of range raises). Device ids are read back first (one transfer); there, an
+        out-of-range id (the -1 of a flagged row) only advances the position. One graph per
+        bucket and id width updates the running counts, the recent-token window, DRY's
+        window and custom stages' state; if a custom stage's update fails, ``StageError`` is
+        raised and nothing changes.
         """
         ids = self.check_token_ids(token_ids)   # the core's checks and messages
         n = ids.shape[0]
         if n == 0:
             return
         ids = ids.cpu().to(torch.long)
-        out_of_range = (ids < 0) | (ids >= self.vocab_size)
-        bucket = self.bucket(n)
-        padded = torch.full((bucket,), NOT_LIVE, dtype=torch.long)
-        padded[:n] = torch.where(out_of_range, -1, ids)
+        in_range = (ids >= 0) & (ids < self.vocab_size)
+        if ids.dim() == 1:
+            advance = torch.ones((n, 1), dtype=torch.bool)
+            ids, in_range = ids[:, None], in_range[:, None]
+        else:
+            advance = torch.cumprod((ids >= 0).to(torch.int32), dim=1).to(torch.bool)
+        padded = torch.full((self.bucket(n), ids.shape[1]), NOT_LIVE, dtype=torch.long)
+        padded[:n] = torch.where(advance, torch.where(in_range, ids, -1), NOT_LIVE)
         self._record_tokens(padded)
-        self._ints[:n, _POSITION] += 1
-        for i in range(n):
-            self._generated[i] += 1
+        steps = advance.sum(dim=1).to(torch.int32)
+        self._ints[:n, _POSITION] += steps
+        for i, step in enumerate(steps.tolist()):
+            self._generated[i] += step
 
     # ------------------------------------------------------------------ step state
     def step_state(self, num_rows: Optional[int] = None,
@@ -165,51 +252,71 @@ class XlaSamplingBatch(SamplingBatch):
 
         random_keys: int32 ``[num_rows]`` host tensor, the unseeded rows' noise keys for this
         step (the sampler draws them from its generator); zeros when omitted. One
-        host-to-device transfer: the per-row scalars as an int32 ``[B, 15]`` block (floats as
+        host-to-device transfer: the per-row scalars as an int32 ``[B, 23]`` block (floats as
         their bits). Dense state is sliced, not copied.
         """
-        n = len(self._row_keys)
-        B = n if num_rows is None else num_rows
-        if B > self.capacity:
-            raise ValueError(f"step_state needs num_rows <= {self.capacity}, got {B}")
-        self._ints[:B, _RANDOM_KEY] = 0 if random_keys is None else random_keys
-        host = torch.cat([self._floats[:B].view(torch.int32), self._ints[:B]], dim=1)
-        table = host.to(self.device)
-        col = lambda name: table[:, _COL[name]]                             # noqa: E731
-        floats = xla.bitcast(table[:, :len(FLOAT_COLUMNS)], torch.float32)
-        fcol = lambda name: floats[:, _COL[name]]                           # noqa: E731
-        state = {name: tensor[:B] for name, tensor in self._state.items()}
-        asked = self._asked_logprobs()
-        path = self.path() if n else "greedy"
-        return XlaStepState(
-            num_rows=B, vocab_size=self.vocab_size, logprobs_mode=self.logprobs_mode,
-            **{name: fcol(name) for name in FLOAT_COLUMNS},
-            top_k=col("top_k"), seed_lo=col("seed_lo"), seed_hi=col("seed_hi"),
-            child=col("child"), position=col("position"), min_tokens=col("min_tokens"),
-            seeded=col("seeded") != 0, greedy=col("greedy") != 0, random_key=col("random_key"),
-            prompt_mask=state["prompt_mask"], output_counts=state["output_counts"],
-            bad_prefix=state["bad_prefix"], bad_last=state["bad_last"],
-            bad_valid=state["bad_valid"], recent=state["recent"],
-            static_add=state["static_add"], stop_mask=state["stop_mask"],
-            path=path, live_rows=n, logprobs_asked=asked,
-            **flags_for(path, asked, self.padded_logprobs),
-        )
+        B = self._rows_for(num_rows)
+        table = self._upload_table(self._host_table(B, random_keys))
+        dense = {name: tensor[:B] for name, tensor in self._state.items()}
+        return self._state_of(table, dense, B)
 
-    def warm_state_graphs(self, rows: Sequence[int] = ()) -> None:
-        """Compile the row-write, row-move and per-bucket append graphs without changing any
-        live row: writes and moves target the last slot when it is free, appends mark every
-        row not live."""
+    def speculative_state(self, draft_token_ids: torch.Tensor, num_rows: Optional[int] = None,
+                          random_keys: Optional[torch.Tensor] = None) -> XlaStepState:
+        """``verify``'s state: ``num_rows * (K + 1)`` virtual rows, row ``r`` slot ``j`` at
+        ``r * (K + 1) + j``, each with the row's state advanced by its first ``j`` drafts
+        (position, penalty counts, recent window, DRY window, custom stages' state).
+
+        draft_token_ids: int64 ``[num_rows, K]`` on the device (-1 = no draft, a suffix; rows
+        past the live ones all -1). random_keys: int32 ``[num_rows * (K + 1)]`` host tensor.
+        The scalars are uploaded once, expanded on the host; dense ``[B, V]`` state is
+        broadcast to the slots inside the graph (XLA fuses the broadcast into its readers)
+        and the drafts' counts are added by K compares, so no ``[B (K+1), V]`` copy of the
+        counts is made. The batch itself is not changed.
+        """
+        B = self._rows_for(num_rows)
+        K = draft_token_ids.shape[1]
+        S = K + 1
+        host = self._host_table(B, None).repeat_interleave(S, dim=0)
+        if random_keys is not None:
+            host[:, len(FLOAT_COLUMNS) + _RANDOM_KEY] = random_keys
+        table = self._upload_table(host)
+        slot = self._constant(("slots", B, S), None, None, None,
+                              make=lambda: torch.arange(S, dtype=torch.int32).repeat(B))
+        drafts = _per_slot(draft_token_ids.to(torch.long), S)                 # (B S, K)
+        columns = []
+        for j in range(K):
+            advance = (slot > j) & (drafts[:, j] >= 0)
+            ids = torch.where(advance, drafts[:, j], NOT_LIVE)
+            columns.append((ids, advance))
+        dense = {name: _per_slot(tensor[:B], S) for name, tensor in self._state.items()
+                 if name != "output_counts"}
+        vocab = xla.iota(self.vocab_size, torch.int64, self.device)
+        counts = _per_slot(self._state["output_counts"][:B], S)
+        for ids, advance in columns:
+            counts = counts + ((vocab == ids[:, None]) & advance[:, None]).to(torch.int32)
+        dense["output_counts"] = counts
+        self._advance_rows(dense, columns)
+        position = table[:, _COL["position"]] + sum(a.to(torch.int32) for _, a in columns) \
+            if columns else table[:, _COL["position"]]
+        return self._state_of(table, dense, B * S, position=position)
+
+    def warm_state_graphs(self, slots: Sequence[int] = (1,)) -> None:
+        """Compile the row-write, row-move and per-bucket append graphs (for ids of each width
+        in ``slots``: 1 for ``sample``, K + 1 for ``verify``) without changing any live row:
+        writes and moves target the last slot when it is free, appends mark every row not
+        live."""
         free = self.capacity - 1
         if free >= self.num_rows:
             self._write_device_row(free, self._neutral_row())
-            self._move_device_row(free, free)
+            self._move_device_rows([free, free], [free, free])
         for bucket in self.buckets:
-            self._record_tokens(torch.full((bucket,), NOT_LIVE, dtype=torch.long))
+            for width in slots:
+                self._record_tokens(torch.full((bucket, width), NOT_LIVE, dtype=torch.long))
 
     # ------------------------------------------------------------------ core hooks
     def _changed(self) -> None:
         super()._changed()
-        self._path = None
+        self._variant = None
         self._asked = None
         self._sources = {}
 
@@ -220,22 +327,49 @@ class XlaSamplingBatch(SamplingBatch):
 
     def _allocate_optional_state(self, params: SamplingParams, prompt: list[int],
                                  outputs: list[list[int]]) -> None:
-        """Nothing to allocate: every tensor exists at full size from the start."""
+        """Every built-in tensor exists at full size from the start; a custom stage's tensors
+        are allocated when a request first names it (without ``stages``)."""
+        new = [spec for _, (spec, _) in self._stage_arguments("", params).items()
+               if _stage_key(spec.name, "active") not in self._state]
+        if new:
+            self._allocate_stages(new)
+
+    def _stages_in_use(self) -> list[tuple[StageSpec, Optional[str]]]:
+        """The custom stages the graphs trace: the sampler's ``stages`` when given, else those
+        some live row uses (the core's rule), in registration order."""
+        if self.fixed_stages is None:
+            return super()._stages_in_use()
+        if self._used_stages is None:
+            specs = self.stage_specs()
+            self._used_stages = [specs[name] for name in specs if name in self.fixed_stages]
+        return self._used_stages
 
     def _write_rows(self, rows: list[int], params: SamplingParams, prompt: list[int],
                     outputs: list[list[int]]) -> None:
         shared = self._request_rows(params, prompt)
+        stages = self._stage_arguments("", params)
         for child, (row, out) in enumerate(zip(rows, outputs)):
+            values = dict(shared, **self._child_rows(params, prompt, out, stages))
             self._floats[row] = torch.tensor(_float_values(params))
             self._ints[row] = torch.tensor(_int_values(params, child, len(out), self.vocab_size),
                                            dtype=torch.int32)
-            self._write_device_row(row, dict(shared, **self._child_rows(out)))
+            self._write_device_row(row, values)
 
     def _move_rows(self, src: torch.Tensor, dst: torch.Tensor) -> None:
-        self._floats[dst] = self._floats[src]
-        self._ints[dst] = self._ints[src]
-        for s, d in zip(src.tolist(), dst.tolist()):
-            self._move_device_row(s, d)
+        """Rows ``src`` to rows ``dst`` as one permutation (every source read before any row is
+        written: ``swap_rows`` passes ``[a, b] -> [b, a]``). The host tables move by index;
+        the device state moves two rows per graph, both read before both are written. Moves
+        whose sources and targets are disjoint (``remove``) go two by two; overlapping moves of
+        more than two rows (no core operation makes them) take one graph of their size."""
+        self._floats[dst] = self._floats[src].clone()
+        self._ints[dst] = self._ints[src].clone()
+        src, dst = src.tolist(), dst.tolist()
+        if len(src) > 2 and set(src) & set(dst):
+            self._move_device_rows(src, dst)
+            return
+        for i in range(0, len(src), 2):
+            s, d = src[i:i + 2], dst[i:i + 2]
+            self._move_device_rows(s * (3 - len(s)), d * (3 - len(d)))   # one pair: twice
 
     def _reset_rows(self, rows: list[int]) -> None:
         """Freed rows become padding: neutral host scalars. Their dense device rows are stale
@@ -244,10 +378,93 @@ class XlaSamplingBatch(SamplingBatch):
             self._floats[rows] = torch.tensor(NEUTRAL_FLOATS)
             self._ints[rows] = 0
 
-    # ------------------------------------------------------------------ internals
+    # ------------------------------------------------------------------ internals: state
+    def _rows_for(self, num_rows: Optional[int]) -> int:
+        B = len(self._row_keys) if num_rows is None else num_rows
+        if B > self.capacity:
+            raise ValueError(f"step_state needs num_rows <= {self.capacity}, got {B}")
+        return B
+
+    def _host_table(self, B: int, random_keys: Optional[torch.Tensor]) -> torch.Tensor:
+        """int32 ``[B, 23]``: the per-row scalars, floats as their bits."""
+        self._ints[:B, _RANDOM_KEY] = 0 if random_keys is None else random_keys
+        return torch.cat([self._floats[:B].view(torch.int32), self._ints[:B]], dim=1)
+
+    def _upload_table(self, host: torch.Tensor) -> torch.Tensor:
+        return host.to(self.device)
+
+    def _state_of(self, table: torch.Tensor, dense: dict[str, torch.Tensor], B: int,
+                  position: Optional[torch.Tensor] = None) -> XlaStepState:
+        """An XlaStepState over ``B`` rows from the uploaded scalar table and dense tensors."""
+        col = lambda name: table[:, _COL[name]]                             # noqa: E731
+        floats = xla.bitcast(table[:, :len(FLOAT_COLUMNS)], torch.float32)
+        position = col("position") if position is None else position
+        asked = self._asked_logprobs()
+        variant = self.variant() if self._row_keys else Variant(
+            path="greedy", stages=tuple(spec.name for spec, _ in self._stages_in_use()))
+        dense = dict(dense, position=position)
+        return XlaStepState(
+            num_rows=B, vocab_size=self.vocab_size, logprobs_mode=self.logprobs_mode,
+            **{name: floats[:, _COL[name]] for name in FLOAT_COLUMNS},
+            top_k=col("top_k"), seed_lo=col("seed_lo"), seed_hi=col("seed_hi"),
+            child=col("child"), position=position, min_tokens=col("min_tokens"),
+            seeded=col("seeded") != 0, greedy=col("greedy") != 0, random_key=col("random_key"),
+            dry_allowed_length=col("dry_allowed_length"), dry_range=col("dry_range"),
+            prompt_mask=dense["prompt_mask"], output_counts=dense["output_counts"],
+            bad_prefix=dense["bad_prefix"], bad_last=dense["bad_last"],
+            bad_valid=dense["bad_valid"], recent=dense["recent"],
+            static_add=dense["static_add"], stop_mask=dense["stop_mask"],
+            dry_history=dense["dry_history"], dry_match=dense["dry_match"],
+            dry_since_breaker=dense["dry_since"], dry_breakers=dense["dry_breakers"],
+            stages=self._stage_inputs(dense),
+            variant=variant, live_rows=len(self._row_keys), logprobs_asked=asked,
+            **flags_for(variant, asked, self.padded_logprobs),
+        )
+
+    def _record_tokens(self, padded: torch.Tensor) -> None:
+        """Advance every row by its ids: ``padded`` int64 ``[bucket, S]`` host ids, a row's
+        tokens in order; -1 advances the position without a token, ``NOT_LIVE`` leaves the
+        row (or the rest of it) alone. One graph per (bucket, S); the count update touches
+        ``bucket * S`` entries, not the vocabulary."""
+        B, S = padded.shape
+        ids = padded.to(self.device)
+        columns = [(ids[:, j], ids[:, j] != NOT_LIVE) for j in range(S)]
+        rows = {name: tensor[:B] for name, tensor in self._state.items()}
+        with self.guard.watch(f"append (bucket {B}, {S} id(s) per row)"):
+            changed = self._advance_rows(rows, columns)
+            counts = self._state["output_counts"]
+            row_ids = xla.iota(B, torch.int64, self.device)[0].repeat(S)
+            tokens = torch.cat([i for i, _ in columns])
+            counted = (tokens >= 0) & (tokens < self.vocab_size)
+            counts.index_put_((row_ids, torch.where(counted, tokens, 0)), counted.to(torch.int32),
+                              accumulate=True)
+            for name in changed:
+                self._state[name][:B] = rows[name]
+            xla.launch(list(self._state.values()))
+
+    def _advance_rows(self, t: dict[str, torch.Tensor],
+                      columns: list[tuple[torch.Tensor, torch.Tensor]]) -> list[str]:
+        """Advance row state ``t`` (name -> tensor ``[n, ...]``; entries replaced, not written
+        in place) by one id per column, in order: custom stages' state first (so a failing
+        update changes nothing), then the recent window and DRY's window; ``output_counts`` is
+        the caller's (a scatter of all columns at once, or compares in ``verify``). Returns
+        the names of the entries it replaced."""
+        staged = self._advanced_stage_state(t, columns)
+        for ids, advance in columns:
+            counted = advance & (ids >= 0) & (ids < self.vocab_size)
+            safe = torch.where(counted, ids, 0)
+            recent = t["recent"]
+            shifted = torch.cat([recent[:, 1:], torch.where(counted, ids, -1)[:, None]], dim=1)
+            t["recent"] = torch.where(advance[:, None], shifted, recent)
+            t["dry_history"], t["dry_match"], t["dry_since"] = dry.advance(
+                t["dry_history"], t["dry_match"], t["dry_since"], t["dry_breakers"], safe, counted)
+        t.update(staged)
+        return ["recent", "dry_history", "dry_match", "dry_since", *staged]
+
+    # ------------------------------------------------------------------ internals: rows
     def _allocate(self) -> None:
         C, V, dev = self.capacity, self.vocab_size, self.device
-        W, P = self.max_bad_words, self._prefix_width
+        W, P, H = self.max_bad_words, self._prefix_width, self.dry_window
         self._floats = torch.tensor(NEUTRAL_FLOATS, dtype=torch.float32).repeat(C, 1)
         self._ints = torch.zeros((C, len(INT_COLUMNS)), dtype=torch.int32)
         self._state = {
@@ -259,9 +476,29 @@ class XlaSamplingBatch(SamplingBatch):
             "bad_last": torch.zeros((C, W), dtype=torch.long, device=dev),
             "bad_valid": torch.zeros((C, W), dtype=torch.bool, device=dev),
             "recent": torch.full((C, P), -1, dtype=torch.long, device=dev),
+            "dry_history": torch.full((C, H), dry.EMPTY, dtype=torch.int32, device=dev),
+            "dry_match": torch.zeros((C, H), dtype=torch.int32, device=dev),
+            "dry_since": torch.zeros(C, dtype=torch.int32, device=dev),
+            "dry_breakers": torch.full((C, self.max_dry_breakers), -1, dtype=torch.int32, device=dev),
         }
         with self.guard.watch("allocating a batch"):
             xla.launch(list(self._state.values()))
+
+    def _allocate_stages(self, specs: Sequence[StageSpec]) -> None:
+        """The switch, argument and state tensors of custom stages, at full capacity."""
+        C = self.capacity
+        for spec in specs:
+            for name, (dtype, value, shape) in _stage_tensors(spec, self.vocab_size).items():
+                self._state[name] = torch.full((C, *shape), value, dtype=dtype, device=self.device)
+        with self.guard.watch("allocating a custom stage's state"):
+            xla.launch(list(self._state.values()))
+
+    def _spec(self, name: str) -> StageSpec:
+        specs = self.stage_specs()
+        if name not in specs:
+            known = ", ".join(sorted(specs)) or "none"
+            raise ValueError(f"stages names unknown stage {name!r} (known stages: {known})")
+        return specs[name][0]
 
     @property
     def _prefix_width(self) -> int:
@@ -282,10 +519,21 @@ class XlaSamplingBatch(SamplingBatch):
             raise ValueError(
                 f"request {request_id!r}: bad_words holds a word of {longest} tokens; the tpu "
                 f"backend was created with max_bad_word_length={self.max_bad_word_length}")
+        breakers = len(set(params.dry_sequence_breakers))
+        if params.uses_dry and breakers > self.max_dry_breakers:
+            raise ValueError(
+                f"request {request_id!r}: dry_sequence_breakers holds {breakers} token ids; the "
+                f"tpu backend was created with max_dry_breakers={self.max_dry_breakers}")
+        if self.fixed_stages is not None:
+            for name in params.stage_args:
+                if name not in self.fixed_stages:
+                    raise ValueError(
+                        f"request {request_id!r}: stage_args names stage {name!r}, which this "
+                        f"sampler's graphs do not trace (created with stages={self.fixed_stages})")
 
     def _request_rows(self, params: SamplingParams, prompt: list[int]) -> dict[str, torch.Tensor]:
         """Host ``[1, ...]`` rows shared by a request's children: additive row, prompt mask,
-        stop mask, bad-word tables."""
+        stop mask, bad-word tables, DRY's breakers."""
         V, W, P = self.vocab_size, self.max_bad_words, self._prefix_width
         add = torch.zeros(V, dtype=torch.float32)
         if params.allowed_token_ids is not None:
@@ -309,23 +557,61 @@ class XlaSamplingBatch(SamplingBatch):
         for i, word in enumerate(w for w in params.bad_words if len(w) > 1):
             prefix[i, P - (len(word) - 1):] = torch.tensor(word[:-1], dtype=torch.long)
             last[i], valid[i] = word[-1], True
+        breakers = torch.full((self.max_dry_breakers,), -1, dtype=torch.int32)
+        if params.uses_dry:
+            stops = sorted(set(params.dry_sequence_breakers))
+            breakers[: len(stops)] = torch.tensor(stops, dtype=torch.int32)
         rows = dict(static_add=add, prompt_mask=prompt_mask, stop_mask=stop, bad_prefix=prefix,
-                    bad_last=last, bad_valid=valid)
+                    bad_last=last, bad_valid=valid, dry_breakers=breakers)
         return {name: t[None] for name, t in rows.items()}
 
-    def _child_rows(self, outputs: list[int]) -> dict[str, torch.Tensor]:
-        """Host ``[1, ...]`` rows of one child: output counts and recent-token window."""
-        V, P = self.vocab_size, self._prefix_width
+    def _child_rows(self, params: SamplingParams, prompt: list[int], outputs: list[int],
+                    stages: dict) -> dict[str, torch.Tensor]:
+        """Host ``[1, ...]`` rows of one child: output counts, recent-token window, DRY's
+        window, and every allocated custom stage's switch, arguments and state."""
+        V, P, H = self.vocab_size, self._prefix_width, self.dry_window
         counts = torch.bincount(torch.tensor(outputs, dtype=torch.long), minlength=V).to(torch.int32)
         recent = torch.full((P,), -1, dtype=torch.long)
         tail = outputs[-P:]
         if tail:
             recent[P - len(tail):] = torch.tensor(tail, dtype=torch.long)
-        return dict(output_counts=counts[None], recent=recent[None])
+        tokens = prompt + outputs if params.uses_dry else []
+        history, match, since = dry.initial_window(tokens, params.dry_sequence_breakers, H)
+        rows = dict(output_counts=counts, recent=recent, dry_history=history, dry_match=match,
+                    dry_since=torch.tensor(min(since, _INT32_MAX), dtype=torch.int32))
+        rows.update(self._stage_rows(prompt, outputs, stages))
+        return {name: t[None] for name, t in rows.items()}
+
+    def _stage_rows(self, prompt: list[int], outputs: list[int], stages: dict) -> dict[str, torch.Tensor]:
+        """Every allocated custom stage's row: the request's switch, arguments and initial
+        state (``StageState.init``) where it uses the stage, neutral values elsewhere."""
+        rows: dict[str, torch.Tensor] = {}
+        for name in self._allocated_stages():
+            spec = self._spec(name)
+            neutral = _stage_tensors(spec, self.vocab_size)
+            used = stages.get(name)
+            for key, (dtype, value, shape) in neutral.items():
+                rows[key] = torch.full(shape, value, dtype=dtype)
+            if used is None:
+                continue
+            _, args = used
+            rows[_stage_key(name, "active")] = torch.tensor(True)
+            for field in spec.arg_fields():
+                key = _stage_key(name, "arg", field)
+                rows[key] = torch.tensor(getattr(args, field), dtype=rows[key].dtype)
+            for state in spec.state:
+                key = _stage_key(name, "state", state.name)
+                rows[key] = _initial_state(spec, state, prompt, outputs, args, self.vocab_size, rows[key])
+        return rows
+
+    def _allocated_stages(self) -> list[str]:
+        prefix, suffix = "stage:", ":active"
+        return [key[len(prefix):-len(suffix)] for key in self._state
+                if key.startswith(prefix) and key.endswith(suffix)]
 
     def _neutral_row(self) -> dict[str, torch.Tensor]:
         rows = self._request_rows(SamplingParams(), [])
-        rows.update(self._child_rows([]))
+        rows.update(self._child_rows(SamplingParams(), [], [], {}))
         return rows
 
     def _write_device_row(self, row: int, values: dict[str, torch.Tensor]) -> None:
@@ -336,31 +622,23 @@ class XlaSamplingBatch(SamplingBatch):
         with self.guard.watch("writing a row (add)"):
             xla.launch(list(self._state.values()))
 
-    def _move_device_row(self, src: int, dst: int) -> None:
-        """Copy dense row ``src`` to row ``dst`` (one graph: both are data)."""
-        pair = torch.tensor([src, dst], dtype=torch.long).to(self.device)
+    def _move_device_rows(self, src: list[int], dst: list[int]) -> None:
+        """Copy dense rows ``src`` to rows ``dst`` at once (one graph per pair count: the row
+        numbers are data): all are read before any is written."""
+        index = torch.tensor(src + dst, dtype=torch.long).to(self.device)
+        m = len(src)
         for tensor in self._state.values():
-            tensor.index_copy_(0, pair[1:], tensor.index_select(0, pair[:1]))
-        with self.guard.watch("moving a row (remove)"):
+            tensor.index_copy_(0, index[m:], tensor.index_select(0, index[:m]))
+        with self.guard.watch(f"moving rows (remove, swap_rows: {m} at once)"):
             xla.launch(list(self._state.values()))
 
-    def _record_tokens(self, padded: torch.Tensor) -> None:
-        """Count ``padded`` (int64 ``[bucket]`` host ids; -1 = none, ``NOT_LIVE`` = leave the
-        row alone) into the running counts and the recent window. One graph per bucket; the
-        count update touches B entries, not the vocabulary."""
-        B = padded.shape[0]
-        ids = padded.to(self.device)
-        live = ids != NOT_LIVE
-        valid = (ids >= 0) & (ids < self.vocab_size)
-        safe = torch.where(valid, ids, 0)
-        counts, recent = self._state["output_counts"], self._state["recent"]
-        rows = xla.iota(B, torch.int64, self.device)[0]
-        counts.index_put_((rows, safe), valid.to(torch.int32), accumulate=True)
-        window = recent[:B]
-        shifted = torch.cat([window[:, 1:], torch.where(valid, ids, -1)[:, None]], dim=1)
-        recent[:B] = torch.where(live[:, None], shifted, window)
-        with self.guard.watch(f"append (bucket {B})"):
-            xla.launch([counts, recent])
+    def _constant(self, key, shape, value, dtype, make=None) -> torch.Tensor:
+        """A device tensor made once per batch and reused (an input of each graph, never an
+        upload per step)."""
+        if key not in self._cached:
+            host = make() if make is not None else torch.full(shape, value, dtype=dtype)
+            self._cached[key] = host.to(self.device)
+        return self._cached[key]
 
     def _asked_logprobs(self) -> Optional[int]:
         if self._asked is None:
@@ -387,44 +665,103 @@ def choose_path(row_params: Sequence[SamplingParams], candidates: int,
     return "nucleus"
 
 
+def uses_filters(row_params: Sequence[SamplingParams]) -> bool:
+    """Whether some random row uses top-n-sigma, typical-p or XTC (greedy rows skip 10a-13b)."""
+    return any(not p.is_greedy and (p.top_n_sigma > 0.0 or p.typical_p < 1.0 or p.uses_xtc)
+               for p in row_params)
+
+
 def _top_k(params: SamplingParams, vocab_size: int) -> int:
     """The top-k a row runs with: 0 (off) for greedy rows and for k >= the vocabulary."""
     k = params.effective_top_k
     return 0 if params.is_greedy or k >= vocab_size else k
 
 
-def flags_for(path: str, asked: Optional[int], padded_logprobs: int) -> dict:
-    """The core template's stage flags for a static variant: every stage runs (neutral values
-    make it an identity for rows that do not use it) except what the variant leaves out.
-    ``any_bias`` is False because the bias is part of the additive row of step 3.
-    ``any_greedy`` is True only when every row is greedy: otherwise greedy rows, whose filter
-    parameters are neutral, get their argmax from the draw (``TpuSampler.draw``)."""
+def flags_for(variant: Variant, asked: Optional[int], padded_logprobs: int) -> dict:
+    """The core template's stage flags for a static variant: every stage the variant traces
+    runs (neutral values make it an identity for rows that do not use it). ``any_bias`` is
+    False because the bias is part of the additive row of step 3; ``any_bitmask`` and
+    ``any_dry`` are True because the mask is always an input (all -1 without one) and DRY is
+    in every graph (multiplier 0 = off). ``any_greedy`` is True only when
+    every row is greedy: otherwise greedy rows, whose filter parameters are neutral, get their
+    argmax from the draw (``TpuSampler.draw``)."""
+    path = variant.path
     random = path != "greedy"
     filtering = path not in ("greedy", "plain")
+    filters = variant.filters and random
     return dict(
         any_greedy=not random, all_greedy=not random, any_random=random, any_seeded=random,
         any_unseeded=random, any_top_k=filtering, any_top_p=filtering,
         any_min_p=random and path != "candidates",
         any_temperature=random, any_penalties=True, any_allowed=True, any_bias=False,
-        any_min_tokens=True, any_bad_words=True,
+        any_min_tokens=True, any_bad_words=True, any_bitmask=True, any_dry=True,
+        any_top_n_sigma=filters, any_typical_p=filters, any_xtc=filters,
         num_logprobs=None if asked is None else padded_logprobs,
     )
 
 
+def _per_slot(tensor: torch.Tensor, slots: int) -> torch.Tensor:
+    """``[B, ...]`` -> ``[B * slots, ...]``, each row repeated for its slots, as a broadcast
+    and a reshape (which XLA fuses into the readers instead of copying)."""
+    B = tensor.shape[0]
+    return tensor[:, None].expand(B, slots, *tensor.shape[1:]).reshape(B * slots, *tensor.shape[1:])
+
+
+def _stage_tensors(spec: StageSpec, vocab_size: int) -> dict[str, tuple[torch.dtype, object, tuple]]:
+    """A custom stage's per-row tensors: name -> (dtype, neutral value, per-row shape)."""
+    tensors = {_stage_key(spec.name, "active"): (torch.bool, False, ())}
+    for field, (dtype, default) in spec.arg_fields().items():
+        tensors[_stage_key(spec.name, "arg", field)] = (dtype, default, ())
+    for state in spec.state:
+        shape = tuple(state.shape(vocab_size))
+        tensors[_stage_key(spec.name, "state", state.name)] = (state.dtype, 0, shape)
+    return tensors
+
+
+def _initial_state(spec: StageSpec, state, prompt: list[int], outputs: list[int], args,
+                   vocab_size: int, like: torch.Tensor) -> torch.Tensor:
+    """``state.init`` for one row, checked like the core checks it (``StageError`` naming the
+    stage on failure or a wrong shape)."""
+    try:
+        value = torch.as_tensor(state.init(list(prompt), list(outputs), args, vocab_size))
+    except Exception as exc:
+        raise StageError(f"{describe_stage(spec)}: state {state.name!r} init failed: "
+                         f"{type(exc).__name__}: {exc}") from exc
+    if tuple(value.shape) != tuple(like.shape):
+        raise StageError(f"{describe_stage(spec)}: state {state.name!r} init returned shape "
+                         f"{list(value.shape)}, expected {list(like.shape)}")
+    return value.to(like.dtype)
+
+
+class _HostView:
+    """What ``SamplingBatch.check_token_bitmask`` reads of a batch, with the host as its
+    device: the core's checks and messages for a host mask, without its upload."""
+
+    def __init__(self, batch: SamplingBatch):
+        self.num_rows, self.vocab_size = batch.num_rows, batch.vocab_size
+        self.device = torch.device("cpu")
+
+
+def _host_checked_bitmask(batch: SamplingBatch, mask: torch.Tensor, slots: Optional[int]) -> torch.Tensor:
+    return SamplingBatch.check_token_bitmask(_HostView(batch), mask, slots)
+
+
 def _float_values(params: SamplingParams) -> list[float]:
-    if params.is_greedy:   # steps 10-13 do not apply: neutral values keep the graphs' invariants
-        return [1.0, 1.0, 0.0, params.repetition_penalty, params.frequency_penalty,
-                params.presence_penalty]
-    return [params.temperature, params.top_p, params.min_p, params.repetition_penalty,
-            params.frequency_penalty, params.presence_penalty]
+    penalties = [params.repetition_penalty, params.frequency_penalty, params.presence_penalty]
+    dry_values = [params.dry_multiplier, params.dry_base]
+    if params.is_greedy:   # steps 10-13b do not apply: neutral values keep the graphs' invariants
+        return [1.0, 1.0, 0.0, *penalties, *dry_values, 0.0, 1.0, 0.1, 0.0]
+    return [params.temperature, params.top_p, params.min_p, *penalties, *dry_values,
+            params.top_n_sigma, params.typical_p, params.xtc_threshold, params.xtc_probability]
 
 
 def _int_values(params: SamplingParams, child: int, position: int, vocab_size: int) -> list[int]:
     seed_lo, seed_hi = split_seed(params.seed) if params.seed is not None else (0, 0)
-    # min_tokens past int32 means the same as 2**31 - 1: a position never reaches either.
-    min_tokens = min(params.min_tokens, 2**31 - 1)
+    # Past int32, these mean the same as 2**31 - 1: a position or history never reaches either.
+    min_tokens = min(params.min_tokens, _INT32_MAX)
     return [_top_k(params, vocab_size), seed_lo, seed_hi, child, position, min_tokens,
-            int(params.seed is not None), int(params.is_greedy), 0]
+            int(params.seed is not None), int(params.is_greedy),
+            min(params.dry_allowed_length, _INT32_MAX), min(params.dry_range, _INT32_MAX), 0]
 
 
 def _positive(name: str, value: int) -> int:

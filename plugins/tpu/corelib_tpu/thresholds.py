@@ -59,7 +59,9 @@ def _bisect_largest(lo: torch.Tensor, hi: torch.Tensor, steps: int, holds) -> to
     Returns float32 ``[B, 1]``, a value ``holds`` was true at.
     """
     for _ in range(steps):
-        mid = (lo + hi) // 2
+        # A shift, not ``//``: torch-xla 2.9 divides int64 through float32 (2**30 + 1 // 1
+        # rounds), which would stop the search short of the exact threshold.
+        mid = torch.bitwise_right_shift(lo + hi, 1)
         ok = holds(value_of_key(mid.to(torch.int32)))
         lo = torch.where(ok, mid, lo)
         hi = torch.where(ok, hi, mid)
@@ -127,8 +129,9 @@ def top_k_top_p_candidates(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Te
       top-k keeps after it (all of it when fewer than k tokens survive min-p); the candidates
       can be taken first, and the row max min-p needs is the first of them;
     - top-p walks the kept candidates in order with probabilities normalised over every kept
-      token (one sum over the vocabulary); its threshold is the logit of the last token of
-      the nucleus. Ties with the k-th largest outside the candidates are kept by the compare,
+      token (the candidates' mass plus a count over the vocabulary of the tokens tied with the
+      k-th largest outside them); its threshold is the logit of the last token of the
+      nucleus. Ties with the k-th largest outside the candidates are kept by the compare,
       and a nucleus not reached within the candidates ends in those ties.
 
     Exact but for min-p and top-p boundaries compared in logit rather than probability
@@ -141,8 +144,14 @@ def top_k_top_p_candidates(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Te
     top = values.gather(1, torch.zeros_like(k))                            # row max
     kth = torch.where(k > 0, values.gather(1, (k - 1).clamp(min=0)), NEG_INF)
     floor = torch.maximum(top + torch.log(min_p)[:, None], kth)            # steps 11-12
-    total = torch.where(x >= floor, torch.exp(x - top), 0.0).sum(dim=-1, keepdim=True)
-    cand = torch.where(values >= floor, torch.exp(values - top) / total, 0.0)   # (B, K)
+    # The mass top-p normalises by: the kept candidates', plus the kept tokens outside them,
+    # which (a row with top_p < 1 has k >= 1 here, so floor >= kth >= every non-candidate)
+    # all equal the k-th largest exactly. A count over the vocabulary instead of an exp-sum.
+    weights = torch.exp(values - top)                                      # (B, K)
+    kept = values >= floor
+    outside = (x >= floor).sum(dim=-1, keepdim=True) - kept.sum(dim=-1, keepdim=True)
+    total = torch.where(kept, weights, 0.0).sum(dim=-1, keepdim=True) + outside * torch.exp(kth - top)
+    cand = torch.where(kept, weights / total, 0.0)                         # (B, K)
     # Exclusive running sum (shifted, not cumsum - cand, which rounds once more).
     mass_before = torch.cat([torch.zeros_like(cand[:, :1]), torch.cumsum(cand, dim=-1)[:, :-1]], dim=-1)
     p = top_p[:, None]

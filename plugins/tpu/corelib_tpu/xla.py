@@ -114,3 +114,27 @@ class CompileGuard:
                 raise RecompilationError(
                     f"{operation} compiled {new} new XLA graph(s) after warmup(); warm up with "
                     f"the shapes, dtypes and logits layouts used in serving (see docs/tpu.md)")
+
+
+def padded_block(tensor: torch.Tensor, shape: Sequence[int], fill, dtype: torch.dtype) -> torch.Tensor:
+    """A new ``dtype`` tensor of ``shape`` filled with ``fill``, ``tensor`` in its leading
+    corner (each dimension of ``tensor`` at most ``shape``'s), on ``tensor``'s device."""
+    out = torch.full(tuple(shape), fill, dtype=dtype, device=tensor.device)
+    out[tuple(slice(0, size) for size in tensor.shape)] = tensor.to(dtype)
+    return out
+
+
+def fit_block(tensor: torch.Tensor, shape: Sequence[int], fill, dtype: torch.dtype,
+              device: torch.device, guard: "CompileGuard", what: str) -> torch.Tensor:
+    """``tensor`` as ``dtype`` ``shape`` on ``device`` (``padded_block``): a host tensor is
+    padded on the host and uploaded without blocking; a device tensor of another shape or
+    dtype goes through a one-op graph (one per input shape and dtype, watched as ``what``);
+    one that already fits is returned as it is."""
+    if tuple(tensor.shape) == tuple(shape) and tensor.dtype == dtype:
+        return tensor.to(device, non_blocking=True)
+    padded = padded_block(tensor, shape, fill, dtype)
+    if tensor.device.type == "cpu":
+        return padded.to(device, non_blocking=True)
+    with guard.watch(what):
+        launch([padded])
+    return padded

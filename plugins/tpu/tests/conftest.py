@@ -18,6 +18,17 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from tpu_support import XLA  # noqa: E402
 
+# The suite spends its time compiling graphs, not running them (small vocabularies): compiled
+# without LLVM's optimisations they are the same HLO, built 4-5 times faster. Read when
+# torch-xla starts, so it must be set before any test imports it; the benchmark keeps XLA's
+# defaults.
+os.environ.setdefault("XLA_FLAGS", "--xla_backend_optimization_level=0")
+# XLA:CPU maps a few hundred memory regions per compiled graph and releases them only when
+# torch-xla drops the graph from its cache; past the kernel's limit (vm.max_map_count, 65530
+# by default) compiling fails. The suite compiles several hundred graphs in one process, so
+# the cache keeps the 128 most recent (each test module needs fewer at a time).
+os.environ.setdefault("XLA_COMPILATION_CACHE_SIZE", "128")
+
 
 def pytest_collection_modifyitems(config, items):
     if os.environ.get("CORELIB_TPU_REQUIRE_XLA") == "1" and not XLA.available:

@@ -1,4 +1,5 @@
-"""XlaSamplingBatch: fixed-shape state that follows rows through churn, limits, path choice."""
+"""XlaSamplingBatch: fixed-shape state that follows rows through churn (removes, swaps, one or
+K + 1 ids appended), limits, variant choice."""
 
 from __future__ import annotations
 
@@ -21,6 +22,9 @@ OPTIONS = [
     dict(bad_words=[[4], [1, 2], [3, 3, 3]]), dict(min_tokens=3, stop_token_ids=[8]),
     dict(repetition_penalty=1.4, frequency_penalty=0.5, presence_penalty=-0.3),
     dict(n=3, seed=7, min_p=0.1), dict(logprobs=2, top_k=10, top_p=0.9),
+    dict(dry_multiplier=1.2, dry_allowed_length=1, dry_sequence_breakers=[5]),
+    dict(top_n_sigma=1.5, typical_p=0.8), dict(xtc_probability=1.0, xtc_threshold=0.05),
+    dict(stage_args={"ban-repeats": {"times": 1}}), dict(stage_args={"floor-prob": {"prob": 0.02}}),
 ]
 
 
@@ -41,6 +45,10 @@ def _churn(sampler: Sampler, reference: Sampler, steps: int, seed: int):
             victim = rng.choice(mine.request_ids)
             mine.remove(victim)
             ref.remove(victim)
+        if len(mine) > 1 and rng.random() < 0.4:
+            a, b = rng.sample(range(len(mine)), 2)
+            mine.swap_rows(a, b)
+            ref.swap_rows(a, b)
         assert mine.rows == ref.rows
         if not len(mine):
             continue
@@ -49,7 +57,11 @@ def _churn(sampler: Sampler, reference: Sampler, steps: int, seed: int):
         want = reference.processed_logits(logits, ref)
         assert torch.equal(torch.isfinite(got), torch.isfinite(want)), f"kept sets differ at step {step}"
         torch.testing.assert_close(got[torch.isfinite(want)], want[torch.isfinite(want)])
-        tokens = torch.argmax(want, dim=-1).tolist()             # any valid token per row
+        tokens = torch.argmax(want, dim=-1)                      # any valid token per row
+        if rng.random() < 0.3:                                   # verify's [rows, K + 1] form
+            more = torch.randint(0, V, (len(mine), 2), generator=gen)
+            more[::2, 1] = -1
+            tokens = torch.cat([tokens[:, None], more], dim=1)
         mine.append(tokens)
         ref.append(tokens)
     return mine
@@ -58,6 +70,57 @@ def _churn(sampler: Sampler, reference: Sampler, steps: int, seed: int):
 def test_state_follows_rows_through_churn_on_cpu():
     batch = _churn(TpuSampler("cpu", buckets=(4, 8, 16)), Sampler("cpu"), steps=60, seed=1)
     assert batch.generated_counts() == [int(p) for p in batch._ints[:len(batch), 4]]
+
+
+def _row_state(batch, row: int) -> dict:
+    """Every per-row tensor of ``row``: the host scalars and each dense device row."""
+    state = {"floats": batch._floats[row].clone(), "ints": batch._ints[row].clone()}
+    state.update({name: tensor[row].cpu().clone() for name, tensor in batch._state.items()})
+    return state
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("xla", marks=needs_xla)])
+def test_swap_rows_exchanges_all_state_at_once(device):
+    """``swap_rows(a, b)`` moves a's state to b and b's to a (a simultaneous permutation: a
+    move one row at a time would copy one row over the other and lose it), and leaves other
+    rows alone."""
+    sampler = TpuSampler(xla_device() if device == "xla" else "cpu", buckets=(4,), dry_window=16,
+                         stages=("ban-repeats",))
+    batch = sampler.new_batch(V)
+    batch.add("a", SamplingParams(seed=1, frequency_penalty=0.5, dry_multiplier=1.0,
+                                  stage_args={"ban-repeats": {"times": 2}}, bad_words=[[1, 2]]),
+              prompt_token_ids=[1, 2, 3], output_token_ids=[4, 4, 5])
+    batch.add("b", SamplingParams(temperature=0.5, top_k=3, logit_bias={7: 2.0}), prompt_token_ids=[9])
+    batch.add("c", SamplingParams(seed=3, min_tokens=4, stop_token_ids=[6]), output_token_ids=[8])
+    before = [_row_state(batch, row) for row in range(3)]
+    batch.swap_rows(0, 2)
+    assert batch.rows == [("c", 0), ("b", 0), ("a", 0)]
+    assert batch.rows_of("a") == [2] and batch.rows_of("c") == [0]
+    assert batch.generated_counts() == [1, 0, 3]
+    after = [_row_state(batch, row) for row in range(3)]
+    for row, source in ((0, 2), (1, 1), (2, 0)):
+        for name, value in before[source].items():
+            assert torch.equal(after[row][name], value), f"row {row} {name} is not row {source}'s"
+
+
+def test_two_dimensional_append_equals_appending_one_token_at_a_time():
+    sampler = TpuSampler("cpu", buckets=(4,), dry_window=16, stages=("ban-repeats",))
+    params = [SamplingParams(seed=1, frequency_penalty=0.5, dry_multiplier=1.0, bad_words=[[3, 4]],
+                             stage_args={"ban-repeats": {"times": 1}}),
+              SamplingParams(temperature=0.0, min_tokens=3, stop_token_ids=[2])]
+    at_once, one_by_one = sampler.new_batch(V), sampler.new_batch(V)
+    for batch in (at_once, one_by_one):
+        for i, p in enumerate(params):
+            batch.add(f"r{i}", p, prompt_token_ids=[3, 4, 3])
+    at_once.append(torch.tensor([[3, 4, 5], [6, -1, -1]]))      # row 1 emitted one token
+    for column in ([3, 6], [4, 0], [5, 0]):                      # row 0's, one at a time
+        one_by_one.append(torch.tensor(column))
+    assert at_once.generated_counts() == [3, 1]
+    for name, tensor in at_once._state.items():
+        assert torch.equal(tensor[0], one_by_one._state[name][0]), name
+    counts = at_once.step_state().output_counts[1]
+    assert int(counts[6]) == 1 and int(counts.sum()) == 1
+    assert int(at_once._state["recent"][1, -1]) == 6
 
 
 @needs_xla

@@ -1,0 +1,34 @@
+"""Token bitmasks (structured output, part of step 3) inside the step graph.
+
+The caller's packed words (``corelib.bitmask``: bit ``j % 32`` of word ``j // 32``, 1 =
+allowed) enter the graph as an int32 ``[B, W]`` input; each logit reads its own bit with a
+shift and an and, so XLA fuses the unpacking into the elementwise pass that applies steps 3-5:
+no ``[B, V]`` boolean exists outside that fusion (``docs/tpu.md`` shows the fused HLO). Rows
+without a mask carry words of -1.
+"""
+
+from __future__ import annotations
+
+import torch
+from corelib.bitmask import BITS
+
+from .xla import iota
+
+NEG_INF = float("-inf")
+
+
+def allowed_bits(words: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """int32 ``[B, V]`` expression, 1 where the token's bit is set: words int32 ``[B, W]``
+    broadcast over the 32 bit positions, shifted and masked, flattened to ``W * 32`` tokens
+    and cut to ``V``. Meant to be consumed elementwise (XLA fuses it)."""
+    B, W = words.shape
+    shifts = iota(BITS, torch.int32, words.device)[None]                       # (1, 1, 32)
+    bits = torch.bitwise_right_shift(words[:, :, None], shifts) & 1             # (B, W, 32)
+    return bits.reshape(B, W * BITS)[:, :vocab_size]
+
+
+def apply_words(x: torch.Tensor, words: torch.Tensor) -> torch.Tensor:
+    """Step 3 with a token bitmask: x float32 ``[B, V]``, words int32 ``[B, ceil(V / 32)]``
+    (-1 = unconstrained). Adds -inf where the bit is 0, so NaN and +inf logits stay non-finite
+    for the valid-row check (``TpuSampler.any_token_left``). Not in place."""
+    return x + torch.where(allowed_bits(words, x.shape[-1]) == 0, NEG_INF, 0.0)
