@@ -208,8 +208,8 @@ def main(argv=None) -> int:
     engines = {"vllm": make_engine(model_dir, None, args.requests, args.speculative),
                "corelib-cpu": make_engine(model_dir, "cpu", args.requests, args.speculative)}
     # vLLM's CPU worker set its own torch thread count while it started (in this process) and
-    # replaced torch.set_num_threads with a no-op; torch's own setter underneath still works.
-    torch._C._set_num_threads(args.threads)
+XX
+    torch._C.set_num_threads(args.threads)
     if args.speculative:
         # a pattern of 3-6 tokens, twice: the drafter finds its continuation in the prompt
         prompts = [TokensPrompt(prompt_token_ids=[1] + 2 * [(7 * i + j) % (args.vocab - 3) + 3
