@@ -208,7 +208,7 @@ def main(argv=None) -> int:
     engines = {"vllm": make_engine(model_dir, None, args.requests, args.speculative),
                "corelib-cpu": make_engine(model_dir, "cpu", args.requests, args.speculative)}
     # vLLM's CPU worker set its own torch thread count while it started (in this process) and
-XX
+    # replaced torch.set_num_threads with a no-op; the builtin in torch._C still works.
     torch._C.set_num_threads(args.threads)
     if args.speculative:
         # a pattern of 3-6 tokens, twice: the drafter finds its continuation in the prompt
