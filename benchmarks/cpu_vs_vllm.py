@@ -143,7 +143,7 @@ def bench_cell(vllm, name: str, B: int, repeats: int, Base=None) -> Cell:
     vllm_step = None
     if vllm is not None:
         vllm_sampler, metadata = vllm[0](), vllm_metadata(vllm, params, seeded, B)
-        spare = [logits.clone() for _ in range(repeats + 1)]   # vLLM works in place on its input
+        spare = [logits.clone() for _ in range(2 * repeats + 1)]   # vLLM works in place on its input
         vllm_step = lambda: vllm_sampler(spare.pop(), metadata)              # noqa: E731
     corelib_step()                                                          # warm-up
     if vllm_step is not None:
@@ -155,12 +155,15 @@ def bench_cell(vllm, name: str, B: int, repeats: int, Base=None) -> Cell:
             if vllm_step is not None:
                 vllm_times.append(timed(vllm_step))
             continue
-        # vLLM's call leaves the caches cold: the two corelib sides take turns after it
+        # Each corelib side runs right after a vLLM call, as in the loop without --base: the
+        # call after vLLM's pays for the caches and memory vLLM's sort left behind (2-3x at
+        # B = 32), so taking turns in one rotation would compare positions, not code.
         if vllm_step is not None:
             vllm_times.append(timed(vllm_step))
-        order = ((corelib_step, corelib_times), (base_step, base_times))
-        for step, times in (order if i % 2 == 0 else order[::-1]):
-            times.append(timed(step))
+        corelib_times.append(timed(corelib_step))
+        if vllm_step is not None:
+            vllm_times.append(timed(vllm_step))
+        base_times.append(timed(base_step))
     clone_ms = statistics.median(timed(logits.clone) for _ in range(max(repeats, 9)))
     return Cell(name, B, statistics.median(corelib_times),
                 statistics.median(vllm_times) if vllm_times else None, clone_ms,
