@@ -190,7 +190,7 @@ class Registry:
                 continue
             for spec in specs:
                 statuses.append(self._probe(record, spec))
-        return _mark_conflicts(statuses)
+        return _mark_conflicts(statuses, "backend")
 
     def stage_statuses(self, refresh: bool = False) -> list[StageStatus]:
         """Every custom stage the plugins describe (and every plugin whose stages could not be
@@ -224,17 +224,7 @@ class Registry:
             for spec in specs:
                 statuses.append(StageStatus(spec.name, record.name, record.distribution, record.version,
                                             spec.slot, True, description=spec.description, spec=spec))
-        by_name: dict[str, list[StageStatus]] = {}
-        for status in statuses:
-            if status.spec is not None:
-                by_name.setdefault(status.name, []).append(status)
-        for name, claims in by_name.items():
-            if len(claims) > 1:
-                plugins = ", ".join(repr(c.plugin) for c in claims)
-                for claim in claims:
-                    claim.available = False
-                    claim.reason = f"stage name {name!r} is claimed by several plugins: {plugins}"
-        return statuses
+        return _mark_conflicts(statuses, "stage")
 
     @staticmethod
     def _broken(record: _PluginRecord, name: str, reason: str, exc: BaseException) -> BackendStatus:
@@ -329,8 +319,10 @@ def _check_specs(specs, plugin_name: str) -> list[BackendSpec]:
     return list(specs)
 
 
-def _mark_conflicts(statuses: list[BackendStatus]) -> list[BackendStatus]:
-    by_name: dict[str, list[BackendStatus]] = {}
+def _mark_conflicts(statuses: list, kind: str) -> list:
+    """Make every status whose name several plugins claim unavailable (backend or stage
+    statuses; ``kind`` names them in the reason)."""
+    by_name: dict[str, list] = {}
     for status in statuses:
         if status.spec is not None:
             by_name.setdefault(status.name, []).append(status)
@@ -338,8 +330,10 @@ def _mark_conflicts(statuses: list[BackendStatus]) -> list[BackendStatus]:
         if len(claims) > 1:
             plugins = ", ".join(repr(c.plugin) for c in claims)
             for claim in claims:
-                claim.available = claim.auto = False
-                claim.reason = f"backend name {name!r} is claimed by several plugins: {plugins}"
+                claim.available = False
+                if isinstance(claim, BackendStatus):
+                    claim.auto = False
+                claim.reason = f"{kind} name {name!r} is claimed by several plugins: {plugins}"
                 claim.error = None
     return statuses
 

@@ -332,13 +332,8 @@ class Sampler:
         usable = ((ids >= -1) & (ids < V)).all(dim=1) & (present.sum(dim=1) == count)
         probs = None
         if draft_probs is not None:
-            probs = _as_tensor("draft_probs", draft_probs)
-            if not probs.dtype.is_floating_point:
-                raise ValueError(f"verify: draft_probs must be a float tensor, got dtype {probs.dtype}")
-            if tuple(probs.shape) != (B, K, V):
-                raise ValueError(f"verify: draft_probs must be [rows, K, vocab] = [{B}, {K}, {V}], "
-                                 f"got {list(probs.shape)}")
-            probs = probs.to(self.device, torch.float32, non_blocking=True)
+            probs = checked_draft_probs(draft_probs, B, K, V).to(self.device, torch.float32,
+                                                                non_blocking=True)
             real = torch.arange(K, device=self.device)[None, :] < count[:, None]
             sane = self.draft_probs_sane(probs) | ~real
             usable = usable & sane.all(dim=1)
@@ -770,6 +765,19 @@ def slot_logprobs(logprobs: Logprobs, emitted: torch.Tensor) -> Logprobs:
     values[..., 0] = torch.where(none, float("nan"), values[..., 0])
     ranks = torch.where(none, 0, ranks)
     return Logprobs(ids, values, ranks)
+
+
+def checked_draft_probs(draft_probs, rows: int, K: int, V: int) -> torch.Tensor:
+    """``verify``'s draft_probs argument as a tensor, after the checks of its kind and shape
+    (float ``[rows, K, V]``); ``ValueError`` naming the argument otherwise. Values are
+    checked per slot later (``Sampler.draft_probs_sane``)."""
+    probs = _as_tensor("draft_probs", draft_probs)
+    if not probs.dtype.is_floating_point:
+        raise ValueError(f"verify: draft_probs must be a float tensor, got dtype {probs.dtype}")
+    if tuple(probs.shape) != (rows, K, V):
+        raise ValueError(f"verify: draft_probs must be [rows, K, vocab] = [{rows}, {K}, {V}], "
+                         f"got {list(probs.shape)}")
+    return probs
 
 
 def _as_tensor(name: str, value) -> torch.Tensor:

@@ -33,6 +33,7 @@ from corelib.sampler import (
     VerifyOutput,
     _as_tensor,
     _check_draft_ids,
+    checked_draft_probs,
     slot_logprobs,
 )
 
@@ -551,14 +552,7 @@ class TpuSampler(Sampler):
                              f"logits with K = {K}, got {list(ids.shape)}")
         if ids.device.type == "cpu" and batch.num_rows and K:
             _check_draft_ids(ids[:batch.num_rows], V, batch)
-        probs = None
-        if draft_probs is not None:
-            probs = _as_tensor("draft_probs", draft_probs)
-            if not probs.dtype.is_floating_point:
-                raise ValueError(f"verify: draft_probs must be a float tensor, got dtype {probs.dtype}")
-            if tuple(probs.shape) != (rows, K, V):
-                raise ValueError(f"verify: draft_probs must be [rows, K, vocab] = [{rows}, {K}, {V}], "
-                                 f"got {list(probs.shape)}")
+        probs = None if draft_probs is None else checked_draft_probs(draft_probs, rows, K, V)
         return ids, probs
 
     def _padded_slots(self, logits: torch.Tensor, batch: XlaSamplingBatch, bucket: int,
