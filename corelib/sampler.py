@@ -307,23 +307,13 @@ class Sampler:
         negative or NaN draft probabilities flag the row."""
         if self.device.type != batch.device.type:
             raise ValueError(f"batch lives on {batch.device}, but sampler {self.name!r} runs on {self.device}")
-        if not isinstance(logits, torch.Tensor) or logits.dim() != 3:
-            shape = list(logits.shape) if isinstance(logits, torch.Tensor) else type(logits).__name__
-            raise ValueError(f"verify: logits must be [rows, K + 1, vocab], got {shape}")
-        B, S, V = logits.shape
-        if S < 1:
-            raise ValueError("verify: logits need at least one slot ([rows, K + 1, vocab] with K >= 0)")
+        B, S, V = verify_logits_shape(logits)
         if B != batch.num_rows:
             raise ValueError(f"verify: logits have {B} rows; the batch has {batch.num_rows} rows "
                              f"(verify takes one row per batch row, not per request)")
         batch.check_logits(logits[:, 0])
         K = S - 1
-        ids = _as_tensor("draft_token_ids", draft_token_ids)
-        if ids.dtype.is_floating_point or ids.dtype == torch.bool or ids.is_complex():
-            raise ValueError(f"verify: draft_token_ids must hold integer ids, got dtype {ids.dtype}")
-        if ids.dim() != 2 or tuple(ids.shape) != (B, K):
-            raise ValueError(f"verify: draft_token_ids must be [rows, K] = [{B}, {K}] for logits "
-                             f"{list(logits.shape)}, got {list(ids.shape)}")
+        ids = checked_draft_ids(draft_token_ids, B, K)
         if ids.device.type == "cpu" and B and K:
             _check_draft_ids(ids, V, batch)
         ids = ids.to(self.device, torch.long, non_blocking=True)
@@ -765,6 +755,31 @@ def slot_logprobs(logprobs: Logprobs, emitted: torch.Tensor) -> Logprobs:
     values[..., 0] = torch.where(none, float("nan"), values[..., 0])
     ranks = torch.where(none, 0, ranks)
     return Logprobs(ids, values, ranks)
+
+
+def verify_logits_shape(logits) -> tuple[int, int, int]:
+    """(rows, K + 1, V) of ``verify``'s logits after the checks of their kind and rank (a
+    tensor ``[rows, K + 1, V]`` with at least one slot); ``ValueError`` otherwise."""
+    if not isinstance(logits, torch.Tensor) or logits.dim() != 3:
+        shape = list(logits.shape) if isinstance(logits, torch.Tensor) else type(logits).__name__
+        raise ValueError(f"verify: logits must be [rows, K + 1, vocab], got {shape}")
+    rows, S, V = logits.shape
+    if S < 1:
+        raise ValueError("verify: logits need at least one slot ([rows, K + 1, vocab] with K >= 0)")
+    return rows, S, V
+
+
+def checked_draft_ids(draft_token_ids, rows: int, K: int) -> torch.Tensor:
+    """``verify``'s draft_token_ids argument as a tensor, after the checks of its dtype
+    (integer) and shape (``[rows, K]``); ``ValueError`` naming the argument otherwise. The
+    ids' range is checked on the host only (``_check_draft_ids``)."""
+    ids = _as_tensor("draft_token_ids", draft_token_ids)
+    if ids.dtype.is_floating_point or ids.dtype == torch.bool or ids.is_complex():
+        raise ValueError(f"verify: draft_token_ids must hold integer ids, got dtype {ids.dtype}")
+    if ids.dim() != 2 or tuple(ids.shape) != (rows, K):
+        raise ValueError(f"verify: draft_token_ids must be [rows, K] = [{rows}, {K}] for logits "
+                         f"with K = {K}, got {list(ids.shape)}")
+    return ids
 
 
 def checked_draft_probs(draft_probs, rows: int, K: int, V: int) -> torch.Tensor:

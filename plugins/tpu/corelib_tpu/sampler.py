@@ -31,10 +31,11 @@ from corelib.sampler import (
     Sampler,
     SamplerOutput,
     VerifyOutput,
-    _as_tensor,
     _check_draft_ids,
+    checked_draft_ids,
     checked_draft_probs,
     slot_logprobs,
+    verify_logits_shape,
 )
 
 from corelib import noise
@@ -526,12 +527,7 @@ class TpuSampler(Sampler):
     def _check_verify_logits(self, logits: torch.Tensor, batch: XlaSamplingBatch) -> tuple[int, int, int]:
         """The core's logits checks for ``verify``, also accepting rows padded to the bucket.
         Returns (live rows, K + 1, V)."""
-        if not isinstance(logits, torch.Tensor) or logits.dim() != 3:
-            shape = list(logits.shape) if isinstance(logits, torch.Tensor) else type(logits).__name__
-            raise ValueError(f"verify: logits must be [rows, K + 1, vocab], got {shape}")
-        rows, S, V = logits.shape
-        if S < 1:
-            raise ValueError("verify: logits need at least one slot ([rows, K + 1, vocab] with K >= 0)")
+        rows, S, V = verify_logits_shape(logits)
         n = batch.num_rows
         if rows != n and not (n and rows == batch.bucket(n)):
             raise ValueError(f"verify: logits have {rows} rows; the batch has {n} rows "
@@ -544,12 +540,7 @@ class TpuSampler(Sampler):
                                 draft_token_ids, draft_probs) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         """The core's checks of the draft arguments (``Sampler.check_drafts``) without moving
         anything to the device. Returns (ids, probs) as tensors."""
-        ids = _as_tensor("draft_token_ids", draft_token_ids)
-        if ids.dtype.is_floating_point or ids.dtype == torch.bool or ids.is_complex():
-            raise ValueError(f"verify: draft_token_ids must hold integer ids, got dtype {ids.dtype}")
-        if ids.dim() != 2 or tuple(ids.shape) != (rows, K):
-            raise ValueError(f"verify: draft_token_ids must be [rows, K] = [{rows}, {K}] for "
-                             f"logits with K = {K}, got {list(ids.shape)}")
+        ids = checked_draft_ids(draft_token_ids, rows, K)
         if ids.device.type == "cpu" and batch.num_rows and K:
             _check_draft_ids(ids[:batch.num_rows], V, batch)
         probs = None if draft_probs is None else checked_draft_probs(draft_probs, rows, K, V)
@@ -706,16 +697,6 @@ def leading_count(mask: torch.Tensor) -> torch.Tensor:
     core's ``cumprod(...).sum()``, by a running sum: torch-xla 2.9 runs ``cumprod`` on the host,
     a transfer and a graph cut in the middle of the step)."""
     return (torch.cumsum((~mask).to(torch.int32), dim=1) == 0).sum(dim=1).to(torch.long)
-
-
-def _pad_slots(tensor: torch.Tensor, width: int, fill) -> torch.Tensor:
-    """``tensor`` ``[rows, k, ...]`` with its second dimension padded to ``width`` by ``fill``
-    (unchanged when it already is: no op on the device)."""
-    if tensor.shape[1] == width:
-        return tensor
-    extra = torch.full((tensor.shape[0], width - tensor.shape[1], *tensor.shape[2:]), fill,
-                       dtype=tensor.dtype, device=tensor.device)
-    return torch.cat([tensor, extra], dim=1)
 
 
 def _pack(out: SamplerOutput) -> torch.Tensor:
