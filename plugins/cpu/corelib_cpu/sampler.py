@@ -1023,10 +1023,14 @@ class SlotJudge:
 
     def passes(self, row: int, token: int, uq: float) -> bool:
         """The ratio test ``u q(d) < p(d)`` at the slot of ``row``, with the reference's p(d)
-        (an unseeded whole row: its draw weights, normalised)."""
+        (an unseeded whole row: its draw weights, normalised; see :meth:`bounded_test`
+        for one whose top-p threshold is still unknown)."""
         place = self.at.get(row)
         if place is None:
             if not self.blk.plan.seeded[row]:
+                verdict = self.bounded_test(row, token, uq)
+                if verdict is not None:
+                    return verdict
                 w, total = self.weights(row)
                 return uq < float(w[token]) / total
             return uq < float(self.exact(row)[token])
@@ -1038,6 +1042,32 @@ class SlotJudge:
         if uq >= p * (1.0 + self.tolerance):
             return False
         return uq < float(self.exact(row)[token])
+
+    def bounded_test(self, row: int, token: int, uq: float) -> Optional[bool]:
+        """The ratio test of an unseeded whole row whose top-p cut is pending, decided
+        without its threshold where bounds settle it, else None (the caller resolves the cut).
+
+        With r the row's probabilities before the cut and M the nucleus mass, p(d) is r(d)
+        / M for d in the nucleus and 0 outside, and min(top_p, total) <= M <= total, the
+        total within float32 rounding of 1 (``NUCLEUS_MASS_SLACK`` covers rounding): a test
+        that fails with p(d) at its upper bound r(d) / min(top_p, 1) fails, and one that
+        passes at r(d) passes once d is known to be in the nucleus (``nucleus_contains``, a
+        threshold pass and a sum instead of the radix select)."""
+        found = self.blk.cuts.get(row)
+        if found is None:
+            return None
+        record, j = found
+        if record.cut[j] is not None or record.top_p is None:
+            return None
+        r = record.weights[j]
+        r_token = float(r[token])
+        if uq >= r_token / min(record.top_p[j], 1.0) * (1.0 + NUCLEUS_MASS_SLACK):
+            return False
+        if uq < r_token * (1.0 - NUCLEUS_MASS_SLACK):
+            inside = nucleus_contains(r[None], torch.tensor([token]), torch.tensor([record.top_p[j]]))
+            if bool(inside[0]):
+                return True
+        return None
 
     def reject(self, row: int, q: torch.Tensor, key) -> None:
         """Record the residual draw of a rejected slot (``q`` float32 [V], the draft's
@@ -1104,6 +1134,10 @@ class SlotJudge:
 
 _INF = torch.tensor(float("inf"))
 _INF_BITS = 0x7F800000
+#: Relative slack on the bounds of ``SlotJudge.bounded_test``: each float32 probability is
+#: within a few ulps of its exact value, so p(d), r(d) and the kept mass the reference sums
+#: are all within ~1e-6 of exact; 1e-3 is a wide margin that still settles most slots.
+NUCLEUS_MASS_SLACK = 1e-3
 
 
 def ban_in_place(x: torch.Tensor, ids: torch.Tensor, banned: torch.Tensor) -> None:
@@ -1133,8 +1167,10 @@ def take_rows(x: torch.Tensor, rows: list, bp: BlockPlan) -> tuple[torch.Tensor,
 
 
 def rows_of(x: torch.Tensor, at: list) -> torch.Tensor:
-    """x[at] for places ``at`` (ascending), without a copy when they are all of x's rows."""
-    return x if at == list(range(x.shape[0])) else x[at]
+    """x[at] for places ``at`` (ascending), without a copy (a view of x) when they are
+    consecutive, as a single row always is."""
+    first = at[0]
+    return x[first:first + len(at)] if at[-1] - first == len(at) - 1 else x[at]
 
 
 def pick_rows(x: torch.Tensor, rows: list, bp: BlockPlan) -> torch.Tensor:

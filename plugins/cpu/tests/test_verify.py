@@ -117,3 +117,54 @@ def test_verify_appends_update_the_penalty_slots_like_the_dense_state():
         seen = (s.prompt_mask[row] | (s.output_counts[row] > 0)).nonzero().flatten().tolist()
         assert got == {t: int(s.output_counts[row, t]) for t in seen}
     assert int(length[2]) == 0
+
+
+def nucleus_distribution(logits: torch.Tensor, top_p: float) -> torch.Tensor:
+    """The reference's top-p distribution of one row, by its rule: keep the tokens whose
+    mass strictly before them (sorted, descending) is < top_p, renormalise."""
+    p = torch.softmax(logits.double(), dim=-1)
+    ordered, order = torch.sort(p, descending=True)
+    keep = (ordered.cumsum(0) - ordered) < top_p
+    kept = torch.zeros_like(p).index_put_((order[keep],), ordered[keep])
+    return kept / kept.sum()
+
+
+def test_top_p_rows_judged_before_their_threshold_keep_the_target_distribution(monkeypatch):
+    """Unseeded whole rows with top-p: a slot's ratio test is settled from the probabilities
+    before the cut and bounds on the nucleus mass where it can be (SlotJudge.bounded_test),
+    so passed slots never find their threshold; the emitted tokens still follow the
+    top-p target (chi-square, fixed seeds, p > 1e-6), and draft 0 is accepted at the rate
+    sum(min(p, q)) (5 sigma)."""
+    from corelib.testing.rules import chi_square_p_value
+    Vs, Ks, R, top_p = 16, 2, 4000, 0.8
+    gen = torch.Generator().manual_seed(70)
+    target = torch.randn((Ks + 1, Vs), generator=gen) * 1.2
+    q = torch.softmax(target[:Ks] + 0.8 * torch.randn((Ks, Vs), generator=gen), dim=-1)
+    drafts = torch.stack([torch.multinomial(q[j], R, replacement=True, generator=gen)
+                          for j in range(Ks)], dim=1)
+    sampler = CpuSampler(generator=torch.Generator().manual_seed(71))
+    batch = sampler.new_batch(Vs)
+    for i in range(R):
+        batch.add(f"r{i}", SamplingParams(top_p=top_p))
+    resolved = []
+    resolve = CpuSampler.resolve
+    monkeypatch.setattr(CpuSampler, "resolve",
+                        lambda self, record, at: (resolved.append(len(record.pending(at))),
+                                                  resolve(self, record, at))[1])
+    out = sampler.verify(target.expand(R, -1, -1).contiguous(), batch, drafts,
+                         q.expand(R, -1, -1).contiguous())
+    ids, count = out.token_ids, out.num_emitted
+    p = [nucleus_distribution(target[j], top_p) for j in range(Ks)]
+    for slot, rows in ((0, count >= 1), (1, count >= 2)):
+        observed = torch.bincount(ids[rows, slot], minlength=Vs)
+        assert observed[p[slot] == 0].sum() == 0, f"slot {slot} emitted a token outside the nucleus"
+        assert chi_square_p_value(observed, p[slot]) > 1e-6, f"slot {slot}: {observed.tolist()}"
+    accepted = (count >= 2).double().mean()
+    expected = torch.minimum(p[0], q[0].double()).sum()
+    assert abs(accepted - expected) <= 5 * (expected * (1 - expected) / R).sqrt()
+    passed = int((count - 1).sum())
+    rejected = int((count <= Ks).sum())
+    print(f"passed {passed}, rejected {rejected}, thresholds found {sum(resolved)}")
+    # a rejected slot draws from its residual (which needs the threshold) and a few slots fall
+    # between the bounds or draw their bonus token outside the nucleus first; passed ones not
+    assert sum(resolved) < rejected + passed // 4
