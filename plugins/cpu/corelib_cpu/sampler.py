@@ -1024,13 +1024,13 @@ class SlotJudge:
     def passes(self, row: int, token: int, uq: float) -> bool:
         """The ratio test ``u q(d) < p(d)`` at the slot of ``row``, with the reference's p(d)
         (an unseeded whole row: its draw weights, normalised; see :meth:`bounded_test`
-        for one whose top-p threshold is still unknown)."""
+        for a whole row whose top-p threshold is still unknown)."""
         place = self.at.get(row)
         if place is None:
+            verdict = self.bounded_test(row, token, uq)
+            if verdict is not None:
+                return verdict
             if not self.blk.plan.seeded[row]:
-                verdict = self.bounded_test(row, token, uq)
-                if verdict is not None:
-                    return verdict
                 w, total = self.weights(row)
                 return uq < float(w[token]) / total
             return uq < float(self.exact(row)[token])
@@ -1044,8 +1044,9 @@ class SlotJudge:
         return uq < float(self.exact(row)[token])
 
     def bounded_test(self, row: int, token: int, uq: float) -> Optional[bool]:
-        """The ratio test of an unseeded whole row whose top-p cut is pending, decided
-        without its threshold where bounds settle it, else None (the caller resolves the cut).
+        """The ratio test of a whole row whose top-p cut is pending, decided without its
+        threshold where bounds settle it, else None (the caller resolves the cut). A
+        verdict is the one the reference's p(d) gives, so seeded rows use it too.
 
         With r the row's probabilities before the cut and M the nucleus mass, p(d) is r(d)
         / M for d in the nucleus and 0 outside, and min(top_p, total) <= M <= total, the

@@ -168,3 +168,25 @@ def test_top_p_rows_judged_before_their_threshold_keep_the_target_distribution(m
     # a rejected slot draws from its residual (which needs the threshold) and a few slots fall
     # between the bounds or draw their bonus token outside the nucleus first; passed ones not
     assert sum(resolved) < rejected + passed // 4
+
+
+def test_seeded_top_p_rows_settled_by_bounds_emit_the_references_tokens():
+    """Seeded whole rows with top-p whose ratio tests are settled by nucleus-mass bounds
+    (``SlotJudge.bounded_test``) emit exactly the reference's tokens: many rows, drafts close
+    to the target, so many tests fall near p(d) where a wrong bound would flip them."""
+    Vs, R = 64, 600
+    g = torch.Generator().manual_seed(72)
+    requests = [(f"p{i}", SamplingParams(seed=500 + i, top_p=0.8, temperature=0.9), []) for i in range(R)]
+    cpu, reference = CpuSampler(), Sampler("cpu")
+    mine, ref = cpu.new_batch(Vs), reference.new_batch(Vs)
+    for rid, params, _ in requests:
+        mine.add(rid, params)
+        ref.add(rid, params)
+    logits = torch.randn((R, K + 1, Vs), generator=g) * 2
+    q = torch.softmax(logits[:, :K] / 0.9 + 0.2 * torch.randn((R, K, Vs), generator=g), dim=-1)
+    ids = torch.stack([torch.multinomial(q[:, j], 1, generator=g)[:, 0] for j in range(K)], dim=1)
+    got, want = cpu.verify(logits, mine, ids, q), reference.verify(logits, ref, ids, q)
+    differ = (got.token_ids != want.token_ids).any(dim=1).nonzero()[:, 0].tolist()
+    assert not differ, f"rows {differ[:10]} differ from the reference"
+    assert torch.equal(got.num_emitted, want.num_emitted)
+    assert int((got.num_emitted > 2).sum()) > R // 4            # later slots were judged too
