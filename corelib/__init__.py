@@ -2,7 +2,7 @@
 
 __version__ = "0.1.0"
 
-from .batch import SamplingBatch, StepState
+from .batch import SamplingBatch, StepState, UnknownRequestError
 from .hookspecs import hookimpl, hookspec
 from .params import SamplingParams
 from .registry import (
@@ -21,7 +21,7 @@ from .stages import StageError, StageInputs, StageSpec, StageState
 __all__ = [
     "Availability", "BackendSpec", "BackendStatus", "BackendUnavailableError", "Logprobs",
     "Sampler", "SamplerOutput", "SamplingBatch", "SamplingParams", "StageError", "StageInputs",
-    "StageSpec", "StageState", "StageStatus", "StepState", "VerifyOutput",
+    "StageSpec", "StageState", "StageStatus", "StepState", "UnknownRequestError", "VerifyOutput",
     "available_backends", "available_stages", "get_sampler", "hookimpl", "hookspec",
     "__version__",
 ]

@@ -45,7 +45,10 @@ class StepState:
 
     The flags say which optional stages any row uses; a backend that prefers a fixed graph
     (TPU) may ignore them, since every tensor holds neutral values for rows that do not use
-    a stage. Optional tensors are None exactly when their flag is False.
+    a stage. Optional stage tensors are None until some row of the batch has used their
+    stage; once allocated they stay, holding neutral values for rows that do not use it. So
+    a backend tests the flags, never ``is None``, to know whether a stage runs. The scalars
+    of stages 8a-13b are always present.
     """
 
     num_rows: int

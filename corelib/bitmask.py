@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 
+__all__ = ["bitmask_width", "pack_bitmask", "unpack_bitmask"]
+
 BITS = 32
 
 

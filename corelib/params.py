@@ -52,10 +52,11 @@ _FLOAT_FIELDS = (
 
 
 def _ensure_not_bool(value, field):
+    # ValueError, so pydantic reports it as a ValidationError like every other bad value
     if isinstance(value, bool):
-        raise TypeError(f"{field} must be a number, got bool {value!r}")
+        raise ValueError(f"{field} must be a number, got bool {value!r}")
     if isinstance(value, str):
-        raise TypeError(f"{field} must be a number, got str {value!r}")
+        raise ValueError(f"{field} must be a number, got str {value!r}")
     return value
 
 

@@ -47,7 +47,7 @@ class SamplerOutput:
 
     ``valid[row]`` is False for a row whose logits held NaN or +inf, or whose every token was
     masked by steps 3-5, or whose drawn token's logit was not finite because float32 overflowed
-    in steps 6-13 (finite logits near 3e38, a subnormal temperature); such a row's token id is
+    in steps 6-13b (finite logits near 3e38, a subnormal temperature); such a row's token id is
     -1 and it must not be appended as a token.
     """
 
@@ -57,9 +57,9 @@ class SamplerOutput:
 
     def raise_on_invalid(self, batch: SamplingBatch) -> None:
         """Raise ValueError naming the first flagged row's request (waits on the device)."""
-        raise_on_flagged(self.valid, batch, "has no token to sample: its logits are NaN/+inf "
+        raise_on_flagged(self.valid, batch, "has no token to sample: its logits are NaN/+inf, "
                          "or every token is masked by allowed_token_ids, token_bitmask, "
-                         "bad_words and min_tokens")
+                         "bad_words and min_tokens, or float32 overflowed in steps 6-13b")
 
 
 @dataclass

@@ -262,10 +262,11 @@ def public_api() -> list[str]:
     """The lines docs/api.md must contain: ``name(signature)`` for every public callable,
     ``Class.method(signature)`` or ``Class.property`` for the classes users call into."""
     import corelib
+    import corelib.bitmask as bitmask
     import corelib.integrations.hf as hf
     import corelib.testing as testing
     lines = []
-    for module in (corelib, testing, hf):
+    for module in (corelib, bitmask, testing, hf):
         for name in module.__all__:
             obj = getattr(module, name)
             signature = plain_signature(obj) if callable(obj) else None

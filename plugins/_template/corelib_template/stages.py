@@ -3,7 +3,7 @@ whose probability is below a fixed epsilon, never the most likely one).
 
 A stage is plain torch on ``[rows, V]`` float32 logits: every backend runs it at its slot
 (traced on XLA, captured in CUDA graphs), only on the rows whose request asks for it with
-``SamplingParams(stage_args={"template-epsilon": {"epsilon": 3e-4}}})``.
+``SamplingParams(stage_args={"template-epsilon": {"epsilon": 3e-4}})``.
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
 """Discovery: the entry point resolves, the backend is available exactly when its probe says
-so, and auto-detection never picks it over the reference backend."""
+so, and auto-detection picks it exactly when its priority is above the reference's (the
+template's -100: never)."""
 
 from __future__ import annotations
 
@@ -31,7 +32,11 @@ def test_asked_for_by_name_it_builds_its_sampler():
     assert sampler.device == torch.device(plugin.DEVICE_TYPE)
 
 
-def test_auto_detection_prefers_the_reference():
+def test_auto_detection_follows_the_priority():
+    """Available, auto-detectable and above the reference's priority 0: auto-detection picks
+    the backend (for no device and for its device type); otherwise it never does."""
     registry = Registry(allow={plugin.BACKEND_NAME})
-    assert registry.choose()[0].name != plugin.BACKEND_NAME
-    assert registry.choose(torch.device(plugin.DEVICE_TYPE))[0].name != plugin.BACKEND_NAME
+    probed = plugin.probe()
+    preferred = probed.available and probed.auto and plugin.PRIORITY > 0
+    assert (registry.choose()[0].name == plugin.BACKEND_NAME) is preferred
+    assert (registry.choose(torch.device(plugin.DEVICE_TYPE))[0].name == plugin.BACKEND_NAME) is preferred
