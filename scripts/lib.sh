@@ -23,6 +23,10 @@ XGRAMMAR_PIN="xgrammar==0.2.9"
 DEMO_PLUGINS="cpu"
 TEST_PLUGINS="cpu cuda _template"
 
+# Every wheel is installed once per venv, so pip's cache would only double the disk a run
+# needs (the XLA venv alone is several GB).
+export PIP_NO_CACHE_DIR=1
+
 pip_quiet() { "$1/bin/pip" install --quiet --disable-pip-version-check "${@:2}"; }
 
 ensure_main_venv() {  # [extras, e.g. "test,plot"] [more pip arguments...]
