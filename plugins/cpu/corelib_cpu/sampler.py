@@ -224,7 +224,9 @@ class CpuSampler(Sampler):
         outputs = []
         for bs in self.block_states(logits, batch, s, slots=S):
             rows = slice(bs.plan.r0 // S, bs.plan.r1 // S)
-            outputs.append(Sampler.verify_state(self, logits, batch, bs, drafts_of(drafts, rows)))
+            block_drafts = drafts_of(drafts, rows)
+            bs.undrawn = undrawn_slots(bs.plan, block_drafts)
+            outputs.append(Sampler.verify_state(self, logits, batch, bs, block_drafts))
         return outputs[0] if len(outputs) == 1 else join_verifications(outputs)
 
     def processed_state(self, logits: torch.Tensor, batch: SamplingBatch, s: StepState) -> torch.Tensor:
@@ -690,7 +692,12 @@ class CpuSampler(Sampler):
         """Step 14 for the block's random rows: int64 [n] token ids (greedy rows 0: the
         template takes their argmax). Candidate rows race over their candidates, whole rows
         draw from their kept probabilities or race with the contract's noise (see the module
-        docstring). Records ``drawn_finite`` for ``drawn_is_finite``."""
+        docstring). Records ``drawn_finite`` for ``drawn_is_finite``.
+
+        Whole rows in ``s.undrawn`` (verification's draft slots judged by the ratio test,
+        whose draw nothing reads) are not drawn: their id is 0 and their ``drawn_finite``
+        says whether the row's largest logit is finite, which is whether any draw from it
+        would be (float32 overflow leaves +inf at the top, and a top token is always kept)."""
         bp = x.plan
         n = bp.n
         cand, candidate_rows = x.cand, x.candidate_rows
@@ -700,7 +707,8 @@ class CpuSampler(Sampler):
             return cand.ids.gather(1, pos)[:, 0]
         tokens = torch.zeros(n, dtype=torch.long)
         ok = None
-        whole = [i for i in bp.random_rows if i not in candidate_rows]
+        undrawn = getattr(s, "undrawn", ())
+        whole = [i for i in bp.random_rows if i not in candidate_rows and i not in undrawn]
         if whole:
             ids, ok = self.draw_whole(x, whole, s.keys)
             if len(whole) == n:
@@ -709,6 +717,8 @@ class CpuSampler(Sampler):
                 tokens[bp.index(whole)] = ids
                 ok = torch.ones(n, dtype=torch.bool).index_put_((bp.index(whole),), ok)
         finite = self.finite_at(x.x, tokens)
+        for r0, r1 in runs(sorted(row for row in undrawn if row not in candidate_rows)):
+            finite[r0:r1] = is_finite(x.x[r0:r1].amax(dim=1))
         if cand is not None:
             pos = self.race_candidates(cand, bp, s.keys)
             tokens[cand.index] = cand.ids.gather(1, pos)[:, 0]
@@ -1177,6 +1187,18 @@ def rows_of(x: torch.Tensor, at: list) -> torch.Tensor:
 def pick_rows(x: torch.Tensor, rows: list, bp: BlockPlan) -> torch.Tensor:
     """x[rows] for block-local rows (ascending), without a copy when they are all of x's."""
     return x if len(rows) == x.shape[0] else x.index_select(0, bp.index(rows))
+
+
+def undrawn_slots(bp: BlockPlan, drafts: Drafts) -> frozenset:
+    """Block-local rows whose step-14 draw verification never reads: with draft
+    probabilities, a random row's slot j < k (its k drafts) emits either its draft or the
+    residual draw of the ratio test, never the slot's own draw (slot k's, the bonus or a
+    short row's next token, is drawn)."""
+    if drafts.probs is None:
+        return frozenset()
+    S = drafts.slots
+    return frozenset(r * S + j for r, k in enumerate(drafts.count.tolist()) for j in range(k)
+                     if not bp.greedy[r * S + j])
 
 
 def drafts_of(drafts: Drafts, rows: slice) -> Drafts:

@@ -190,3 +190,30 @@ def test_seeded_top_p_rows_settled_by_bounds_emit_the_references_tokens():
     assert not differ, f"rows {differ[:10]} differ from the reference"
     assert torch.equal(got.num_emitted, want.num_emitted)
     assert int((got.num_emitted > 2).sum()) > R // 4            # later slots were judged too
+
+
+def test_draft_slots_left_undrawn_flag_and_stop_like_the_reference():
+    """With draft probabilities a random row's draft slots are not drawn (their draw is never
+    read); their overflow check then reads the row's largest logit. Seeded rows, one slot
+    overflowing to +inf after temperature, one slot of NaN logits, one clean: emitted ids,
+    counts and flags equal the reference's."""
+    Vs = 500
+    g = torch.Generator().manual_seed(73)
+    requests = [(f"s{i}", SamplingParams(seed=600 + i, temperature=0.5, top_p=[1.0, 0.9, 0.9, 1.0][i],
+                                         min_p=[0.0, 0.0, 0.05, 0.0][i]), []) for i in range(4)]
+    cpu, reference = CpuSampler(block_elements=2 * Vs * (K + 1)), Sampler("cpu")
+    mine, ref = cpu.new_batch(Vs), reference.new_batch(Vs)
+    for rid, params, _ in requests:
+        mine.add(rid, params)
+        ref.add(rid, params)
+    logits = torch.randn((4, K + 1, Vs), generator=g)
+    q = torch.softmax(logits[:, :K] / 0.5, dim=-1)                      # drafts that mostly pass
+    ids = torch.stack([torch.multinomial(q[:, j], 1, generator=g)[:, 0] for j in range(K)], dim=1)
+    logits[0, 1, 7] = 3e38                                               # +inf after T = 0.5
+    logits[1, 2, 9] = 3e38
+    logits[2, 0, 3] = float("nan")                                       # no token at slot 0
+    got, want = cpu.verify(logits, mine, ids, q), reference.verify(logits, ref, ids, q)
+    assert torch.equal(got.token_ids, want.token_ids)
+    assert torch.equal(got.num_emitted, want.num_emitted)
+    assert torch.equal(got.valid, want.valid)
+    assert got.valid.tolist() == [True, True, False, True]
