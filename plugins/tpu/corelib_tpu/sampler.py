@@ -422,7 +422,8 @@ class TpuSampler(Sampler):
         recovered token is drawn from ``max(p - q, 0)`` renormalised (p itself where that is all
         zero) with the slot's own step-14 noise. final float32 ``[B (K+1), V]`` (p = its
         softmax), draft probabilities float32 ``[B, K, V]``. Returns (bool ``[B, K]`` passed,
-        int64 ``[B, K]`` recovered).
+        int64 ``[B, K]`` recovered: each row's residual draw at its first rejected slot, the
+        one slot whose entry is read, repeated along the row).
 
         Shaped for few passes over the vocabulary: only the K draft slots (the core also builds
         slot K's row to keep one draw over every slot); p = ``exp(x - logsumexp(x))`` is
@@ -438,12 +439,21 @@ class TpuSampler(Sampler):
         d = drafts.token_ids.clamp(min=0)[..., None]
         u = self.acceptance_uniforms(s).view(B, S)[:, :K]
         passed = u * q.gather(2, d)[..., 0] < torch.exp(x.gather(2, d) - log_total)[..., 0]
-        residual = (torch.exp(x - log_total) - q).clamp(min=0.0)
+        # A row emits the residual draw of its first rejected slot only (emit_tokens reads no
+        # other), so the residual is built at that slot alone: B rows of V, not B K.
+        device = final.device
+        real = xla.iota(K, torch.long, device) < drafts.count[:, None]
+        stop = leading_count(passed & real).clamp(max=K - 1)                    # (B,)
+        at_stop = xla.iota(B, torch.long, device)[0] * S + stop                 # rows of final
+        x_stop = final.index_select(0, at_stop)                                 # (B, V)
+        log_total_stop = log_total[..., 0].gather(1, stop[:, None])             # (B, 1)
+        q_stop = q.reshape(B * K, V).index_select(0, at_stop - at_stop // S)    # row b K + stop
+        residual = (torch.exp(x_stop - log_total_stop) - q_stop).clamp(min=0.0)
         has_mass = (residual > 0).any(dim=-1, keepdim=True)
-        target = torch.where(has_mass, residual.log(), x - log_total)           # log p: fallback
-        noise_at_drafts = self._row_noise(s, V).view(B, S, V)[:, :K]
-        recovered = thresholds.first_argmax((target + noise_at_drafts).reshape(B * K, V))
-        return passed, recovered.view(B, K)
+        target = torch.where(has_mass, residual.log(), x_stop - log_total_stop)  # log p: fallback
+        noise_at_stop = self._row_noise(s, V).index_select(0, at_stop)
+        recovered = thresholds.first_argmax(target + noise_at_stop)             # (B,)
+        return passed, recovered[:, None].expand(B, K)
 
     def top_logprobs(self, logprobs: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Step 15's top-N from ``thresholds.top_entries`` (float32 [B, n] values, int64 [B, n]
