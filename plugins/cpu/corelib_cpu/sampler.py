@@ -1006,6 +1006,7 @@ class SlotJudge:
         self.batched: list = []            # unseeded candidate rows' rejections: (place, q, key)
         self.drawn: list = []              # (key, token) of the other rejections
         self.totals: dict = {}             # unseeded whole row -> its weights' sum
+        self.computed = None               # (row, weights) last computed into "verify_weights"
 
     def exact(self, row: int) -> torch.Tensor:
         """float32 [V]: the reference's softmax of the row's final logits (a workspace row,
@@ -1025,7 +1026,11 @@ class SlotJudge:
         its draw used, or computed now (into a buffer of their own)."""
         w = next((weights[rows.index(row)] for rows, weights in self.blk.weights if row in rows), None)
         if w is None:
-            w = self.sampler.row_weights(self.blk, [row], "verify_weights")[0]
+            if self.computed is not None and self.computed[0] == row:
+                w = self.computed[1]          # a rejected slot's weights, made by its ratio test
+            else:
+                w = self.sampler.row_weights(self.blk, [row], "verify_weights")[0]
+                self.computed = (row, w)      # the buffer holds them until the next row's
         total = self.totals.get(row)
         if total is None:
             total = self.totals[row] = float(w.sum())
