@@ -8,10 +8,11 @@ source scripts/lib.sh
 
 # The three venvs take about 15 GB (the XLA one 7 GB: torch 2.9.0's PyPI build carries the
 # CUDA libraries). Say up front when the disk cannot hold them, rather than only mid-install.
+needed_gb=15
 free_gb=$(df -Pk . | awk 'NR==2 {print int($4 / 1048576)}')
-echo "== disk: ${free_gb} GB free here; a first run needs about 15 GB"
-if [ "$free_gb" -lt 15 ] && [ ! -x "$XLA_VENV/bin/python" ]; then
-  echo "!! less than 15 GB free: the setup below may fail with 'No space left on device'" >&2
+echo "== disk: ${free_gb} GB free here; a first run needs about ${needed_gb} GB"
+if [ "$free_gb" -lt "$needed_gb" ] && [ ! -x "$XLA_VENV/bin/python" ]; then
+  echo "!! less than ${needed_gb} GB free: the setup below may fail with 'No space left on device'" >&2
 fi
 echo "== setup: main venv ($VENV)"
 ensure_main_venv "test,plot" "$TRANSFORMERS_PIN" "$XGRAMMAR_PIN"

@@ -707,7 +707,7 @@ class CpuSampler(Sampler):
             return cand.ids.gather(1, pos)[:, 0]
         tokens = torch.zeros(n, dtype=torch.long)
         ok = None
-        undrawn = getattr(s, "undrawn", ())
+        undrawn = s.undrawn
         whole = [i for i in bp.random_rows if i not in candidate_rows and i not in undrawn]
         if whole:
             ids, ok = self.draw_whole(x, whole, s.keys)
@@ -1065,10 +1065,10 @@ class SlotJudge:
 
         With r the row's probabilities before the cut and M the nucleus mass, p(d) is r(d)
         / M for d in the nucleus and 0 outside, and min(top_p, total) <= M <= total, the
-        total within float32 rounding of 1 (``NUCLEUS_MASS_SLACK`` covers rounding): a test
-        that fails with p(d) at its upper bound r(d) / min(top_p, 1) fails, and one that
-        passes at r(d) passes once d is known to be in the nucleus (``nucleus_contains``, a
-        threshold pass and a sum instead of the radix select)."""
+        total within float32 rounding of 1 (``NUCLEUS_MASS_SLACK`` covers rounding; a pending
+        cut has top_p < 1): a test that fails with p(d) at its upper bound r(d) / top_p
+        fails, and one that passes at r(d) passes once d is known to be in the nucleus
+        (``nucleus_contains``, a threshold pass and a sum instead of the radix select)."""
         found = self.blk.cuts.get(row)
         if found is None:
             return None
@@ -1077,7 +1077,7 @@ class SlotJudge:
             return None
         r = record.weights[j]
         r_token = float(r[token])
-        if uq >= r_token / min(record.top_p[j], 1.0) * (1.0 + NUCLEUS_MASS_SLACK):
+        if uq >= r_token / record.top_p[j] * (1.0 + NUCLEUS_MASS_SLACK):
             return False
         if uq < r_token * (1.0 - NUCLEUS_MASS_SLACK):
             inside = nucleus_contains(r[None], torch.tensor([token]), torch.tensor([record.top_p[j]]))

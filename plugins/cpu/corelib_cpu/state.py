@@ -27,7 +27,7 @@ def block_states(s: StepState, plans: list, keys: Optional[torch.Tensor],
     itself with the block's ``plan``, ``keys`` and ``request_index`` set on it (its flags are
     the block's already; this spares the one block of a small batch the wrapper's cost)."""
     if len(plans) == 1 and plans[0].r0 == 0 and plans[0].r1 == s.num_rows:
-        s.plan, s.keys, s.request_index = plans[0], keys, request_index
+        s.plan, s.keys, s.request_index, s.undrawn = plans[0], keys, request_index, frozenset()
         return [s]
     # the step's host values every block shares (its flags, the logprobs asked for, ...)
     shared = {name: getattr(s, name) for name in _SHARED}
@@ -51,6 +51,7 @@ class BlockState:
         self._s = s
         self._rows = None if whole else slice(plan.r0, plan.r1)
         self.plan = plan
+        self.undrawn = frozenset()     # verification sets it (``sampler.undrawn_slots``)
         self.keys = keys if keys is None or whole else keys[plan.r0:plan.r1]
         self.request_index = request_index
         self.num_rows = plan.n

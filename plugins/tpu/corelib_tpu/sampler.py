@@ -444,10 +444,11 @@ class TpuSampler(Sampler):
         device = final.device
         real = xla.iota(K, torch.long, device) < drafts.count[:, None]
         stop = leading_count(passed & real).clamp(max=K - 1)                    # (B,)
-        at_stop = xla.iota(B, torch.long, device)[0] * S + stop                 # rows of final
+        row = xla.iota(B, torch.long, device)[0]
+        at_stop = row * S + stop                                                # rows of final
         x_stop = final.index_select(0, at_stop)                                 # (B, V)
         log_total_stop = log_total[..., 0].gather(1, stop[:, None])             # (B, 1)
-        q_stop = q.reshape(B * K, V).index_select(0, at_stop - at_stop // S)    # row b K + stop
+        q_stop = q.reshape(B * K, V).index_select(0, row * K + stop)
         residual = (torch.exp(x_stop - log_total_stop) - q_stop).clamp(min=0.0)
         has_mass = (residual > 0).any(dim=-1, keepdim=True)
         target = torch.where(has_mass, residual.log(), x_stop - log_total_stop)  # log p: fallback
