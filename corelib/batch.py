@@ -19,9 +19,12 @@ from .history import advance_matches, match_lengths, trailing_run
 from .noise import split_seed
 from .params import SamplingParams
 from .stages import StageError, StageInputs, StageSpec, describe_stage
+from .transfer import upload
 
 LOGPROBS_MODES = ("raw", "processed")
 _MIN_CAPACITY = 8
+#: The token id of a flagged row (no token this step), in outputs and in ``append``.
+INVALID_TOKEN = -1
 # Rows, children and positions are int32 on the device (and in the seeded-draw recipe).
 _INT32_MAX = 2**31 - 1
 MAX_ROWS = _INT32_MAX
@@ -252,11 +255,16 @@ class SamplingBatch:
     # ------------------------------------------------------------------ add / remove
     def add(self, request_id: str, params: SamplingParams,
             prompt_token_ids: Sequence[int] = (),
-            output_token_ids: Optional[Sequence[int] | Sequence[Sequence[int]]] = None) -> list[int]:
+            output_token_ids: Optional[Sequence[int] | Sequence[Sequence[int]]] = None,
+            child_offset: int = 0) -> list[int]:
         """Add a request as ``params.n`` rows; returns their row indices (child order).
 
         ``output_token_ids`` resumes a request that already generated tokens: one list for
-        n = 1, or one list per child. Raises ValueError naming the request on any bad id.
+        n = 1, or one list per child. ``child_offset``: the child index its first row draws
+        as (seeded draws are keyed by seed, child and position): an engine that splits a
+        parallel request into n requests of n = 1 adds child i with ``child_offset=i``, so it
+        draws exactly what row ``(parent, i)`` of the unsplit request draws. Raises ValueError
+        naming the request on any bad id.
         """
         if not isinstance(request_id, str) or not request_id:
             raise TypeError(f"request_id must be a non-empty str, got {request_id!r}")
@@ -273,6 +281,10 @@ class SamplingBatch:
                 f"request {request_id!r}: n={params.n} does not fit: a batch holds at most "
                 f"{MAX_ROWS} rows (row and child indices are int32), it has {len(self._row_keys)}"
             )
+        if (isinstance(child_offset, bool) or not isinstance(child_offset, int)
+                or not 0 <= child_offset <= _INT32_MAX - params.n + 1):
+            raise ValueError(f"request {request_id!r}: child_offset must be an int in "
+                             f"[0, 2**31 - n], got {child_offset!r}")
         prompt = self._check_ids(request_id, "prompt_token_ids", prompt_token_ids)
         outputs = self._split_outputs(request_id, params.n, output_token_ids)
         top = params.max_token_id()
@@ -291,7 +303,7 @@ class SamplingBatch:
         try:
             self._ensure_capacity(first + params.n)
             self._allocate_optional_state(params, prompt, outputs)
-            self._write_rows(rows, params, prompt, outputs)
+            self._write_rows(rows, params, prompt, outputs, child_offset)
         except BaseException:
             self._tensors, self._capacity = saved_tensors, saved_capacity
             self._reset_rows(rows)
@@ -316,9 +328,7 @@ class SamplingBatch:
         targets = [h for h in holes if h < last - len(holes)]
         # Each surviving tail row fills one hole below the new end.
         if targets:
-            src = torch.tensor(keep_tail, dtype=torch.long)
-            dst = torch.tensor(targets, dtype=torch.long)
-            self._move_rows(src, dst)
+            self._move_rows(keep_tail, targets)
             for s, d in zip(keep_tail, targets):
                 self._row_keys[d] = self._row_keys[s]
                 self._row_params[d] = self._row_params[s]
@@ -348,7 +358,7 @@ class SamplingBatch:
                                  f"(it has {n} rows)")
         if a == b:
             return
-        self._move_rows(torch.tensor([a, b], dtype=torch.long), torch.tensor([b, a], dtype=torch.long))
+        self._move_rows([a, b], [b, a])
         for rows in (self._row_keys, self._row_params, self._generated):
             rows[a], rows[b] = rows[b], rows[a]
         for row in (a, b):
@@ -363,33 +373,34 @@ class SamplingBatch:
         padding), any device.
 
         Updates positions, running output counts, the recent-token window, DRY histories and
-        custom stages' state; never reads a history. With one id per row, ids outside
-        ``[0, vocab_size)`` (such as the -1 of a flagged row) raise when they can be checked
-        without waiting on the device (a list or a CPU tensor); on an accelerator they are
-        counted nowhere and only advance the position. If a custom stage's state update fails,
-        ``StageError`` is raised and nothing changes.
+        custom stages' state; never reads a history. With one id per row, -1 (a flagged row's
+        id) is "no token this step": that row's state stays as it was, on every device, so
+        ``batch.append(sampler.sample(logits, batch).token_ids)`` needs no filtering. Any other
+        id outside ``[0, vocab_size)`` raises ValueError naming the row when the ids are on the
+        host (a list or a CPU tensor); on an accelerator it cannot be checked without waiting,
+        and is treated as -1. If a custom stage's state update fails, ``StageError`` is raised
+        and nothing changes.
         """
         ids = self.check_token_ids(token_ids)
         n = ids.shape[0]
         if n == 0:
             return
-        ids = ids.to(self.device, torch.long, non_blocking=True)
+        steps = (ids >= 0).view(n, -1).sum(dim=1).tolist() if ids.device.type == "cpu" else None
+        ids = upload(ids, self.device, torch.long)
         if ids.dim() == 1:
-            columns = [(ids, torch.ones_like(ids, dtype=torch.bool))]
+            live = (ids >= 0) & (ids < self.vocab_size)
+            columns = [(ids, live)]
         else:
             live = torch.cumprod((ids >= 0).to(torch.int32), dim=1).to(torch.bool)
             columns = [(ids[:, j], live[:, j]) for j in range(ids.shape[1])]
         self._ensure_history_room(len(columns))
         t = {name: tensor[:n] for name, tensor in self._tensors.items()}
         self._advance(t, columns)
-        if ids.dim() == 1:
-            for i in range(n):
-                self._generated[i] += 1
-        elif ids.device.type == "cpu":
-            for i, count in enumerate(live.sum(dim=1).tolist()):
-                self._generated[i] += count
-        else:
+        if steps is None:
             self._stale_generated = True     # counting would wait on the device
+        elif not self._stale_generated:
+            for i, count in enumerate(steps):
+                self._generated[i] += count
 
     def _advance(self, t: dict[str, torch.Tensor],
                  columns: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
@@ -448,11 +459,11 @@ class SamplingBatch:
         return staged
 
     def check_token_ids(self, token_ids) -> torch.Tensor:
-        """``append``'s argument checks: one integer id per row (``[rows]``), or each row's
-        emitted tokens (``[rows, K+1]``, -1 padding after them); ids outside
-        ``[0, vocab_size)`` (other than that padding) raise when the ids are on the host (a list
-        or a CPU tensor), since checking device ids would wait on the device. Returns them as a
-        tensor (not copied to the batch's device)."""
+        """``append``'s argument checks: one integer id per row (``[rows]``, -1 for a flagged
+        row), or each row's emitted tokens (``[rows, K+1]``, -1 padding after them); other ids
+        outside ``[0, vocab_size)`` raise when the ids are on the host (a list or a CPU
+        tensor), since checking device ids would wait on the device. Returns them as a tensor
+        (not copied to the batch's device)."""
         n = len(self._row_keys)
         try:
             ids = torch.as_tensor(token_ids)
@@ -472,12 +483,13 @@ class SamplingBatch:
                 self._check_emitted(ids)
             return ids
         if n and ids.device.type == "cpu":
-            bad = ((ids < 0) | (ids >= self.vocab_size)).nonzero()
+            bad = ((ids < INVALID_TOKEN) | (ids >= self.vocab_size)).nonzero()
             if bad.numel():
                 row = int(bad[0, 0])
                 raise ValueError(
                     f"append: token id {int(ids[row])} for row {row} (request "
-                    f"{self._row_keys[row][0]!r}) is out of range for vocab_size={self.vocab_size}"
+                    f"{self._row_keys[row][0]!r}) is out of range for vocab_size={self.vocab_size} "
+                    f"(-1, a flagged row's id, means no token this step)"
                 )
         return ids
 
@@ -684,7 +696,7 @@ class SamplingBatch:
         if token_bitmask.device.type not in ("cpu", self.device.type):
             raise ValueError(f"token_bitmask is on {token_bitmask.device}; pass it on the host or "
                              f"on the batch's device {self.device}")
-        return token_bitmask.reshape(-1, width).to(self.device, non_blocking=True)
+        return upload(token_bitmask.reshape(-1, width), self.device)
 
     # ------------------------------------------------------------------ internals
     def _changed(self) -> None:
@@ -855,7 +867,7 @@ class SamplingBatch:
         return set() if self.eos_token_id is None else {self.eos_token_id}
 
     def _write_rows(self, rows: list[int], params: SamplingParams, prompt: list[int],
-                    outputs: list[list[int]]) -> None:
+                    outputs: list[list[int]], child_offset: int = 0) -> None:
         n = len(rows)
         sl = slice(rows[0], rows[0] + n)
         t, dev = self._tensors, self.device
@@ -886,36 +898,39 @@ class SamplingBatch:
         }
         for name, value in scalar_values.items():
             t[name][sl] = value
-        t["child"][sl] = torch.arange(n, dtype=torch.int32, device=dev)
-        t["position"][sl] = torch.tensor([len(o) for o in outputs], dtype=torch.int32, device=dev)
+        t["child"][sl] = torch.arange(child_offset, child_offset + n, dtype=torch.int32, device=dev)
+        t["position"][sl] = upload([len(o) for o in outputs], dev, torch.int32)
 
         V = self.vocab_size
         if "output_counts" in t:
-            # The prompt's state is computed once per request and copied to each child.
-            prompt_mask = torch.zeros(V, dtype=torch.bool, device=dev)
+            # Built on the host and uploaded once (a device write from host values would wait).
+            prompt_mask = torch.zeros(V, dtype=torch.bool)
             if prompt:
-                prompt_mask[torch.tensor(prompt, dtype=torch.long, device=dev)] = True
-            t["prompt_mask"][sl] = prompt_mask
-            counts = torch.zeros((n, V), dtype=torch.int32, device=dev)
-            for c, out in enumerate(outputs):
-                if out:
-                    counts[c] = torch.bincount(torch.tensor(out, dtype=torch.long), minlength=V).to(dev, torch.int32)
-            t["output_counts"][sl] = counts
+                prompt_mask[torch.tensor(prompt, dtype=torch.long)] = True
+            t["prompt_mask"][sl] = upload(prompt_mask, dev)
+            if any(outputs):
+                counts = torch.zeros((n, V), dtype=torch.int32)
+                for c, out in enumerate(outputs):
+                    if out:
+                        counts[c] = torch.bincount(torch.tensor(out, dtype=torch.long), minlength=V)
+                t["output_counts"][sl] = upload(counts, dev)
+            else:
+                t["output_counts"][sl] = 0
         if "allowed_mask" in t:
             if params.allowed_token_ids is None:
                 t["allowed_mask"][sl] = True
             else:
-                allowed = torch.zeros(V, dtype=torch.bool, device=dev)
-                allowed[torch.tensor(params.allowed_token_ids, dtype=torch.long, device=dev)] = True
-                t["allowed_mask"][sl] = allowed
+                allowed = torch.zeros(V, dtype=torch.bool)
+                allowed[torch.tensor(params.allowed_token_ids, dtype=torch.long)] = True
+                t["allowed_mask"][sl] = upload(allowed, dev)
         if "bias_ids" in t:
             width = t["bias_ids"].shape[1]
             ids = torch.zeros(width, dtype=torch.long)
             vals = torch.zeros(width, dtype=torch.float32)
             for i, (token, bias) in enumerate(sorted(params.logit_bias.items())):
                 ids[i], vals[i] = token, bias
-            t["bias_ids"][sl] = ids.to(dev)
-            t["bias_values"][sl] = vals.to(dev)
+            t["bias_ids"][sl] = upload(ids, dev)
+            t["bias_values"][sl] = upload(vals, dev)
         if "stop_ids" in t:
             width = t["stop_ids"].shape[1]
             ids = torch.zeros(width, dtype=torch.long)
@@ -924,8 +939,8 @@ class SamplingBatch:
                 stops = sorted(set(params.stop_token_ids) | self._eos_set())
                 ids[: len(stops)] = torch.tensor(stops, dtype=torch.long)
                 valid[: len(stops)] = True
-            t["stop_ids"][sl] = ids.to(dev)
-            t["stop_valid"][sl] = valid.to(dev)
+            t["stop_ids"][sl] = upload(ids, dev)
+            t["stop_valid"][sl] = upload(valid, dev)
         if "bad_last" in t:
             words, width = t["bad_prefix"].shape[1:]
             last = torch.zeros(words, dtype=torch.long)
@@ -935,15 +950,15 @@ class SamplingBatch:
                 last[i], valid[i] = word[-1], True
                 if len(word) > 1:
                     prefix[i, width - (len(word) - 1):] = torch.tensor(word[:-1], dtype=torch.long)
-            t["bad_last"][sl] = last.to(dev)
-            t["bad_valid"][sl] = valid.to(dev)
-            t["bad_prefix"][sl] = prefix.to(dev)
+            t["bad_last"][sl] = upload(last, dev)
+            t["bad_valid"][sl] = upload(valid, dev)
+            t["bad_prefix"][sl] = upload(prefix, dev)
             recent = torch.full((n, t["recent"].shape[1]), -1, dtype=torch.long)
             for c, out in enumerate(outputs):
                 tail = out[-recent.shape[1]:]
                 if tail:
                     recent[c, recent.shape[1] - len(tail):] = torch.tensor(tail, dtype=torch.long)
-            t["recent"][sl] = recent.to(dev)
+            t["recent"][sl] = upload(recent, dev)
         if "dry_history" in t:
             self._write_history(sl, params, prompt, outputs)
         for name, (spec, args) in self._stage_arguments("", params).items():
@@ -968,11 +983,9 @@ class SamplingBatch:
                     history[c, : len(h)] = torch.tensor(h, dtype=torch.long)
                     match[c, : len(h)] = torch.tensor(match_lengths(h), dtype=torch.int32)
                 length[c], since[c] = len(h), trailing_run(h, stops)
-        t["dry_history"][sl] = history.to(self.device)
-        t["dry_match"][sl] = match.to(self.device)
-        t["dry_length"][sl] = length.to(self.device)
-        t["dry_since_breaker"][sl] = since.to(self.device)
-        t["dry_breakers"][sl] = breakers.to(self.device)
+        for name, value in (("dry_history", history), ("dry_match", match), ("dry_length", length),
+                            ("dry_since_breaker", since), ("dry_breakers", breakers)):
+            t[name][sl] = upload(value, self.device)
 
     def _write_stage(self, sl: slice, spec: StageSpec, args, prompt: list[int],
                      outputs: list[list[int]]) -> None:
@@ -992,15 +1005,16 @@ class SamplingBatch:
                 if tuple(value.shape) != tuple(t[key].shape[1:]):
                     raise StageError(f"{describe_stage(spec)}: state {state.name!r} init returned "
                                      f"shape {list(value.shape)}, expected {list(t[key].shape[1:])}")
-                t[key][sl.start + c] = value.to(self.device, t[key].dtype)
+                t[key][sl.start + c] = upload(value.to(t[key].dtype), self.device)
 
-    def _move_rows(self, src: torch.Tensor, dst: torch.Tensor) -> None:
-        """Copy rows ``src`` to rows ``dst`` (int64 host tensors of equal length) in every
-        per-row tensor, as one permutation: every source row is read before any row is written,
-        so ``swap_rows`` passes ``[a, b] -> [b, a]``. Subclasses with state of their own
-        override this (and call it) to move that state too."""
+    def _move_rows(self, src: list[int], dst: list[int]) -> None:
+        """Copy rows ``src`` to rows ``dst`` (host row numbers, equal lengths) in every per-row
+        tensor, as one permutation: every source row is read before any row is written, so
+        ``swap_rows`` passes ``[a, b] -> [b, a]``. The row numbers are uploaded once, without
+        waiting. Subclasses with state of their own override this (and call it) to move that
+        state too."""
+        s, d = (upload(rows, self.device, torch.long) for rows in (src, dst))
         for tensor in self._tensors.values():
-            s, d = src.to(tensor.device), dst.to(tensor.device)
             tensor.index_copy_(0, d, tensor.index_select(0, s))
 
     def _reset_rows(self, rows: list[int]) -> None:
@@ -1021,7 +1035,7 @@ class SamplingBatch:
             order = {rid: i for i, rid in enumerate(self.request_ids)}
             index = [order[rid] for rid, _ in self._row_keys]
             index += [0] * (n - len(index))
-            self._request_index = torch.tensor(index, dtype=torch.long, device=self.device)
+            self._request_index = upload(index, self.device, torch.long)
         return self._request_index
 
 

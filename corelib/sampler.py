@@ -16,7 +16,7 @@ from typing import Callable, Optional
 
 import torch
 
-from .batch import SamplingBatch, StepState, padded_ids_problem
+from .batch import INVALID_TOKEN, SamplingBatch, StepState, padded_ids_problem
 from .bitmask import unpack_bitmask
 from .noise import (
     STREAM_ACCEPT,
@@ -27,9 +27,9 @@ from .noise import (
     stream_uniform,
 )
 from .stages import StageInputs, StageSpec, run_stage
+from .transfer import upload
 
 NEG_INF = float("-inf")
-INVALID_TOKEN = -1
 
 
 @dataclass
@@ -48,7 +48,7 @@ class SamplerOutput:
     ``valid[row]`` is False for a row whose logits held NaN or +inf, or whose every token was
     masked by steps 3-5, or whose drawn token's logit was not finite because float32 overflowed
     in steps 6-13b (finite logits near 3e38, a subnormal temperature); such a row's token id is
-    -1 and it must not be appended as a token.
+    -1, which ``batch.append`` takes as "no token this step" (the row's state stays as it was).
     """
 
     token_ids: torch.Tensor            # int64 [B]
@@ -316,14 +316,15 @@ class Sampler:
         ids = checked_draft_ids(draft_token_ids, B, K)
         if ids.device.type == "cpu" and B and K:
             _check_draft_ids(ids, V, batch)
-        ids = ids.to(self.device, torch.long, non_blocking=True)
+        ids = upload(ids, self.device, torch.long)
         present = ids >= 0
         count = torch.cumprod(present.to(torch.int32), dim=1).sum(dim=1).to(torch.long)
         usable = ((ids >= -1) & (ids < V)).all(dim=1) & (present.sum(dim=1) == count)
         probs = None
         if draft_probs is not None:
-            probs = checked_draft_probs(draft_probs, B, K, V).to(self.device, torch.float32,
-                                                                non_blocking=True)
+            # contiguous: kernels that read it (FlashInfer's) take dense [B, K, V] only
+            probs = upload(checked_draft_probs(draft_probs, B, K, V), self.device,
+                           torch.float32).contiguous()
             real = torch.arange(K, device=self.device)[None, :] < count[:, None]
             sane = self.draft_probs_sane(probs) | ~real
             usable = usable & sane.all(dim=1)

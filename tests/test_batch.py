@@ -224,3 +224,14 @@ def test_empty_batch_samples_nothing(batch):
     out = Sampler("cpu").sample(torch.zeros(0, V), batch)
     assert out.token_ids.shape == (0,)
     batch.append(out.token_ids)
+
+
+def test_child_offset_keys_the_seeded_draw_and_is_checked(batch):
+    batch.add("split-2", SamplingParams(seed=5), child_offset=2)
+    batch.add("kids", SamplingParams(n=2, seed=5), child_offset=3)
+    assert batch.rows == [("split-2", 0), ("kids", 0), ("kids", 1)]
+    assert batch.step_state().child.tolist() == [2, 3, 4]
+    for bad in (-1, True, 1.5, 2**31 - 1):
+        with pytest.raises(ValueError, match=r"request 'x': child_offset must be an int in \[0, 2\*\*31 - n\]"):
+            batch.add("x", SamplingParams(n=2), child_offset=bad)
+    assert "x" not in batch

@@ -5,6 +5,8 @@ import dataclasses
 import pytest
 import torch
 
+import corelib
+
 from corelib import Sampler
 from corelib.noise import row_keys, seeded_gumbel
 from corelib.testing import ConformanceSuite
@@ -171,3 +173,29 @@ def test_custom_stage_check_catches_stages_at_the_wrong_slot_or_skipped(backend)
             suite.test_custom_stages_match_reference(backend("cpu"), REF, None)
     finally:
         registry.unregister("corelib-conformance-stages")
+
+
+class FlaggedRowAdvances(Sampler):
+    """A batch that counts a flagged row's -1 as a token: its position moves on."""
+    class batch_class(corelib.SamplingBatch):
+        def append(self, token_ids):
+            ids = torch.as_tensor(token_ids)
+            super().append(ids)
+            if ids.dim() == 1:
+                self._tensors["position"][: ids.shape[0]] += (ids < 0).to(torch.int32)
+                self._generated = [g + int(i < 0) for g, i in zip(self._generated, ids.tolist())]
+
+
+class FlaggedRowRaises(Sampler):
+    """A batch that refuses every id outside [0, V), the flagged row's -1 included."""
+    class batch_class(corelib.SamplingBatch):
+        def append(self, token_ids):
+            if (torch.as_tensor(token_ids) < 0).any():
+                raise ValueError("append: token id -1 is out of range")
+            super().append(token_ids)
+
+
+@pytest.mark.parametrize("backend", [FlaggedRowAdvances, FlaggedRowRaises])
+def test_flagged_append_check_catches_a_row_that_advances_or_raises(backend):
+    with pytest.raises((*FAILURE, ValueError), match="flagged|out of range"):
+        suite.test_a_flagged_row_appended_as_minus_one_changes_nothing(backend("cpu"), "nan")

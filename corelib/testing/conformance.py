@@ -337,6 +337,31 @@ class ConformanceSuite(EngineConformance):
                                     f"n=1 drew {one[('r', 0)]} (params {params_text(params)}, "
                                     f"prompt {PROMPT}; {self._first_difference(many[('r', 0)], one[('r', 0)])})")
 
+    def test_a_split_child_draws_as_the_parents_child(self, sampler):
+        params = dict(seed=4242, temperature=1.0, top_k=40, presence_penalty=0.5)
+        steps = [self.logits(3, seed=60 + step, scale=1.0) for step in range(5)]
+
+        def run(batch):
+            tokens = []
+            for logits in steps:
+                out = sampler.sample(self.on(sampler, logits), batch)
+                batch.append(out.token_ids)
+                tokens.append(out.token_ids.cpu().tolist())
+            return [list(column) for column in zip(*tokens)]   # per row
+
+        parent = run(self.build(sampler, [("p", SamplingParams(n=3, **params), PROMPT, None)]))
+        split = self.build(sampler, [])
+        for child in range(3):
+            split.add(f"p-{child}", SamplingParams(**params), prompt_token_ids=PROMPT, child_offset=child)
+        children = run(split)
+        for child in range(3):
+            if children[child] != parent[child]:
+                violation("children", f"request 'p-{child}' (n=1, child_offset={child}, params "
+                                      f"{params_text(params)}) drew {children[child]}; child "
+                                      f"{child} of the same request with n=3 drew {parent[child]}")
+        if children[1] == parent[0]:
+            violation("children", "child_offset=1 drew child 0's stream")
+
     def test_resume_matches_uninterrupted_run(self, sampler):
         params = SamplingParams(seed=5, temperature=1.0, presence_penalty=1.0, frequency_penalty=0.5,
                                 min_tokens=5, stop_token_ids=[1], bad_words=[[2, 3]], n=2)
@@ -498,3 +523,70 @@ class ConformanceSuite(EngineConformance):
             if ids[row] != int(want.token_ids[row]):
                 violation("bad_rows", f"a bad row changed {self.describe(batch, row)}: token "
                                       f"{ids[row]}, reference {int(want.token_ids[row])}")
+
+    @pytest.mark.parametrize("how", ["nan", "bitmask"])
+    def test_a_flagged_row_appended_as_minus_one_changes_nothing(self, sampler, how):
+        flagged = SamplingParams(seed=31, temperature=1.0, presence_penalty=1.5, frequency_penalty=1.0,
+                                 repetition_penalty=1.3, min_tokens=3, stop_token_ids=[5],
+                                 dry_multiplier=2.0, dry_allowed_length=1, bad_words=[[9, 1]])
+        requests = [("f", flagged, PROMPT, None), ("o", SamplingParams(seed=32, top_k=30), PROMPT, None)]
+        steps = [self.logits(2, seed=40 + step, scale=1.0) for step in range(6)]
+        width = (self.vocab_size + 31) // 32
+        no_token = torch.full((2, width), -1, dtype=torch.int32)
+        no_token[0] = 0                                  # row 0 ("f") may draw nothing
+
+        def run(flag_step, skip_step=None):
+            batch = self.build(sampler, requests, eos_token_id=6)
+            tokens = {"f": [], "o": []}
+            for step, logits in enumerate(steps):
+                if step == skip_step:
+                    continue
+                mask = None
+                if step == flag_step:
+                    logits = logits.clone()
+                    if how == "nan":
+                        logits[0, 3] = float("nan")
+                    else:
+                        mask = self.on(sampler, no_token)
+                out = sampler.sample(self.on(sampler, logits), batch, token_bitmask=mask)
+                batch.append(out.token_ids)                 # the plain loop: no filtering
+                for (rid, _), token in zip(batch.rows, out.token_ids.cpu().tolist()):
+                    tokens[rid].append(token)
+            return tokens, batch.generated_counts()
+
+        with_flag, counts = run(flag_step=2)
+        never_saw_it, counts_without = run(flag_step=None, skip_step=2)
+        no_flag, _ = run(flag_step=None)
+        why = "NaN logits" if how == "nan" else "a token bitmask that leaves it no token"
+        if with_flag["f"][2] != -1:
+            violation("bad_rows", f"request 'f' (params {params_text(flagged)}) with {why} at step 2 "
+                                  f"returned token {with_flag['f'][2]}, expected -1")
+        got = with_flag["f"][:2] + with_flag["f"][3:]
+        if got != never_saw_it["f"]:
+            violation("flagged_append", f"request 'f' (params {params_text(flagged)}, prompt {PROMPT}, "
+                                        f"eos 6) flagged at step 2 by {why} and appended as -1 then "
+                                        f"drew {got}; a batch that never saw that step drew "
+                                        f"{never_saw_it['f']} ({self._first_difference(got, never_saw_it['f'])})")
+        if counts[0] != counts_without[0]:
+            violation("flagged_append", f"request 'f' has {counts[0]} generated tokens after a flagged "
+                                        f"step appended as -1; expected {counts_without[0]}")
+        if with_flag["o"] != no_flag["o"]:
+            violation("bad_rows", f"request 'o' drew {with_flag['o']} beside a row flagged at step 2, "
+                                  f"{no_flag['o']} without it")
+
+    def test_append_rejects_other_out_of_range_host_ids(self, sampler):
+        batch = self.build(sampler, [("a", SamplingParams(), PROMPT, None),
+                                     ("b", SamplingParams(presence_penalty=1.0), PROMPT, None)])
+        for bad in (self.vocab_size, -2):
+            try:
+                batch.append([3, bad])
+            except ValueError as exc:
+                if "row 1" not in str(exc):
+                    violation("flagged_append", f"append([3, {bad}]) raised {exc!r}, which does not "
+                                                f"name row 1")
+            else:
+                violation("flagged_append", f"append([3, {bad}]) on the host accepted id {bad}; only "
+                                            f"-1 (no token) may lie outside [0, {self.vocab_size})")
+        if batch.generated_counts() != [0, 0]:
+            violation("flagged_append", f"a refused append changed the generated counts to "
+                                        f"{batch.generated_counts()}")

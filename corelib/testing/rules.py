@@ -36,6 +36,7 @@ RULES: dict[str, str] = {
     "remove": "continuous batching (removing a request leaves other rows' state intact)",
     "per_request": "per-request logits ([num_requests, V] serves every child of a request)",
     "bad_rows": "bad rows (NaN/+inf or fully masked rows are flagged with id -1, others untouched)",
+    "flagged_append": "a flagged row in append (-1 is no token this step: the row's position, counts, windows, DRY history and stage state stay as they were)",
     "dtype": "step 2 (logits of any float dtype are upcast to float32 first)",
     "dry": "step 8a (DRY: tokens extending a repeat are penalised by its length)",
     "top_n_sigma": "step 10a (top-n-sigma: drop logits below max - n * sigma)",

@@ -259,8 +259,7 @@ def test_a_template_backend_drawing_nonsense_gets_its_rows_flagged(cls):
     with pytest.raises(ValueError, match=r"row 0 \(request 'a', child 0\) has no token"):
         out.raise_on_invalid(batch)
     before = snapshot(batch)
-    with pytest.raises(ValueError, match=r"token id -1 for row 0 \(request 'a'\)"):
-        sampler.step(x, batch)
+    sampler.step(x, batch)           # every row flagged: append records no token for any of them
     assert_same_snapshot(before, snapshot(batch), "step with flagged rows")
 
 

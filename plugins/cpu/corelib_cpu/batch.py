@@ -148,8 +148,8 @@ class CpuBatch(SamplingBatch):
     # ------------------------------------------------------------------ add / remove / append
     def add(self, request_id: str, params: SamplingParams,
             prompt_token_ids: Sequence[int] = (),
-            output_token_ids=None) -> list[int]:
-        rows = super().add(request_id, params, prompt_token_ids, output_token_ids)
+            output_token_ids=None, child_offset: int = 0) -> list[int]:
+        rows = super().add(request_id, params, prompt_token_ids, output_token_ids, child_offset)
         self._plans.clear()
         if params.uses_penalties:
             prompt = _as_list(prompt_token_ids)
@@ -178,20 +178,21 @@ class CpuBatch(SamplingBatch):
         ids = torch.as_tensor(token_ids).to("cpu", torch.long)
         # Slots grow only when a penalty row is written: rows added after it may lie past them.
         self._ensure_rows(n)
-        if ids.dim() == 1:
-            self._count_tokens(ids, torch.ones(n, dtype=torch.bool), n)
+        if ids.dim() == 1:     # -1: a flagged row, no token this step
+            self._count_tokens(ids.clamp(min=0), (ids >= 0) & (ids < self.vocab_size), n)
             return
         live = torch.cumprod((ids >= 0).to(torch.int32), dim=1).to(torch.bool)   # -1 padding
         for j in range(ids.shape[1]):
             self._count_tokens(ids[:, j].clamp(min=0), live[:, j], n)
 
     # ------------------------------------------------------------------ internals
-    def _move_rows(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+    def _move_rows(self, src: list[int], dst: list[int]) -> None:
         """The core's row moves (``remove``, ``swap_rows``), applied to the slots as well."""
         super()._move_rows(src, dst)
         self._plans.clear()
         # Slots grow only when a penalty row is written; moving rows needs them all.
-        self._ensure_rows(int(torch.cat([src, dst]).max()) + 1)
+        self._ensure_rows(max(src + dst) + 1)
+        src, dst = torch.tensor(src, dtype=torch.long), torch.tensor(dst, dtype=torch.long)
         for t in (self._slot_ids, self._slot_counts, self._slot_len, self._slot_rows):
             t.index_copy_(0, dst, t.index_select(0, src))
 

@@ -59,7 +59,8 @@ _INT32_MAX = 2**31 - 1
 PATHS = ("greedy", "plain", "candidates", "nucleus", "exhaustive")
 
 #: ``append`` marks rows (or slots) that do not advance with this id: their state is left as
-#: it is. -1 advances the position without counting a token (a flagged row's id).
+#: it is (a flagged row's -1 becomes this). -1 advances the position without counting a
+#: token (an out-of-range id among a device verify row's emitted tokens).
 NOT_LIVE = -2
 
 
@@ -205,22 +206,23 @@ class XlaSamplingBatch(SamplingBatch):
     # ------------------------------------------------------------------ add / append
     def add(self, request_id: str, params: SamplingParams,
             prompt_token_ids: Sequence[int] = (),
-            output_token_ids=None) -> list[int]:
+            output_token_ids=None, child_offset: int = 0) -> list[int]:
         """As ``SamplingBatch.add``; also raises ValueError when the request needs more than
         the graphs were sized for (rows past the largest bucket, too many or too long
         multi-token bad words, too many DRY sequence breakers, a custom stage the sampler's
         graphs do not trace)."""
         if isinstance(params, SamplingParams):
             self._check_fits(request_id, params)
-        return super().add(request_id, params, prompt_token_ids, output_token_ids)
+        return super().add(request_id, params, prompt_token_ids, output_token_ids, child_offset)
 
     def append(self, token_ids) -> None:
         """Record each row's generated tokens: ``[num_rows]`` ids (from ``sample``) or
         ``[num_rows, K+1]`` (from ``verify``: emitted tokens, then -1 padding).
 
-        Host ids (a list or CPU tensor, as ``TpuSampler`` returns them) are checked as in the
-        core (out of range raises). Device ids are read back first (one transfer); there, an
-        out-of-range id (the -1 of a flagged row) only advances the position. One graph per
+        A -1 in ``[num_rows]`` ids (a flagged row) is "no token this step": the row's state
+        stays as it was. Host ids (a list or CPU tensor, as ``TpuSampler`` returns them) are
+        checked as in the core (any other id out of range raises). Device ids are read back
+        first (one transfer); there, any out-of-range id is treated as -1. One graph per
         bucket and id width updates the running counts, the recent-token window, DRY's
         window and custom stages' state; if a custom stage's update fails, ``StageError`` is
         raised and nothing changes.
@@ -232,7 +234,7 @@ class XlaSamplingBatch(SamplingBatch):
         ids = ids.cpu().to(torch.long)
         in_range = (ids >= 0) & (ids < self.vocab_size)
         if ids.dim() == 1:
-            advance = torch.ones((n, 1), dtype=torch.bool)
+            advance = in_range[:, None]
             ids, in_range = ids[:, None], in_range[:, None]
         else:
             advance = torch.cumprod((ids >= 0).to(torch.int32), dim=1).to(torch.bool)
@@ -345,25 +347,25 @@ class XlaSamplingBatch(SamplingBatch):
         return self._used_stages
 
     def _write_rows(self, rows: list[int], params: SamplingParams, prompt: list[int],
-                    outputs: list[list[int]]) -> None:
+                    outputs: list[list[int]], child_offset: int = 0) -> None:
         shared = self._request_rows(params, prompt)
         stages = self._stage_arguments("", params)
-        for child, (row, out) in enumerate(zip(rows, outputs)):
+        for child, (row, out) in enumerate(zip(rows, outputs), start=child_offset):
             values = dict(shared, **self._child_rows(params, prompt, out, stages))
             self._floats[row] = torch.tensor(_float_values(params))
             self._ints[row] = torch.tensor(_int_values(params, child, len(out), self.vocab_size),
                                            dtype=torch.int32)
             self._write_device_row(row, values)
 
-    def _move_rows(self, src: torch.Tensor, dst: torch.Tensor) -> None:
-        """Rows ``src`` to rows ``dst`` as one permutation (every source read before any row is
-        written: ``swap_rows`` passes ``[a, b] -> [b, a]``). The host tables move by index;
-        the device state moves two rows per graph, both read before both are written. Moves
-        whose sources and targets are disjoint (``remove``) go two by two; overlapping moves of
-        more than two rows (no core operation makes them) take one graph of their size."""
+    def _move_rows(self, src: list[int], dst: list[int]) -> None:
+        """Rows ``src`` to rows ``dst`` (host row numbers) as one permutation (every source read
+        before any row is written: ``swap_rows`` passes ``[a, b] -> [b, a]``). The host tables
+        move by index; the device state moves two rows per graph, both read before both are
+        written. Moves whose sources and targets are disjoint (``remove``) go two by two;
+        overlapping moves of more than two rows (no core operation makes them) take one graph
+        of their size."""
         self._floats[dst] = self._floats[src].clone()
         self._ints[dst] = self._ints[src].clone()
-        src, dst = src.tolist(), dst.tolist()
         if len(src) > 2 and set(src) & set(dst):
             self._move_device_rows(src, dst)
             return
