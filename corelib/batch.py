@@ -15,13 +15,16 @@ from typing import Iterable, Optional, Sequence
 import torch
 
 from .bitmask import bitmask_width
+from . import thinking
 from .history import advance_matches, match_lengths, trailing_run
 from .noise import split_seed
-from .params import SamplingParams
+from .params import ALL_LOGPROBS, SamplingParams
 from .stages import StageError, StageInputs, StageSpec, describe_stage
 from .transfer import upload
 
-LOGPROBS_MODES = ("raw", "processed")
+#: Where step 15's values come from: log-probabilities or logits, of the model's logits as
+#: given (step 1) or of the final distribution.
+LOGPROBS_MODES = ("raw", "processed", "raw_logits", "processed_logits")
 _MIN_CAPACITY = 8
 #: The token id of a flagged row (no token this step), in outputs and in ``append``.
 INVALID_TOKEN = -1
@@ -95,6 +98,12 @@ class StepState:
     typical_p: Optional[torch.Tensor] = None       # float32 [B], 1 = off
     xtc_threshold: Optional[torch.Tensor] = None   # float32 [B]
     xtc_probability: Optional[torch.Tensor] = None  # float32 [B], 0 = off
+    # reasoning budget (stage 8b, corelib.thinking): per-row budget and think count, always
+    # present; markers and their match bits present when a row uses a budget
+    thinking_budget: Optional[torch.Tensor] = None   # int32 [B], -1 = off
+    thinking_count: Optional[torch.Tensor] = None    # int32 [B]: tokens after the start marker, -1 = not thinking
+    thinking_markers: Optional[torch.Tensor] = None  # int64 [B, 3, L]: start, end, forced; -1 padding
+    thinking_match: Optional[torch.Tensor] = None    # bool [B, 3, L]: the history ends with marker[:k + 1]
     # DRY's history (corelib.history): present when a row uses DRY
     dry_length: Optional[torch.Tensor] = None      # int32 [B]: history tokens (prompt + output)
     dry_since_breaker: Optional[torch.Tensor] = None  # int32 [B]: trailing non-breaker tokens
@@ -125,10 +134,11 @@ class StepState:
     any_top_n_sigma: bool = False      # random rows only (greedy rows skip 10-13b)
     any_typical_p: bool = False
     any_xtc: bool = False
+    any_thinking: bool = False         # some row has a thinking_budget
     max_top_k: int = 0                 # largest top_k among random rows (0: none uses it)
     any_top_p_without_top_k: bool = False  # a random row with top_p < 1 and top_k off
     all_random_top_k: bool = False     # there are random rows and every one has a top_k
-    num_logprobs: Optional[int] = None  # N = largest `logprobs` asked for, None if none asks
+    num_logprobs: Optional[int] = None  # N = largest `logprobs` asked for (V for -1), None if none asks
 
     def stages_at(self, slot: str) -> list[tuple[StageSpec, StageInputs, Optional[str]]]:
         """The custom stages some row uses at ``slot`` (``corelib.stages.SLOTS``)."""
@@ -161,6 +171,8 @@ _SCALARS: dict[str, tuple[torch.dtype, float]] = {
     "xtc_probability": (torch.float32, 0.0),
     "dry_length": (torch.int32, 0),
     "dry_since_breaker": (torch.int32, 0),
+    "thinking_budget": (torch.int32, thinking.NO_BUDGET),
+    "thinking_count": (torch.int32, thinking.NOT_THINKING),
 }
 
 
@@ -287,6 +299,10 @@ class SamplingBatch:
                              f"[0, 2**31 - n], got {child_offset!r}")
         prompt = self._check_ids(request_id, "prompt_token_ids", prompt_token_ids)
         outputs = self._split_outputs(request_id, params.n, output_token_ids)
+        if params.logprobs is not None and params.logprobs > self.vocab_size:
+            raise ValueError(f"request {request_id!r}: logprobs={params.logprobs} asks for more "
+                             f"entries than the vocabulary has (vocab_size={self.vocab_size}; "
+                             f"-1 asks for every token)")
         top = params.max_token_id()
         if top is not None and top >= self.vocab_size:
             raise ValueError(
@@ -427,6 +443,11 @@ class SamplingBatch:
             recent = t["recent"]
             shifted = torch.cat([recent[:, 1:], torch.where(in_range, ids, -1)[:, None]], dim=1)
             recent.copy_(torch.where(advance[:, None], shifted, recent))
+        if "thinking_markers" in t:
+            match, count = thinking.advance(t["thinking_markers"], t["thinking_match"],
+                                            t["thinking_count"], safe, counted)
+            t["thinking_match"].copy_(match)
+            t["thinking_count"].copy_(count)
         if "dry_history" in t:
             live = counted & (t["dry_multiplier"] > 0)
             updated = advance_matches(t["dry_history"], t["dry_match"], t["dry_length"],
@@ -618,7 +639,8 @@ class SamplingBatch:
         """Host flags that change only when requests join or leave."""
         params = self._row_params
         random = [p for p in params if not p.is_greedy]
-        logprobs = [p.logprobs for p in params if p.logprobs is not None]
+        logprobs = [self.vocab_size if p.logprobs == ALL_LOGPROBS else p.logprobs
+                    for p in params if p.logprobs is not None]
         return dict(
             any_greedy=len(random) < len(params),
             all_greedy=bool(params) and not random,
@@ -637,6 +659,7 @@ class SamplingBatch:
             any_top_n_sigma=any(p.top_n_sigma > 0.0 for p in random),
             any_typical_p=any(p.typical_p < 1.0 for p in random),
             any_xtc=any(p.uses_xtc for p in random),
+            any_thinking=any(p.uses_thinking_budget for p in params),
             max_top_k=max((p.effective_top_k for p in random), default=0),
             any_top_p_without_top_k=any(p.top_p < 1.0 and p.effective_top_k == 0 for p in random),
             all_random_top_k=bool(random) and all(p.effective_top_k > 0 for p in random),
@@ -799,6 +822,14 @@ class SamplingBatch:
                 self._new_optional("dry_breakers", breakers, torch.long)
             self._widen("dry_breakers", breakers)
             self._ensure_history_room(1)
+        if params.uses_thinking_budget:
+            width = max(len(params.thinking_start_token_ids), len(params.thinking_end_token_ids),
+                        len(params.forced_thinking_ids))
+            if "thinking_markers" not in t:
+                self._new_optional("thinking_markers", 3, torch.long, width)
+                self._new_optional("thinking_match", 3, torch.bool, width)
+            self._widen("thinking_markers", width, dim=2)
+            self._widen("thinking_match", width, dim=2)
         for name, (spec, args) in self._stage_arguments("", params).items():
             self._allocate_stage(spec)
         if params.uses_penalties and "output_counts" not in t:
@@ -895,6 +926,8 @@ class SamplingBatch:
             "typical_p": params.typical_p,
             "xtc_threshold": params.xtc_threshold,
             "xtc_probability": params.xtc_probability,
+            "thinking_budget": (thinking.NO_BUDGET if params.thinking_budget is None
+                                else min(params.thinking_budget, _INT32_MAX)),
         }
         for name, value in scalar_values.items():
             t[name][sl] = value
@@ -961,6 +994,8 @@ class SamplingBatch:
             t["recent"][sl] = upload(recent, dev)
         if "dry_history" in t:
             self._write_history(sl, params, prompt, outputs)
+        if "thinking_markers" in t:
+            self._write_thinking(sl, params, prompt, outputs)
         for name, (spec, args) in self._stage_arguments("", params).items():
             self._write_stage(sl, spec, args, prompt, outputs)
 
@@ -985,6 +1020,26 @@ class SamplingBatch:
                 length[c], since[c] = len(h), trailing_run(h, stops)
         for name, value in (("dry_history", history), ("dry_match", match), ("dry_length", length),
                             ("dry_since_breaker", since), ("dry_breakers", breakers)):
+            t[name][sl] = upload(value, self.device)
+
+    def _write_thinking(self, sl: slice, params: SamplingParams, prompt: list[int],
+                        outputs: list[list[int]]) -> None:
+        """Step 8b's markers, match bits and think count for the rows ``sl`` (one per child),
+        replayed from each child's history (``corelib.thinking.replay``)."""
+        t, n = self._tensors, len(outputs)
+        width = t["thinking_markers"].shape[2]
+        markers = torch.full((n, 3, width), -1, dtype=torch.long)
+        match = torch.zeros((n, 3, width), dtype=torch.bool)
+        count = torch.full((n,), thinking.NOT_THINKING, dtype=torch.int32)
+        if params.uses_thinking_budget:
+            start, end = params.thinking_start_token_ids, params.thinking_end_token_ids
+            forced = params.forced_thinking_ids
+            markers[:] = thinking.marker_table(start, end, forced, width)
+            for c, out in enumerate(outputs):
+                bits, count[c] = thinking.replay(prompt + out, start, end, forced)
+                match[c] = thinking.bits_tensor(bits, width)
+        for name, value in (("thinking_markers", markers), ("thinking_match", match),
+                            ("thinking_count", count)):
             t[name][sl] = upload(value, self.device)
 
     def _write_stage(self, sl: slice, spec: StageSpec, args, prompt: list[int],
@@ -1055,6 +1110,8 @@ _OPTIONAL_NEUTRAL = {
     "dry_history": -1,
     "dry_match": 0,
     "dry_breakers": -1,
+    "thinking_markers": -1,
+    "thinking_match": False,
 }
 _RIGHT_ALIGNED = {"bad_prefix", "recent"}
 _MIN_HISTORY = 64

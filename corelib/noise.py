@@ -148,10 +148,12 @@ def seeded_gumbel(keys: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
     return gumbel_from_uniform(uniform_noise(keys, token_ids))
 
 
-# Salts of the row-uniform streams (fractional digits of e and of sqrt(2), as signed int32):
-# each stream gives one uniform per (seed, child, position), independent of the draw's noise.
+# Salts of the row-uniform streams (fractional digits of e, sqrt(2) and sqrt(3), as signed
+# int32): each stream gives one uniform per (seed, child, position), independent of the draw's
+# noise.
 STREAM_ACCEPT = 0xB7E15162 - (1 << 32)   # speculative verification: the ratio test's uniform
 STREAM_XTC = 0x6A09E667                  # stage 13b: XTC's coin
+STREAM_BLOCK = 0xBB67AE85 - (1 << 32)    # block verification: the uniform of each prefix's test
 
 
 def stream_uniform(keys: torch.Tensor, stream: int) -> torch.Tensor:

@@ -18,7 +18,11 @@ TokenId = Annotated[StrictInt, Field(ge=0)]
 # Floats accept ints too (temperature=1 is natural) but never bools or strings.
 Float = Annotated[float, Field(strict=False, allow_inf_nan=False)]
 
+#: Top-N logprobs of a request are limited only by the vocabulary (checked at ``batch.add``);
+#: this is the default cap of backends with fixed shapes (XLA), which may raise it.
 MAX_LOGPROBS = 20
+#: ``logprobs=ALL_LOGPROBS`` asks for every token (columns 1..V in descending order).
+ALL_LOGPROBS = -1
 MAX_SEED = 2**63
 
 
@@ -34,7 +38,8 @@ _RANGES = {
     "repetition_penalty": (lambda v: v > 0.0, "must be > 0"),
     "min_tokens": (lambda v: v >= 0, "must be >= 0"),
     "seed": (lambda v: 0 <= v < MAX_SEED, "must be in [0, 2**63)"),
-    "logprobs": (lambda v: 0 <= v <= MAX_LOGPROBS, f"must be in [0, {MAX_LOGPROBS}]"),
+    "logprobs": (lambda v: v >= ALL_LOGPROBS, "must be >= -1 (-1 = every token)"),
+    "thinking_budget": (lambda v: v >= 0, "must be >= 0"),
     "dry_multiplier": (lambda v: 0.0 <= v <= 100.0, "must be in [0, 100]"),
     "dry_base": (lambda v: 1.0 < v <= 10.0, "must be in (1, 10]"),
     "dry_allowed_length": (lambda v: v >= 1, "must be >= 1"),
@@ -95,6 +100,11 @@ class SamplingParams(BaseModel):
     typical_p: Float = 1.0
     xtc_threshold: Float = 0.1
     xtc_probability: Float = 0.0
+    # Reasoning budget (contract step 8b): off unless thinking_budget is set.
+    thinking_budget: Optional[StrictInt] = None
+    thinking_start_token_ids: list[TokenId] = Field(default_factory=list)
+    thinking_end_token_ids: list[TokenId] = Field(default_factory=list)
+    thinking_forced_token_ids: Optional[list[TokenId]] = None
     # Custom stages from plugins: stage name -> its arguments (checked at ``batch.add``).
     stage_args: dict[str, dict[str, Any]] = Field(default_factory=dict)
 
@@ -161,6 +171,21 @@ class SamplingParams(BaseModel):
         return v
 
     @model_validator(mode="after")
+    def _check_thinking_markers(self):
+        if self.thinking_budget is None:
+            return self
+        for name in ("thinking_start_token_ids", "thinking_end_token_ids"):
+            if not getattr(self, name):
+                raise ValueError(f"thinking_budget={self.thinking_budget} needs {name}: the "
+                                 f"marker that {'opens' if 'start' in name else 'ends'} a "
+                                 f"thinking section (non-empty token ids), got []")
+        forced, end = self.thinking_forced_token_ids, self.thinking_end_token_ids
+        if forced is not None and (len(forced) < len(end) or forced[len(forced) - len(end):] != end):
+            raise ValueError(f"thinking_forced_token_ids must end with thinking_end_token_ids "
+                             f"{end} (a transition phrase, then the end marker), got {forced}")
+        return self
+
+    @model_validator(mode="after")
     def _check_greedy_n(self):
         if self.n > 1 and self.temperature == 0.0:
             raise ValueError(
@@ -195,8 +220,21 @@ class SamplingParams(BaseModel):
             or self.presence_penalty != 0.0
         )
 
+    @property
+    def uses_thinking_budget(self) -> bool:
+        return self.thinking_budget is not None
+
+    @property
+    def forced_thinking_ids(self) -> list[int]:
+        """What step 8b forces once the budget is spent: ``thinking_forced_token_ids``, or the
+        end marker when that is None."""
+        forced = self.thinking_forced_token_ids
+        return list(self.thinking_end_token_ids if forced is None else forced)
+
     def max_token_id(self) -> Optional[int]:
         """The largest token id named anywhere in the parameters, or None."""
         ids = list(self.logit_bias) + list(self.stop_token_ids) + list(self.allowed_token_ids or [])
         ids += [t for word in self.bad_words for t in word] + list(self.dry_sequence_breakers)
+        ids += list(self.thinking_start_token_ids) + list(self.thinking_end_token_ids)
+        ids += list(self.thinking_forced_token_ids or [])
         return max(ids) if ids else None

@@ -18,8 +18,10 @@ import torch
 
 from .batch import INVALID_TOKEN, SamplingBatch, StepState, padded_ids_problem
 from .bitmask import unpack_bitmask
+from . import thinking
 from .noise import (
     STREAM_ACCEPT,
+    STREAM_BLOCK,
     STREAM_XTC,
     gumbel_from_uniform,
     row_keys,
@@ -30,6 +32,11 @@ from .stages import StageInputs, StageSpec, run_stage
 from .transfer import upload
 
 NEG_INF = float("-inf")
+#: ``verify``'s rules for rows with draft probabilities: the token-by-token ratio test, or
+#: block verification (the contract's "Block verification").
+VERIFY_METHODS = ("token", "block")
+#: Logprobs modes whose values come from step 1 (the model's logits as given).
+RAW_MODES = ("raw", "raw_logits")
 
 
 @dataclass
@@ -106,6 +113,7 @@ class Drafts:
     count: torch.Tensor            # int64 [B]: k, the row's real drafts
     probs: Optional[torch.Tensor]  # float32 [B, K, V] or None
     usable: torch.Tensor           # bool [B]: ids in range, probabilities finite and >= 0
+    method: str = "token"          # VERIFY_METHODS: how rows with probs are judged
 
     @property
     def slots(self) -> int:
@@ -193,19 +201,21 @@ class Sampler:
 
     def verify(self, logits: torch.Tensor, batch: SamplingBatch, draft_token_ids: torch.Tensor,
                draft_probs: Optional[torch.Tensor] = None,
-               token_bitmask: Optional[torch.Tensor] = None) -> VerifyOutput:
+               token_bitmask: Optional[torch.Tensor] = None, method: str = "token") -> VerifyOutput:
         """Verify speculative drafts (the contract's "Speculative decoding: verification").
 
         logits: the target model's ``[B, K + 1, V]`` (slot j scores the token after the row's
         tokens plus its first j drafts), any float dtype. draft_token_ids: int64 ``[B, K]``, -1
         padding a row's tail. draft_probs: None, or float32 ``[B, K, V]``, the distributions
         the drafts were drawn from (then random rows use rejection sampling). token_bitmask:
-        None, or int32 ``[B, K + 1, ceil(V / 32)]``. With K = 0 this equals ``sample``.
+        None, or int32 ``[B, K + 1, ceil(V / 32)]``. method: "token" (each draft by its own
+        ratio test) or "block" (rows with draft probabilities are verified as a block,
+        ``block_verify``; other rows keep the token rule). With K = 0 this equals ``sample``.
         Returns a :class:`VerifyOutput`; ``batch.append(out.token_ids)`` records it. Nothing
         waits on the host when the tensors are on an accelerator; the caller's tensors are
         never modified.
         """
-        drafts = self.check_drafts(logits, batch, draft_token_ids, draft_probs)
+        drafts = self.check_drafts(logits, batch, draft_token_ids, draft_probs, method)
         B, S, V = logits.shape
         s = self.with_bitmask(self.speculative_step_state(batch, drafts), batch, token_bitmask, slots=S)
         if B == 0:
@@ -221,7 +231,7 @@ class Sampler:
         x, raw, valid = self.prepare(logits, batch, s)                     # steps 1-8a
         token_ids, final = self.choose_tokens(x, s)                        # steps 9-14
         valid = valid & self.drawn_is_finite(x, final, token_ids, s)
-        accepted, tokens = self.judge_drafts(final, token_ids, s, drafts)  # verification
+        accepted, tokens = self.judge_drafts(final, token_ids, s, drafts, valid)  # verification
         emitted, num_emitted = self.emit_tokens(tokens, accepted, valid, drafts)
         logprobs = self.step_logprobs(raw, x, final, emitted.flatten(), s)  # step 15
         if logprobs is not None:
@@ -245,7 +255,10 @@ class Sampler:
         distribution (``processed_source``)."""
         if s.num_logprobs is None:
             return None
-        source = raw if s.logprobs_mode == "raw" else self.processed_source(x, final, s)
+        if s.logprobs_mode in RAW_MODES:
+            source = raw
+        else:
+            source = self.processed_source(x, final, s, normalise=s.logprobs_mode == "processed")
         return self.gather_logprobs(source, token_ids, s.num_logprobs)
 
     def sample_random(self, x: torch.Tensor, s: StepState) -> tuple[torch.Tensor, torch.Tensor]:
@@ -300,11 +313,14 @@ class Sampler:
         return dataclasses.replace(s, token_bitmask=mask, any_bitmask=True)
 
     def check_drafts(self, logits: torch.Tensor, batch: SamplingBatch,
-                     draft_token_ids: torch.Tensor, draft_probs: Optional[torch.Tensor]) -> Drafts:
-        """``verify``'s argument checks. Shapes, dtypes and K mismatches raise ValueError naming
-        the argument; draft ids out of range (or -1 padding that is not a suffix) raise when the
-        ids are on the host, and flag the row on an accelerator (checking would wait on it);
-        negative or NaN draft probabilities flag the row."""
+                     draft_token_ids: torch.Tensor, draft_probs: Optional[torch.Tensor],
+                     method: str = "token") -> Drafts:
+        """``verify``'s argument checks. Shapes, dtypes, K mismatches and an unknown ``method``
+        raise ValueError naming the argument; draft ids out of range (or -1 padding that is not
+        a suffix) raise when the ids are on the host, and flag the row on an accelerator
+        (checking would wait on it); negative or NaN draft probabilities flag the row."""
+        if method not in VERIFY_METHODS:
+            raise ValueError(f"verify: method must be one of {VERIFY_METHODS}, got {method!r}")
         if self.device.type != batch.device.type:
             raise ValueError(f"batch lives on {batch.device}, but sampler {self.name!r} runs on {self.device}")
         B, S, V = verify_logits_shape(logits)
@@ -328,7 +344,7 @@ class Sampler:
             real = torch.arange(K, device=self.device)[None, :] < count[:, None]
             sane = self.draft_probs_sane(probs) | ~real
             usable = usable & sane.all(dim=1)
-        return Drafts(ids, count, probs, usable)
+        return Drafts(ids, count, probs, usable, method)
 
     def draft_probs_sane(self, probs: torch.Tensor) -> torch.Tensor:
         """bool ``[B, K]``: the draft distribution of each slot (float32 ``[B, K, V]``) is free
@@ -342,9 +358,10 @@ class Sampler:
         cannot poison shared reductions; their results are flagged, not used."""
         x = self.working_copy(logits, batch, s)                            # step 2
         raw = None
-        if s.num_logprobs is not None and s.logprobs_mode == "raw":
-            raw = self.log_softmax(x)                                      # step 1
+        if s.num_logprobs is not None and s.logprobs_mode in RAW_MODES:   # step 1
+            raw = self.log_softmax(x) if s.logprobs_mode == "raw" else self.copy_logits(x)
         finite = self.finite_rows(x)
+        forced = self.thinking_forced_tokens(s) if s.any_thinking else None
         if s.any_allowed:
             x = self.apply_allowed_ids(x, s)                               # step 3
         if s.any_bitmask:
@@ -353,7 +370,10 @@ class Sampler:
             x = self.apply_bad_words(x, s)                                 # step 4
         if s.any_min_tokens:
             x = self.apply_min_tokens(x, s)                                # step 5
-        valid = finite & self.any_token_left(x)
+        left = self.any_token_left(x)
+        if forced is not None:      # step 8b forces its token even where steps 3-5 masked it
+            left = left | (forced >= 0)
+        valid = finite & left
         x = self.neutralise_rows(x, valid)
         if s.any_bias:
             x = self.apply_logit_bias(x, s)                                # step 6
@@ -363,6 +383,8 @@ class Sampler:
             x = self.apply_dry(x, s)                                       # step 8a
         if s.stages:
             x = self.apply_custom_stages(x, s, "after_penalties")
+        if forced is not None:
+            x = self.apply_thinking_budget(x, forced)                      # step 8b
         return x, raw, valid
 
     def filter(self, x: torch.Tensor, s: StepState) -> torch.Tensor:
@@ -407,20 +429,25 @@ class Sampler:
         return in_range & torch.isfinite(picked[:, 0])
 
     def judge_drafts(self, final: torch.Tensor, token_ids: torch.Tensor, s: StepState,
-                     drafts: Drafts) -> tuple[torch.Tensor, torch.Tensor]:
+                     drafts: Drafts, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Which drafts the target accepts, and the token each slot emits when the row stops
         there. final float32 ``[B S, V]``, token_ids int64 ``[B S]`` (steps 9-14 at every
-        slot). Returns (bool ``[B, K]`` accepted, int64 ``[B, S]`` tokens).
+        slot), valid bool ``[B S]`` (the slot has a token). Returns (bool ``[B, K]`` accepted,
+        int64 ``[B, S]`` tokens).
 
         Greedy rows, and random rows without draft probabilities, accept a draft when it
         equals the slot's token (argmax, or the draw that ``sample`` would make there). Random
         rows with draft probabilities take the ratio test and, at a rejection, the residual
-        draw (``rejection_sample``)."""
+        draw (``rejection_sample``), or with ``method="block"`` are verified as a block
+        (``block_verify``)."""
         B, K = drafts.token_ids.shape
         tokens = token_ids.view(B, K + 1)
         accepted = drafts.token_ids == tokens[:, :K]
         if drafts.probs is not None and s.any_random and K:
-            passed, recovered = self.rejection_sample(final, s, drafts)
+            if drafts.method == "block":
+                passed, recovered = self.block_verify(final, s, drafts, valid)
+            else:
+                passed, recovered = self.rejection_sample(final, s, drafts)
             random = ~s.greedy.view(B, K + 1)[:, :K]
             accepted = torch.where(random, passed, accepted)
             # Slot k of a row with k < K drafts has no draft: after k acceptances the row emits
@@ -452,6 +479,54 @@ class Sampler:
         residual_logits = torch.cat([residual.log(), final.view(B, S, V)[:, K:]], dim=1)
         recovered = self.draw(residual_logits.view(B * S, V), s).view(B, S)[:, :K]
         return passed, recovered
+
+    def block_verify(self, final: torch.Tensor, s: StepState, drafts: Drafts,
+                     valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Block verification (Sun et al., ICLR 2025) at the draft slots. final float32
+        ``[B S, V]`` (p_j = softmax of slot j), drafts with probs q float32 ``[B, K, V]``,
+        valid bool ``[B S]``. Returns (bool ``[B, K]`` accepted: the first tau drafts; int64
+        ``[B, K]`` the token each slot j < k emits when the row stops there).
+
+        With w_0 = 1 and w_i = min(w_(i-1) p_(i-1)(d_i) / q_(i-1)(d_i), 1), the block keeps
+        its first i drafts when ``u_i <= h_i``, h_i = R_i / (R_i + 1 - w_i) with
+        R_i = sum_x max(w_i p_i(x) - q_i(x), 0) for i < k, and h_k = w_k; tau is the largest
+        such i (0 if none; u_i from ``row_uniforms`` on the block stream at slot i - 1). The
+        row then emits, at slot tau < k, a draw from max(w_tau p_tau - q_tau, 0) renormalised
+        (p_tau itself where that is all zero) with step 14's noise at the slot; at tau = k,
+        slot k's own draw. A draft at or after a slot without a token is never kept. Sums
+        in float64. Not in place."""
+        B, K = drafts.token_ids.shape
+        S, V = K + 1, final.shape[-1]
+        p = torch.softmax(final, dim=-1).view(B, S, V)
+        q = drafts.probs
+        d = drafts.token_ids.clamp(min=0)[..., None]
+        p_d = p[:, :K].gather(2, d)[..., 0].double()
+        q_d = q.gather(2, d)[..., 0].double()
+        real = torch.arange(K, device=q.device)[None, :] < drafts.count[:, None]
+        usable = torch.cumprod((real & valid.view(B, S)[:, :K]).to(torch.int32), dim=1).bool()
+        ratio = torch.where(q_d > 0, p_d / q_d.clamp(min=1e-300), torch.where(p_d > 0, float("inf"), 0.0))
+        weights = [torch.ones(B, dtype=torch.float64, device=q.device)]      # w_0 .. w_K
+        for j in range(K):
+            grown = torch.where(weights[-1] > 0, weights[-1] * ratio[:, j], 0.0).clamp(max=1.0)
+            weights.append(torch.where(usable[:, j], grown, 0.0))
+        w = torch.stack(weights, dim=1)                                          # (B, S)
+        # residual_j = max(w_j p_j - q_j, 0) at the slots j < K (what a stop at slot j draws)
+        residual = (w[:, :K, None] * p[:, :K].double() - q.double()).clamp(min=0.0)
+        mass = residual.sum(dim=-1)                                              # (B, K): R_j
+        k_usable = usable.sum(dim=1)                                             # (B,)
+        i = torch.arange(1, K + 1, device=q.device)[None, :]                      # prefix sizes
+        next_mass = torch.cat([mass[:, 1:], torch.zeros_like(mass[:, :1])], dim=1)   # R_i
+        denominator = next_mass + 1.0 - w[:, 1:]
+        h = torch.where(denominator > 0, next_mass / denominator.clamp(min=1e-300), 1.0)
+        h = torch.where(i == k_usable[:, None], w[:, 1:], h)
+        u = self.row_uniforms(s, STREAM_BLOCK).view(B, S)[:, :K].double()
+        stands = (u <= h) & usable
+        tau = torch.where(stands, i, 0).amax(dim=1)                               # (B,)
+        accepted = torch.arange(K, device=q.device)[None, :] < tau[:, None]
+        residual = torch.where(mass[..., None] > 0, residual, p[:, :K].double()).float()
+        residual_logits = torch.cat([residual.log(), final.view(B, S, V)[:, K:]], dim=1)
+        recovered = self.draw(residual_logits.view(B * S, V), s).view(B, S)[:, :K]
+        return accepted, recovered
 
     def acceptance_uniforms(self, s: StepState) -> torch.Tensor:
         """float32 ``[B]`` uniforms in (0, 1) of the ratio test: seeded rows from the contract's
@@ -522,6 +597,11 @@ class Sampler:
         """float32 ``[B, V]`` -> float32 ``[B, V]`` log-probabilities; not in place."""
         return torch.log_softmax(x, dim=-1)
 
+    def copy_logits(self, x: torch.Tensor) -> torch.Tensor:
+        """Step 1 of ``logprobs_mode="raw_logits"``: float32 ``[B, V]``, a copy of the working
+        logits before any stage (later stages may work on ``x`` in place)."""
+        return x.clone()
+
     def finite_rows(self, x: torch.Tensor) -> torch.Tensor:
         """bool ``[B]``: rows free of NaN and +inf (-inf is a legitimate mask)."""
         return ~(torch.isnan(x) | (x == float("inf"))).any(dim=-1)
@@ -575,6 +655,22 @@ class Sampler:
         occurred = (counts > 0).to(torch.float32)
         return (x - s.frequency_penalty[:, None] * counts.to(torch.float32)
                 - s.presence_penalty[:, None] * occurred)                    # step 8
+
+    def thinking_forced_tokens(self, s: StepState) -> torch.Tensor:
+        """Step 8b's forced token per row (``corelib.thinking.forced_tokens``): int64 [B], -1
+        for rows that are not forced. From ``thinking_markers`` int64 [B, 3, L],
+        ``thinking_match`` bool [B, 3, L], ``thinking_count`` and ``thinking_budget`` int32
+        [B] (-1 = no budget). Not in place."""
+        return thinking.forced_tokens(s.thinking_markers, s.thinking_match, s.thinking_count,
+                                      s.thinking_budget)
+
+    def apply_thinking_budget(self, x: torch.Tensor, forced: torch.Tensor) -> torch.Tensor:
+        """Step 8b: a forced row (``forced`` int64 [B], -1 = not forced) keeps only its forced
+        token, with logit 0 (so its processed logprob is 0); every other token -> -inf. Rows
+        that are not forced keep ``x`` (float32 [B, V]). Not in place."""
+        vocab = torch.arange(x.shape[-1], device=x.device)[None, :]
+        only = torch.where(vocab == forced[:, None], 0.0, NEG_INF).to(x.dtype)
+        return torch.where((forced >= 0)[:, None], only, x)
 
     def apply_dry(self, x: torch.Tensor, s: StepState) -> torch.Tensor:
         """Step 8a, DRY: a token that would extend a repeat of length L >= dry_allowed_length

@@ -6,6 +6,7 @@ import torch
 
 from corelib.noise import (
     STREAM_ACCEPT,
+    STREAM_BLOCK,
     STREAM_XTC,
     mix32,
     mix32_,
@@ -140,16 +141,18 @@ def py_stream_uniform(seed: int, child: int, position: int, salt: int) -> float:
 def test_stream_uniforms_follow_the_page_and_its_vectors():
     import pathlib
     page = pathlib.Path(__file__).resolve().parents[1] / "docs" / "seeded-draw.md"
-    rows = [cells for cells in table_rows(page) if len(cells) == 5 and cells[0] != "seed"]
+    rows = [cells for cells in table_rows(page) if len(cells) == 6 and cells[0] != "seed"]
     assert len(rows) == 4
-    salts = {"acceptance": 0xB7E15162, "XTC": 0x6A09E667}
-    assert (STREAM_ACCEPT & MASK, STREAM_XTC & MASK) == (salts["acceptance"], salts["XTC"])
+    salts = {"acceptance": 0xB7E15162, "XTC": 0x6A09E667, "block": 0xBB67AE85}
+    assert (STREAM_ACCEPT & MASK, STREAM_XTC & MASK, STREAM_BLOCK & MASK) == (
+        salts["acceptance"], salts["XTC"], salts["block"])
     for cells in rows:
         seed = eval(cells[0].replace("^", "**"), {})
         child, position = int(cells[1]), int(cells[2])
         lo, hi = split_seed(seed)
         key = row_keys(*(torch.tensor([v], dtype=torch.int32) for v in (lo, hi, child, position)))
-        for stream, salt, want in ((STREAM_ACCEPT, salts["acceptance"], cells[3]), (STREAM_XTC, salts["XTC"], cells[4])):
+        for stream, salt, want in ((STREAM_ACCEPT, salts["acceptance"], cells[3]), (STREAM_XTC, salts["XTC"], cells[4]),
+                                   (STREAM_BLOCK, salts["block"], cells[5])):
             got = float(stream_uniform(key, stream)[0])
             assert f"{got:.9f}" == want, cells
             assert got == py_stream_uniform(seed, child, position, salt)
@@ -158,11 +161,12 @@ def test_stream_uniforms_follow_the_page_and_its_vectors():
 def test_stream_uniforms_are_uniform_and_independent_of_the_draw():
     keys = row_keys(*(torch.arange(20000, dtype=torch.int32) for _ in range(3)), torch.zeros(20000, dtype=torch.int32))
     accept, xtc = stream_uniform(keys, STREAM_ACCEPT).double(), stream_uniform(keys, STREAM_XTC).double()
+    block = stream_uniform(keys, STREAM_BLOCK).double()
     draw = uniform_noise(keys, torch.zeros_like(keys)).double()
-    for u in (accept, xtc):
+    for u in (accept, xtc, block):
         p = chi_square_p_value(torch.histc(u.float(), bins=50, min=0.0, max=1.0), torch.full((50,), 0.02))
         assert p > 1e-6
-    for a, b in ((accept, xtc), (accept, draw), (xtc, draw)):
+    for a, b in ((accept, xtc), (accept, draw), (xtc, draw), (block, accept), (block, xtc), (block, draw)):
         assert abs(float(torch.corrcoef(torch.stack([a, b]))[0, 1])) < 0.03   # ~4 standard errors
 
 

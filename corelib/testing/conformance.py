@@ -463,7 +463,7 @@ class ConformanceSuite(EngineConformance):
                                    f"{int(got[row])}, reference {int(want[row])}")
 
     # ------------------------------------------------------------------ logprobs
-    @pytest.mark.parametrize("mode", ["raw", "processed"])
+    @pytest.mark.parametrize("mode", ["raw", "processed", "raw_logits", "processed_logits"])
     def test_logprobs_match_reference(self, sampler, reference, mode):
         requests = [("g", SamplingParams(temperature=0.0, logprobs=5), PROMPT, OUTPUT),
                     ("s", SamplingParams(seed=8, logprobs=2, top_k=20, temperature=0.8,
@@ -495,6 +495,46 @@ class ConformanceSuite(EngineConformance):
             if g_rank != w_rank:
                 violation("logprobs", f"rank of the sampled token differs at {where}: {g_rank}, "
                                       f"reference {w_rank}")
+
+    @pytest.mark.parametrize("mode", ["raw", "processed", "raw_logits", "processed_logits"])
+    def test_many_and_all_logprobs_match_reference(self, sampler, reference, mode):
+        V = self.vocab_size
+        requests = [("all", SamplingParams(seed=3, logprobs=-1, top_k=50, temperature=0.8), PROMPT, OUTPUT),
+                    ("many", SamplingParams(temperature=0.0, logprobs=40, presence_penalty=1.0), PROMPT, OUTPUT),
+                    ("few", SamplingParams(seed=4, logprobs=2, top_p=0.9), PROMPT, None)]
+        logits = self.logits(3, seed=15)
+        batch = self.build(sampler, requests, logprobs_mode=mode)
+        got = sampler.sample(self.on(sampler, logits), batch)
+        want = reference.sample(logits, self.build(reference, requests, logprobs_mode=mode))
+        if got.logprobs is None or tuple(got.logprobs.token_ids.shape) != (3, V + 1):
+            shape = None if got.logprobs is None else tuple(got.logprobs.token_ids.shape)
+            violation("logprobs", f"logprobs=-1 asks for every token: token_ids must be [rows, V+1] = "
+                                  f"{(3, V + 1)}, got {shape} (mode {mode!r})")
+        for row, width in enumerate((V + 1, 41, 3)):
+            where = f"{self.describe(batch, row)}, mode {mode!r}"
+            g_lp, w_lp = got.logprobs.logprobs[row, :width].cpu(), want.logprobs.logprobs[row, :width]
+            if not torch.allclose(g_lp, w_lp, rtol=1e-4, atol=1e-4):
+                violation("logprobs", f"the {width - 1} top values differ at {where}: "
+                                      f"{g_lp.tolist()[:8]}..., reference {w_lp.tolist()[:8]}...")
+            finite = torch.isfinite(w_lp)       # tokens tied at -inf may come in any order
+            g_ids, w_ids = got.logprobs.token_ids[row, :width].cpu(), want.logprobs.token_ids[row, :width]
+            if not torch.equal(g_ids[finite], w_ids[finite]):
+                violation("logprobs", f"token ids of the top {width - 1} differ at {where}")
+            if int(got.logprobs.ranks[row]) != int(want.logprobs.ranks[row]):
+                violation("logprobs", f"rank of the sampled token differs at {where}")
+        if bool((got.logprobs.logprobs[0, 1:-1].cpu() < got.logprobs.logprobs[0, 2:].cpu()).any()):
+            violation("logprobs", f"logprobs=-1: columns 1..V must be in descending order (mode {mode!r})")
+
+    def test_logprobs_beyond_the_vocabulary_raise_at_add(self, sampler):
+        batch = self.build(sampler, [])
+        try:
+            batch.add("big", SamplingParams(logprobs=self.vocab_size + 1))
+        except ValueError as exc:
+            if "logprobs" not in str(exc):
+                violation("logprobs", f"logprobs=V+1 raised {exc!r}, which does not name logprobs")
+        else:
+            violation("logprobs", f"logprobs={self.vocab_size + 1} exceeds vocab_size={self.vocab_size} "
+                                  f"and must raise ValueError at add")
 
     # ------------------------------------------------------------------ bad rows
     def test_bad_rows_are_flagged_and_do_not_touch_others(self, sampler, reference):

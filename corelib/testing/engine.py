@@ -90,6 +90,28 @@ def _drafts_from(sequences: list[list[int]], K: int) -> torch.Tensor:
     return out
 
 
+# Step 8b: requests with a reasoning budget (markers 200 / 201, V >= 256), each exercising one
+# rule: budget 0 inside a thinking prompt, a multi-token end marker, a transition phrase, a
+# start marker generated again and again (bias) with budget 0, and a prompt not thinking.
+THINK = dict(thinking_start_token_ids=[200], thinking_end_token_ids=[201])
+THINKING_REQUESTS = [
+    ("zero", SamplingParams(temperature=0.0, thinking_budget=0, **THINK), PROMPT + [200], None),
+    ("multi", SamplingParams(seed=41, top_k=30, thinking_budget=2, thinking_start_token_ids=[200],
+                             thinking_end_token_ids=[201, 202]), PROMPT + [200, 5], None),
+    ("phrase", SamplingParams(temperature=0.0, presence_penalty=1.0, thinking_budget=1,
+                              thinking_forced_token_ids=[210, 211, 201], **THINK), PROMPT + [200], None),
+    ("again", SamplingParams(seed=42, thinking_budget=0, logit_bias={200: 100.0}, **THINK), PROMPT, None),
+    ("idle", SamplingParams(seed=43, thinking_budget=1, **THINK), PROMPT, None),
+]
+# What the contract says they emit, where it decides (None: the model's choice).
+THINKING_EXPECTED = {
+    "zero": [201],
+    "multi": [None, 201, 202],
+    "phrase": [None, 210, 211, 201],
+    "again": [200, 201, 200, 201, 200, 201],
+}
+
+
 class EngineConformance:
     """Bitmask, verification and custom-stage checks (mixed into ``ConformanceSuite``)."""
 
@@ -144,6 +166,72 @@ class EngineConformance:
     def speculative_logits(self, batch, K: int) -> torch.Tensor:
         """[rows, K + 1, V]: slot j holds the logits of position (generated + j)."""
         return torch.stack([self.step_logits(batch, j) for j in range(K + 1)], dim=1)
+
+    # ------------------------------------------------------------------ reasoning budget
+    def test_thinking_budget_forces_what_the_contract_says(self, sampler, reference):
+        if self.vocab_size < 256:
+            pytest.skip("the reasoning-budget cases use token ids up to 211")
+        steps = 6
+        got = self.plain_run(sampler, THINKING_REQUESTS, steps, eos_token_id=6)
+        want = self.plain_run(reference, THINKING_REQUESTS, steps, eos_token_id=6)
+        for rid, expected in THINKING_EXPECTED.items():
+            tokens = got[(rid, 0)]
+            for position, token in enumerate(expected):
+                if token is not None and tokens[position] != token:
+                    violation("thinking", f"{self.describe_request(THINKING_REQUESTS, rid)} emitted "
+                                          f"{tokens}: position {position} must be the forced "
+                                          f"token {token}")
+        for key, tokens in want.items():
+            if got[key] != tokens:
+                violation("thinking", f"{self.describe_request(THINKING_REQUESTS, *key)} emitted "
+                                      f"{got[key]}, the reference {tokens}")
+        if got[("idle", 0)] != want[("idle", 0)]:
+            violation("thinking", "a row whose prompt is not thinking was changed")
+
+    def test_thinking_state_moves_resumes_and_verifies(self, sampler):
+        if self.vocab_size < 256:
+            pytest.skip("the reasoning-budget cases use token ids up to 211")
+        steps = 6
+        truth = self.plain_run(sampler, THINKING_REQUESTS, steps, eos_token_id=6)
+        # leave and join: each request removed after 2 steps and added back with its tokens
+        batch = self.build(sampler, THINKING_REQUESTS, eos_token_id=6)
+        tokens = {key: [] for key in batch.rows}
+        for step in range(steps):
+            if step == 2:
+                for rid, params, prompt, _ in THINKING_REQUESTS:
+                    batch.remove(rid)
+                    batch.add(rid, params, prompt_token_ids=prompt, output_token_ids=tokens[(rid, 0)])
+                batch.swap_rows(0, len(batch) - 1)
+            out = sampler.sample(self.on(sampler, self.step_logits(batch, 0)), batch)
+            for key, token in zip(batch.rows, out.token_ids.cpu().tolist()):
+                tokens[key].append(token)
+            batch.append(out.token_ids)
+        for key, want in truth.items():
+            if tokens[key] != want:
+                violation("thinking", f"{self.describe_request(THINKING_REQUESTS, *key)} emitted "
+                                      f"{tokens[key]} when removed, re-added with its tokens and "
+                                      f"moved; {want} uninterrupted")
+        spoken = self._speculative_run(sampler, THINKING_REQUESTS, steps, K=3, truth=truth,
+                                       eos_token_id=6, corrupt=2)
+        for key, want in truth.items():
+            if spoken[key] != want:
+                violation("thinking", f"{self.describe_request(THINKING_REQUESTS, *key)} emitted "
+                                      f"{spoken[key]} through verify (K=3, every other draft wrong), "
+                                      f"{want} through sample")
+
+    def test_thinking_processed_logprob_of_a_forced_token_is_zero(self, sampler):
+        if self.vocab_size < 256:
+            pytest.skip("the reasoning-budget cases use token ids up to 211")
+        params = SamplingParams(seed=44, logprobs=2, thinking_budget=0, min_tokens=2,
+                                stop_token_ids=[201], **THINK)
+        batch = self.build(sampler, [("z", params, PROMPT + [200], None)], logprobs_mode="processed")
+        out = sampler.sample(self.on(sampler, self.logits(1, seed=45)), batch)
+        token, logprob = int(out.token_ids[0]), float(out.logprobs.logprobs[0, 0])
+        if token != 201 or not bool(out.valid[0]) or abs(logprob) > 1e-6:
+            violation("thinking", f"request 'z' (params {params_text(params)}) must emit the forced "
+                                  f"end marker 201 even though min_tokens masks it, with processed "
+                                  f"logprob 0; got token {token} (valid {bool(out.valid[0])}), "
+                                  f"logprob {logprob}")
 
     # ------------------------------------------------------------------ bitmask
     def test_bitmask_kept_set_matches_reference(self, sampler, reference):
@@ -425,6 +513,88 @@ class EngineConformance:
                                            f"expected sum(min(p, q)) = {float(expected):.4f} "
                                            f"(tolerance 5 sigma = {float(5 * sigma):.4f}; {what})")
 
+    def block_run(self, sampler, p: torch.Tensor, q: torch.Tensor, method: str, seeded: bool,
+                  seed: int):
+        """One ``verify`` of ``verify_rows`` rows with the same context-free target ``p``
+        ``[K + 1, V]`` (probabilities) at every row and drafts drawn from ``q`` ``[K, V]``.
+        Returns (emitted ids ``[R, K + 1]``, num_emitted ``[R]``) on the host."""
+        R, (K, V) = self.verify_rows, q.shape
+        gen = torch.Generator().manual_seed(seed)
+        drafts = torch.stack([torch.multinomial(q[j], R, replacement=True, generator=gen)
+                              for j in range(K)], dim=1)
+        batch = sampler.new_batch(V)
+        for i in range(R):
+            batch.add(f"b{i}", SamplingParams(seed=7000 + i if seeded else None))
+        torch.manual_seed(seed + 1)
+        out = sampler.verify(self.on(sampler, p.log().expand(R, -1, -1).contiguous()), batch,
+                             self.on(sampler, drafts), self.on(sampler, q.expand(R, -1, -1).contiguous()),
+                             method=method)
+        return out.token_ids.cpu(), out.num_emitted.cpu()
+
+    @pytest.mark.parametrize("seeded", [False, True], ids=["unseeded", "seeded"])
+    def test_block_verification_keeps_the_target_distribution(self, sampler, seeded):
+        V, K = 8, 2
+        gen = torch.Generator().manual_seed(70 + seeded)
+        p = torch.softmax(torch.randn((K + 1, V), generator=gen) * 1.2, dim=-1)
+        q = torch.softmax(torch.randn((K, V), generator=gen) * 1.2, dim=-1)   # deliberately off
+        ids, count = self.block_run(sampler, p, q, "block", seeded, seed=72)
+        # A row that emitted one token continues from the target at slot 1 (context-free here),
+        # so every row yields a two-token sequence whose law must be p_0 x p_1.
+        second = torch.multinomial(p[1], ids.shape[0], replacement=True,
+                                   generator=torch.Generator().manual_seed(73))
+        second = torch.where(count >= 2, ids[:, 1], second)
+        pairs = torch.bincount(ids[:, 0] * V + second, minlength=V * V)
+        p_value = chi_square_p_value(pairs, (p[0][:, None] * p[1][None, :]).flatten())
+        if not p_value > self.min_p_value:
+            violation("verify_block", f"two-token sequences emitted by block verification do not "
+                                      f"follow the target p_0 x p_1 (chi-square p={p_value:.2e}; "
+                                      f"{ids.shape[0]} rows, V={V}, K={K}, "
+                                      f"{'seeded' if seeded else 'unseeded'})")
+
+    def test_block_verification_accepts_at_least_the_token_rule(self, sampler):
+        V, K = 8, 2
+        gen = torch.Generator().manual_seed(74)
+        p = torch.softmax(torch.randn((K + 1, V), generator=gen) * 1.5, dim=-1)
+        q = torch.softmax(torch.randn((K, V), generator=gen) * 1.5, dim=-1)
+        # A case where the block rule must win: the token rule accepts 0.5 + 0.5 * 0.6 = 0.8
+        # drafts on average here, block verification 1.16 (by the paper's formulas).
+        built_p = torch.tensor([[0.5, 0.5], [0.1, 0.9], [0.3, 0.7]])
+        built_q = torch.tensor([[0.1, 0.9], [0.5, 0.5]])
+        token_rule = float(torch.minimum(built_p[0], built_q[0]).sum()
+                           * (1 + torch.minimum(built_p[1], built_q[1]).sum()))
+        for case, (pp, qq) in {"random": (p, q), "built": (built_p, built_q)}.items():
+            means = {}
+            for method in ("token", "block"):
+                _, count = self.block_run(sampler, pp, qq, method, seeded=True, seed=75)
+                means[method] = (count - 1).double()
+            sigma = float((means["block"].var() / len(means["block"])
+                           + means["token"].var() / len(means["token"])).sqrt())
+            block, token = float(means["block"].mean()), float(means["token"].mean())
+            what = f"case {case}: {len(means['block'])} rows, K={K}; block {block:.4f}, token {token:.4f}"
+            if block < token - 4 * sigma:
+                violation("verify_block", f"block verification accepted fewer drafts on average than "
+                                          f"the token rule on the same inputs ({what}; tolerance "
+                                          f"4 sigma = {4 * sigma:.4f})")
+            if case == "built" and not block > token_rule + 5 * sigma:
+                violation("verify_block", f"block verification must accept more drafts than the "
+                                          f"token rule's {token_rule:.2f} here ({what}; margin "
+                                          f"5 sigma = {5 * sigma:.4f})")
+
+    def test_block_method_keeps_the_token_rule_without_draft_probabilities(self, sampler):
+        requests = [("s", SamplingParams(seed=11, top_k=30), PROMPT, None),
+                    ("g", SamplingParams(temperature=0.0), PROMPT, None),
+                    ("u", SamplingParams(temperature=0.0, presence_penalty=1.0), PROMPT, None)]
+        K = 3
+        logits = self.logits(3 * (K + 1), seed=76).view(3, K + 1, -1)
+        drafts = torch.argmax(logits, dim=-1)[:, :K]
+        outs = {method: sampler.verify(self.on(sampler, logits), self.build(sampler, requests),
+                                       self.on(sampler, drafts), method=method)
+                for method in ("token", "block")}
+        if not torch.equal(outs["token"].token_ids.cpu(), outs["block"].token_ids.cpu()):
+            violation("verify_block", f"without draft probabilities method='block' must keep the token "
+                                      f"rule: emitted {outs['block'].token_ids.tolist()}, token rule "
+                                      f"{outs['token'].token_ids.tolist()}")
+
     def test_verify_stops_at_a_slot_without_tokens(self, sampler):
         requests = [("nan", SamplingParams(seed=1), PROMPT, None),
                     ("masked", SamplingParams(temperature=0.0), PROMPT, None),
@@ -453,7 +623,7 @@ class EngineConformance:
                                       f"{want}, got {ids[2].tolist()} (a bad row changed another?)")
 
     @pytest.mark.parametrize("case", ["logits_2d", "k_mismatch", "float_ids", "probs_shape",
-                                      "id_out_of_range", "padding_gap", "probs_int"])
+                                      "id_out_of_range", "padding_gap", "probs_int", "method"])
     def test_bad_verify_arguments_raise_value_error(self, sampler, case):
         requests = [("a", SamplingParams(seed=1), [], None), ("b", SamplingParams(seed=2), [], None)]
         V, K = self.vocab_size, 2
@@ -468,14 +638,16 @@ class EngineConformance:
             "id_out_of_range": (logits, torch.tensor([[1, V], [3, -1]]), None, "draft_token_ids"),
             "padding_gap": (logits, torch.tensor([[-1, 2], [3, -1]]), None, "draft_token_ids"),
             "probs_int": (logits, drafts, probs.long(), "draft_probs"),
+            "method": (logits, drafts, probs, "method"),
         }
         bad_logits, bad_drafts, bad_probs, name = args[case]
+        method = "blocks" if case == "method" else "token"
         if case in ("id_out_of_range", "padding_gap") and sampler.device.type != "cpu":
             pytest.skip("draft ids on an accelerator are checked per row (flagged), not raised")
         batch = self.build(sampler, requests)
         with pytest.raises(ValueError) as error:
             sampler.verify(self.on(sampler, bad_logits), batch, self.on(sampler, bad_drafts),
-                           None if bad_probs is None else self.on(sampler, bad_probs))
+                           None if bad_probs is None else self.on(sampler, bad_probs), method=method)
         if name not in str(error.value):
             violation("verify_args", f"verify with bad {case} raised {error.value!r}, which does "
                                      f"not name {name}")

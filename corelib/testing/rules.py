@@ -53,6 +53,8 @@ RULES: dict[str, str] = {
     "verify_distribution": "verification (rejection sampling: the emitted tokens follow the target distribution)",
     "verify_acceptance": "verification (a draft is accepted with probability min(1, p/q): acceptance rate sum(min(p, q)))",
     "verify_flags": "verification (a slot with no token stops the row; at slot 0, or with unusable drafts, the row is flagged)",
+    "verify_block": "block verification (method='block': the emitted sequence has the target distribution; on average at least as many drafts accepted as by the token rule; rows without draft probabilities keep the token rule)",
+    "thinking": "step 8b (reasoning budget: a thinking row whose count reached its budget emits the forced sequence; state kept across join, leave, swap, resume and verify)",
     "verify_args": "verification argument checks (ValueError naming the argument; the batch unchanged)",
     "custom_stage": "custom stages (run at their slot on the rows that use them; state moves and resumes with the row; failures raise StageError)",
 }

@@ -150,25 +150,25 @@ class GraphedSampler:
     # ------------------------------------------------------------------ verify
     def verify(self, logits: torch.Tensor, batch: SamplingBatch, draft_token_ids: torch.Tensor,
                draft_probs: Optional[torch.Tensor] = None,
-               token_bitmask: Optional[torch.Tensor] = None) -> VerifyOutput:
-        """As ``CudaSampler.verify``, replaying a verify step captured per (padded rows, K):
+               token_bitmask: Optional[torch.Tensor] = None, method: str = "token") -> VerifyOutput:
+        """As ``CudaSampler.verify``, replaying a verify step captured per (padded rows, K, method):
         logits ``[B, K + 1, V]``, draft_token_ids int64 ``[B, K]`` (-1 padding a row's tail),
         draft_probs None or float32 ``[B, K, V]``, token_bitmask None or int32
         ``[B, K + 1, ceil(V / 32)]``. Arguments are checked (and draft ids on the host
         validated) eagerly before the replay, exactly as the sampler checks them."""
-        drafts = self.sampler.check_drafts(logits, batch, draft_token_ids, draft_probs)
+        drafts = self.sampler.check_drafts(logits, batch, draft_token_ids, draft_probs, method)
         B, S, V = logits.shape
         size = self.padded_size(B)
         if B == 0 or size is None:
-            return self.sampler.verify(logits, batch, draft_token_ids, draft_probs, token_bitmask)
+            return self.sampler.verify(logits, batch, draft_token_ids, draft_probs, token_bitmask, method)
         mask = None if token_bitmask is None else batch.check_token_bitmask(token_bitmask, S)
         state = self.graph_state(batch, size)
         with_probs = drafts.probs is not None
         slot = self._slot(("verify", size, S, with_probs), mask is not None)
-        key = ("verify", S, with_probs, logits.dtype, slot.masked, self.capture_key(state))
+        key = ("verify", S, with_probs, method, logits.dtype, slot.masked, self.capture_key(state))
         if slot.capture is None or slot.capture.key != key:
             inputs = self._verify_buffers(state, S, logits.dtype, with_probs, slot.masked)
-            slot.capture = self._capture(key, inputs, lambda inputs: self._verify_body(inputs, batch, state))
+            slot.capture = self._capture(key, inputs, lambda inputs: self._verify_body(inputs, batch, state, method))
         inputs = slot.capture.inputs
         inputs["logits"][:B].copy_(logits)
         inputs["draft_ids"][:B].copy_(drafts.token_ids)
@@ -198,12 +198,13 @@ class GraphedSampler:
             inputs["bitmask"] = torch.full((P * S, bitmask_width(V)), -1, dtype=torch.int32, device=dev)
         return inputs
 
-    def _verify_body(self, inputs: dict, batch: SamplingBatch, graph_state: CudaStepState) -> VerifyOutput:
+    def _verify_body(self, inputs: dict, batch: SamplingBatch, graph_state: CudaStepState,
+                     method: str) -> VerifyOutput:
         """``verify_state`` over the static buffers: the speculative state of ``P`` rows is
         computed inside the graph from the batch's tensors and the draft buffer."""
         P, S, V = inputs["logits"].shape
         drafts = Drafts(inputs["draft_ids"], inputs["draft_count"], inputs.get("draft_probs"),
-                        inputs["draft_usable"])
+                        inputs["draft_usable"], method)
         s = self.sampler.speculative_step_state(batch, drafts, num_rows=P)
         s = dataclasses.replace(s, any_min_tokens=graph_state.any_min_tokens, bounds=graph_state.bounds)
         if "bitmask" in inputs:
