@@ -119,16 +119,21 @@ def _target_device(data: Any, device) -> torch.device:
     return torch.get_default_device()
 
 
+def _refuse_host_upload(what: str, data: Any, target: torch.device) -> None:
+    """HostSyncError when ``data`` (host data: a list, a scalar, a CPU tensor) is bound for a
+    device: these factories copy it there blocking."""
+    on_host = not isinstance(data, torch.Tensor) or data.device.type == "cpu"
+    if target.type != "cpu" and on_host:
+        raise HostSyncError(f"{what} of host data on {target} uploads host values blocking "
+                            f"(use corelib.transfer.upload)")
+
+
 def _guarded_factory(name: str, factory: Callable) -> Callable:
     @functools.wraps(factory)
     def guarded(data, *args, device=None, **kwargs):
         if name == "as_tensor" and len(args) > 1:   # as_tensor(data, dtype, device)
             device, args = args[1], args[:1]
-        target = _target_device(data, device)
-        on_host = not isinstance(data, torch.Tensor) or data.device.type == "cpu"
-        if target.type != "cpu" and on_host:
-            raise HostSyncError(f"torch.{name}(host data, device={target}) uploads host values "
-                                f"blocking (use corelib.transfer.upload)")
+        _refuse_host_upload(f"torch.{name}", data, _target_device(data, device))
         return factory(data, *args, device=device, **kwargs)
     return guarded
 
@@ -136,11 +141,7 @@ def _guarded_factory(name: str, factory: Callable) -> Callable:
 def _guarded_new_tensor(new_tensor: Callable) -> Callable:
     @functools.wraps(new_tensor)
     def guarded(self, data, *args, device=None, **kwargs):
-        target = torch.device(device) if device is not None else self.device
-        on_host = not isinstance(data, torch.Tensor) or data.device.type == "cpu"
-        if target.type != "cpu" and on_host:
-            raise HostSyncError(f"Tensor.new_tensor(host data) on {target} uploads host values "
-                                f"blocking (use corelib.transfer.upload)")
+        _refuse_host_upload("Tensor.new_tensor", data, torch.device(device) if device is not None else self.device)
         return new_tensor(self, data, *args, device=device, **kwargs)
     return guarded
 
