@@ -7,6 +7,12 @@ ships with CUDA builds of torch; it is imported on first use) reads each row's w
 words costs one read of its ``ceil(V / 32)`` words. Elsewhere (CPU tensors, a torch without
 Triton) the torch expression runs, which unpacks a boolean mask first.
 
+Triton compiles its launcher on first use (it needs a C compiler, ``Python.h`` and libcuda),
+so importing it proves nothing: :func:`choose_bitmask_path` launches the kernel once on a tiny
+mask when a sampler starts (and when the backend is probed) and checks what it wrote; if that
+fails, the device keeps the torch expression and the reason is reported
+(``CudaSampler.bitmask_path``, ``corelib info``). A step never compiles anything.
+
 ``TRITON_INTERPRET=1`` (set before Triton is imported) runs the same kernel on CPU tensors,
 which is how the tests check it without a GPU.
 """
@@ -14,26 +20,47 @@ which is how the tests check it without a GPU.
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
-from corelib.bitmask import unpack_bitmask
+from corelib.bitmask import pack_bitmask, unpack_bitmask
+from corelib.transfer import upload
+
+from .device import device_guard
 
 NEG_INF = float("-inf")
 #: Tokens per Triton program (32 words of the mask).
 BLOCK = 1024
 
+Kernel = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class BitmaskPath:
+    """How step 3 runs on one device: the checked Triton launcher, or None for the torch
+    expression; ``description`` is "triton" or "torch (why)"."""
+
+    kernel: Optional[Kernel]
+    description: str
+
+    def apply(self, x: torch.Tensor, words: torch.Tensor) -> torch.Tensor:
+        """Set ``x[row, j]`` to -inf where bit j of ``words[row]`` is 0; returns ``x``.
+
+        x: float32 ``[B, V]``, modified IN PLACE. words: int32 ``[B, ceil(V / 32)]`` on x's
+        device (-1 words leave their 32 tokens alone). The kernel needs unit stride along V;
+        other views take the torch expression. The launch is guarded to x's device (Triton
+        launches on the current one)."""
+        if self.kernel is None or x.stride(-1) != 1:
+            return torch_apply_token_bitmask_(x, words)
+        with device_guard(x.device):
+            return self.kernel(x, words if words.stride(-1) == 1 else words.contiguous())
+
 
 def apply_token_bitmask_(x: torch.Tensor, words: torch.Tensor) -> torch.Tensor:
-    """Set ``x[row, j]`` to -inf where bit j of ``words[row]`` is 0; returns ``x``.
-
-    x: float32 ``[B, V]`` with unit stride along V, modified in place. words: int32
-    ``[B, ceil(V / 32)]`` on x's device (-1 words leave their 32 tokens alone). On CUDA with
-    Triton: the kernel; otherwise ``masked_fill_`` with the unpacked boolean mask."""
-    kernel = triton_kernel() if x.is_cuda and x.stride(-1) == 1 else None
-    if kernel is None:
-        return torch_apply_token_bitmask_(x, words)
-    return kernel(x, words if words.stride(-1) == 1 else words.contiguous())
+    """:meth:`BitmaskPath.apply` with the path of x's device (:func:`choose_bitmask_path`).
+    IN PLACE on x float32 ``[B, V]``; words int32 ``[B, ceil(V / 32)]``."""
+    return choose_bitmask_path(x.device).apply(x, words)
 
 
 def torch_apply_token_bitmask_(x: torch.Tensor, words: torch.Tensor) -> torch.Tensor:
@@ -43,32 +70,78 @@ def torch_apply_token_bitmask_(x: torch.Tensor, words: torch.Tensor) -> torch.Te
 
 def bitmask_path(device: torch.device) -> str:
     """Which implementation runs for tensors on ``device``: "triton" or "torch (why)"."""
+    return choose_bitmask_path(device).description
+
+
+def choose_bitmask_path(device: torch.device | str) -> BitmaskPath:
+    """The bitmask path of ``device``, decided once per device: the Triton kernel on a CUDA
+    device where it imports and its first launch writes the right tokens, else the torch
+    expression with the reason. The first call on a CUDA device launches and synchronises
+    (a sampler makes it when it starts, never inside a step)."""
+    device = torch.device(device)
     if device.type != "cuda":
-        return f"torch (the device is {device.type}, the Triton kernel runs on CUDA only)"
-    if triton_kernel() is None:
-        return f"torch (triton failed to import: {triton_import_error()})"
-    return "triton"
+        return BitmaskPath(None, f"torch (the device is {device.type}, the Triton kernel runs on CUDA only)")
+    if device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return _cuda_path(device)
 
 
-@functools.lru_cache(maxsize=1)
-def triton_kernel() -> Optional[Callable[[torch.Tensor, torch.Tensor], torch.Tensor]]:
-    """The Triton launcher, or None when Triton cannot be imported (checked once)."""
+@functools.lru_cache(maxsize=None)
+def _cuda_path(device: torch.device) -> BitmaskPath:
+    return launch_checked(device, _build_triton_kernel)
+
+
+def launch_checked(device: torch.device, build: Callable[[], Kernel]) -> BitmaskPath:
+    """The path that ``build``'s launcher gives on ``device``: it must build (Triton imports)
+    and its first launch must write exactly the torch expression's tokens."""
     try:
-        return _build_triton_kernel()
-    except Exception:  # ImportError, or a Triton too old for this kernel
-        return None
+        kernel = build()
+    except Exception as exc:  # ImportError, or a Triton too old for this kernel
+        return BitmaskPath(None, f"torch (triton failed to import: {_describe(exc)})")
+    problem = first_launch_problem(kernel, device)
+    if problem is not None:
+        return BitmaskPath(None, f"torch (the Triton kernel failed its first launch: {problem})")
+    return BitmaskPath(kernel, "triton")
+
+
+def first_launch_problem(kernel: Kernel, device: torch.device) -> Optional[str]:
+    """None when ``kernel`` masks a tiny batch on ``device`` as the torch expression does
+    (2 rows of 70 tokens: a full word, a partial word, an unconstrained row), else what went
+    wrong. Compiles on first use, and waits for the device: call it at start-up only."""
+    allowed = torch.zeros((2, 70), dtype=torch.bool)
+    allowed[0, ::3] = True
+    allowed[1] = True
+    words = pack_bitmask(allowed)
+    want = torch_apply_token_bitmask_(torch.zeros((2, 70)), words)
+    try:
+        x = upload(torch.zeros((2, 70)), device)
+        with device_guard(device):
+            kernel(x, upload(words, device))
+        got = x.cpu()
+    except Exception as exc:  # no C compiler for the launcher, no Python.h, no libcuda, ...
+        return _describe(exc)
+    if not torch.equal(got, want):
+        return "it masked other tokens than the torch expression"
+    return None
+
+
+def _describe(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}"
 
 
 def triton_import_error() -> Optional[str]:
+    """None when the Triton kernel builds (Triton imports), else why not. Says nothing about
+    its launch (see :func:`choose_bitmask_path`)."""
     try:
         _build_triton_kernel()
     except Exception as exc:
-        return f"{type(exc).__name__}: {exc}"
+        return _describe(exc)
     return None
 
 
 @functools.lru_cache(maxsize=1)
-def _build_triton_kernel() -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+def _build_triton_kernel() -> Kernel:
     import triton
     import triton.language as tl
 

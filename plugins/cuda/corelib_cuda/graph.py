@@ -23,11 +23,25 @@ row's position, which the device tracks), so the key changes only when requests 
 A bitmask, once passed for a (kind, size, K), stays on for it: calls without one fill the
 buffer with -1 (every token allowed), so engines that pass masks on some steps only do not
 capture again each time.
+
+Capture cost (:class:`CudaGraphs`): every graph of a runner is captured into one shared memory
+pool (``torch.cuda.graph_pool_handle()``), on one capture stream of the sampler's device, by
+``CUDAGraph.capture_begin`` / ``capture_end`` directly: ``torch.cuda.graph`` would synchronise
+the device and empty the process's whole allocator cache (device and pinned host) on every
+capture. Sharing a pool is safe because replays run one at a time on the caller's stream and
+each replay's outputs are copied right after it, before another graph can reuse the pool's
+memory. At most ``max_graphs`` graphs are held (one per (kind, size, K) in use); a step that
+would need another runs eagerly. ``GraphedSampler.stats`` reports captures, graphs held,
+replays, eager steps and the memory the captures took. Every capture, warm-up and replay runs
+with the sampler's device as the current device (``torch.cuda.device``), so a sampler on
+``cuda:1`` captures there whatever device is current.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import time
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
@@ -37,9 +51,12 @@ from corelib.bitmask import bitmask_width
 from corelib.sampler import Drafts, Logprobs, VerifyOutput
 
 from .batch import FilterBounds
+from .device import device_guard
 from .sampler import CudaSampler, CudaStepState, with_bounds
 
 GRAPH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+#: Graphs a runner holds at most (one per (kind, size, K) in use); further steps run eagerly.
+MAX_GRAPHS = 32
 
 
 @dataclass
@@ -49,6 +66,71 @@ class _Capture:
     run: Callable[[], object]                 # the step over those buffers (eager form)
     out: object = None                        # static outputs (graph mode)
     graph: Optional["torch.cuda.CUDAGraph"] = None
+
+
+class CudaGraphs:
+    """Captures and replays the CUDA graphs of one runner on ``device``: one capture stream
+    and one memory pool shared by all of them, every call under ``torch.cuda.device``. Counts
+    what it did (``captures``, ``replays``, ``capture_bytes``: growth of the device's reserved
+    memory across captures, ``capture_s``: host seconds of warm-ups and captures)."""
+
+    def __init__(self, device: torch.device, warmup: int = 2):
+        self.device = device
+        self.warmup = warmup
+        self.captures = 0
+        self.replays = 0
+        self.capture_bytes = 0
+        self.capture_s = 0.0
+        self._pool = None
+        self._stream: Optional["torch.cuda.Stream"] = None
+
+    @property
+    def pool(self):
+        """The memory pool every graph of this runner is captured into (created on first use)."""
+        if self._pool is None:
+            with device_guard(self.device):
+                self._pool = torch.cuda.graph_pool_handle()
+        return self._pool
+
+    def capture(self, run: Callable[[], object],
+                generator: Optional[torch.Generator] = None) -> tuple["torch.cuda.CUDAGraph", object]:
+        """(graph, static outputs) of ``run`` after ``warmup`` eager runs (lazy inits, Triton
+        and FlashInfer compilation happen outside the capture). ``generator``: a CUDA
+        generator ``run`` draws from besides the device's default one (registered so replays
+        advance it). Never synchronises the device, never empties the allocator's cache."""
+        start = time.perf_counter()
+        with device_guard(self.device):
+            if self._stream is None:
+                self._stream = torch.cuda.Stream(self.device)
+            current = torch.cuda.current_stream(self.device)
+            self._stream.wait_stream(current)
+            with torch.cuda.stream(self._stream):
+                for _ in range(self.warmup):
+                    run()
+            reserved = torch.cuda.memory_reserved(self.device)
+            graph = torch.cuda.CUDAGraph()
+            if generator is not None:
+                graph.register_generator_state(generator)
+            with torch.cuda.stream(self._stream):
+                graph.capture_begin(pool=self.pool)
+                try:
+                    out = run()
+                except BaseException:
+                    with contextlib.suppress(Exception):   # the capture is invalid anyway
+                        graph.capture_end()
+                    raise
+                graph.capture_end()
+            current.wait_stream(self._stream)
+            self.capture_bytes += torch.cuda.memory_reserved(self.device) - reserved
+        self.captures += 1
+        self.capture_s += time.perf_counter() - start
+        return graph, out
+
+    def replay(self, graph: "torch.cuda.CUDAGraph") -> None:
+        """Replay ``graph`` on the current stream of this device."""
+        with device_guard(self.device):
+            graph.replay()
+        self.replays += 1
 
 
 @dataclass
@@ -65,13 +147,15 @@ class GraphedSampler:
 
     ``use_graphs`` None = on for CUDA devices; False replays the same captured step state
     eagerly (the CPU tests use this to check the buffer logic). Batches larger than the
-    largest size run the eager sampler. Outputs are copies, valid after the next call.
-    A verify graph holds ``P (K + 1)`` rows of every ``[rows, V]`` temporary, and its draft
-    probability buffer ``[P, K, V]``: choose ``sizes`` with the memory in mind.
+    largest size, and steps that would need more than ``max_graphs`` graphs, run the eager
+    sampler. Outputs are copies, valid after the next call. A verify graph holds ``P (K + 1)``
+    rows of every ``[rows, V]`` temporary, and its draft probability buffer ``[P, K, V]``
+    (all graphs share one memory pool, so the temporaries of the largest one dominate):
+    choose ``sizes`` with the memory in mind; ``stats`` says what the captures took.
     """
 
     def __init__(self, sampler: CudaSampler, sizes: Sequence[int] = GRAPH_SIZES,
-                 use_graphs: Optional[bool] = None, warmup: int = 2):
+                 use_graphs: Optional[bool] = None, warmup: int = 2, max_graphs: int = MAX_GRAPHS):
         if not isinstance(sampler, CudaSampler):
             raise TypeError(f"GraphedSampler needs a CudaSampler, got {type(sampler).__name__}")
         if not sizes or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in sizes):
@@ -81,9 +165,29 @@ class GraphedSampler:
         self.use_graphs = sampler.device.type == "cuda" if use_graphs is None else use_graphs
         if self.use_graphs and sampler.device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA device, the sampler runs on {sampler.device}")
-        self.warmup = warmup
-        self.captures = 0          # how many times a step was captured (for tests and logs)
+        if isinstance(max_graphs, bool) or not isinstance(max_graphs, int) or max_graphs < 1:
+            raise ValueError(f"max_graphs must be a positive int, got {max_graphs!r}")
+        self.max_graphs = max_graphs
+        self.graphs = CudaGraphs(sampler.device, warmup)
+        self.eager_steps = 0       # steps run eagerly: too many rows, or max_graphs reached
         self._slots: dict[tuple, _Slot] = {}
+
+    @property
+    def captures(self) -> int:
+        """How many times a step was captured (a new key, or its first call)."""
+        return self.graphs.captures
+
+    @property
+    def stats(self) -> dict:
+        """``captures``, ``graphs`` (held now), ``max_graphs``, ``replays``, ``eager_steps``,
+        ``capture_bytes`` (device memory the captures reserved; 0 without CUDA graphs) and
+        ``capture_s`` (host seconds spent capturing, warm-ups included)."""
+        return dict(captures=self.graphs.captures, graphs=self._held(), max_graphs=self.max_graphs,
+                    replays=self.graphs.replays, eager_steps=self.eager_steps,
+                    capture_bytes=self.graphs.capture_bytes, capture_s=self.graphs.capture_s)
+
+    def _held(self) -> int:
+        return sum(slot.capture is not None for slot in self._slots.values())
 
     @property
     def name(self) -> str:
@@ -110,8 +214,8 @@ class GraphedSampler:
         batch.check_logits(logits)
         n = batch.num_rows
         size = self.padded_size(n)
-        if n == 0 or size is None:
-            return self.sampler.sample(logits, batch, token_bitmask)
+        if n == 0 or not self._graphable(("sample", size)):
+            return self._eager(self.sampler.sample, logits, batch, token_bitmask)
         mask = None if token_bitmask is None else batch.check_token_bitmask(token_bitmask)
         if logits.shape[0] != n:   # one row per request: expand here, outside the graph
             logits = logits.index_select(0, batch.request_index(n))
@@ -159,12 +263,14 @@ class GraphedSampler:
         drafts = self.sampler.check_drafts(logits, batch, draft_token_ids, draft_probs, method)
         B, S, V = logits.shape
         size = self.padded_size(B)
-        if B == 0 or size is None:
-            return self.sampler.verify(logits, batch, draft_token_ids, draft_probs, token_bitmask, method)
+        with_probs = drafts.probs is not None
+        where = ("verify", size, S, with_probs)
+        if B == 0 or not self._graphable(where):
+            return self._eager(self.sampler.verify, logits, batch, draft_token_ids, draft_probs,
+                               token_bitmask, method)
         mask = None if token_bitmask is None else batch.check_token_bitmask(token_bitmask, S)
         state = self.graph_state(batch, size)
-        with_probs = drafts.probs is not None
-        slot = self._slot(("verify", size, S, with_probs), mask is not None)
+        slot = self._slot(where, mask is not None)
         key = ("verify", S, with_probs, method, logits.dtype, slot.masked, self.capture_key(state))
         if slot.capture is None or slot.capture.key != key:
             inputs = self._verify_buffers(state, S, logits.dtype, with_probs, slot.masked)
@@ -245,6 +351,18 @@ class GraphedSampler:
                 parts.append((f.name, value))
         return tuple(parts)
 
+    def _graphable(self, where: tuple) -> bool:
+        """Whether the step of slot ``where`` replays a graph: its size exists, and it has a
+        graph already or fewer than ``max_graphs`` are held."""
+        if where[1] is None:
+            return False
+        slot = self._slots.get(where)
+        return (slot is not None and slot.capture is not None) or self._held() < self.max_graphs
+
+    def _eager(self, step: Callable, *args):
+        self.eager_steps += 1
+        return step(*args)
+
     def _slot(self, where: tuple, masked_now: bool) -> _Slot:
         slot = self._slots.setdefault(where, _Slot())
         slot.masked = slot.masked or masked_now
@@ -252,28 +370,17 @@ class GraphedSampler:
 
     def _capture(self, key: tuple, inputs: dict, body: Callable[[dict], object]) -> _Capture:
         capture = _Capture(key, inputs, lambda: body(inputs))
-        self.captures += 1
         if not self.use_graphs:
+            self.graphs.captures += 1
             return capture
-        side = torch.cuda.Stream(self.device)
-        side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):          # warm-up: lazy inits, Triton/FlashInfer JIT
-            for _ in range(self.warmup):
-                capture.run()
-        torch.cuda.current_stream(self.device).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        if self.sampler.generator is not None:
-            graph.register_generator_state(self.sampler.generator)
-        with torch.cuda.graph(graph):
-            capture.out = capture.run()
-        capture.graph = graph
+        capture.graph, capture.out = self.graphs.capture(capture.run, self.sampler.generator)
         return capture
 
-    @staticmethod
-    def _replay(capture: _Capture):
+    def _replay(self, capture: _Capture):
         if capture.graph is None:
+            self.graphs.replays += 1
             return capture.run()
-        capture.graph.replay()
+        self.graphs.replay(capture.graph)
         return capture.out
 
 

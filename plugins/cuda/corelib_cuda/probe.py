@@ -75,12 +75,21 @@ def flashinfer_choice(capability: Optional[tuple[int, int]]) -> PathChoice:
 
 
 def probe() -> Availability:
-    """The backend's probe: available with a GPU; the reason names the active path."""
+    """The backend's probe: available with a GPU; the reason names the active path of
+    unseeded rows and of the token bitmask (whose Triton kernel is launched once here, see
+    ``corelib_cuda.bitmask.choose_bitmask_path``)."""
     gpu = cuda_availability()
     if not gpu.available:
         return gpu
+    from .bitmask import choose_bitmask_path
     choice = flashinfer_choice(torch.cuda.get_device_capability(0))
-    return Availability(True, choice.reason)
+    bitmask = choose_bitmask_path(torch.device("cuda", 0))
+    return Availability(True, available_reason(choice, bitmask.description))
+
+
+def available_reason(choice: PathChoice, bitmask: str) -> str:
+    """What ``corelib info`` shows for an available backend: both paths."""
+    return f"{choice.reason}; token bitmask: {bitmask}"
 
 
 @functools.lru_cache(maxsize=1)

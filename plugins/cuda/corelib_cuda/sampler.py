@@ -28,6 +28,7 @@ working copy that ``prepare`` owns (their docstrings say so); the others return 
 from __future__ import annotations
 
 import dataclasses
+import time
 from dataclasses import dataclass
 from typing import Optional
 
@@ -37,7 +38,8 @@ from corelib.noise import row_keys, seeded_gumbel
 from corelib.sampler import NEG_INF, Drafts, nucleus_keep
 
 from .batch import CudaBatch, FilterBounds
-from .bitmask import apply_token_bitmask_, bitmask_path
+from .bitmask import choose_bitmask_path
+from .probe import ENV_FLASHINFER
 
 
 @dataclass
@@ -75,7 +77,13 @@ class CudaSampler(Sampler):
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.top_k_first = top_k_first
         self.flashinfer = None
+        #: seconds FlashInfer's self-test took ({"subprocess": s, "in_process": s}; empty
+        #: off the FlashInfer path): a FlashInfer without precompiled kernels JIT-compiles
+        #: them in the first one
+        self.flashinfer_setup_s: dict[str, float] = {}
         self.path, self.path_reason = self._choose_path(use_flashinfer)
+        #: step 3's implementation on this device, decided (and on CUDA launched once) now
+        self.bitmask = choose_bitmask_path(self.device)
 
     def __repr__(self) -> str:
         return f"CudaSampler(device={str(self.device)!r}, path={self.path!r})"
@@ -94,28 +102,51 @@ class CudaSampler(Sampler):
             if use_flashinfer:
                 raise RuntimeError(f"use_flashinfer=True but {choice.reason}")
             return "torch", choice.reason
-        from .flashinfer_ops import FlashInferDraw
-        try:
-            self.flashinfer = FlashInferDraw(self.device, self._flashinfer_seed())
-            self.flashinfer.self_test(self.top_k_first)
-        except Exception as exc:  # a JIT compile without nvcc, a kernel the GPU cannot run
-            self.flashinfer = None
-            reason = f"torch path active because FlashInfer kernels failed to run: {type(exc).__name__}: {exc}"
+        problem = self._start_flashinfer()
+        if problem is not None:
+            reason = f"torch path active because FlashInfer kernels failed to run: {problem}"
             if use_flashinfer:
-                raise RuntimeError(reason) from exc
+                raise RuntimeError(reason)
             return "torch", reason
         return "flashinfer", choice.reason
 
+    def _start_flashinfer(self, sampling=None) -> Optional[str]:
+        """Set ``self.flashinfer`` after its self-test passed, first in a child process (a
+        kernel that crashes takes only the child down), then here; None, or why not (then
+        ``self.flashinfer`` stays None and this process can still run the torch path).
+        ``sampling``: the FlashInfer module to call (tests pass a transcription)."""
+        from .flashinfer_ops import FlashInferDraw, self_test_in_subprocess
+        start = time.perf_counter()
+        problem = self_test_in_subprocess(str(self.device), self.top_k_first)
+        self.flashinfer_setup_s["subprocess"] = time.perf_counter() - start
+        if problem is not None:
+            return problem
+        start = time.perf_counter()
+        try:
+            draw = FlashInferDraw(self.device, self._flashinfer_seed(), sampling)
+            draw.self_test(self.top_k_first)
+        except Exception as exc:  # passed in the child, fails here: report, keep the torch path
+            problem = f"{type(exc).__name__}: {exc}"
+            if not context_usable(self.device):
+                raise RuntimeError(f"the CUDA context of {self.device} is unusable after "
+                                   f"FlashInfer's self-test failed in this process ({problem}); "
+                                   f"set {ENV_FLASHINFER}=0 to use the torch path") from exc
+            return problem
+        self.flashinfer_setup_s["in_process"] = time.perf_counter() - start
+        self.flashinfer = draw
+        return None
+
     def _flashinfer_seed(self) -> int:
-        """FlashInfer's Philox seed, from this sampler's generator (or torch's global seed)."""
-        if self.generator is not None:
-            return self.generator.initial_seed() & (2**63 - 1)
-        return int(torch.randint(0, 2**62, (1,)))  # host CPU generator: follows torch.manual_seed
+        """FlashInfer's Philox seed, drawn from this sampler's own generator: ``generator``,
+        or the default generator of its device (the one its torch path draws from), so it
+        follows ``torch.manual_seed`` and leaves every other generator alone. One read on the
+        host, when the sampler starts."""
+        return int(torch.randint(0, 2**62, (1,), generator=self.generator, device=self.device))
 
     @property
     def bitmask_path(self) -> str:
         """How step 3 applies token bitmasks here: "triton", or "torch (why)"."""
-        return bitmask_path(self.device)
+        return self.bitmask.description
 
     # ------------------------------------------------------------------ template
     def step_state(self, logits: torch.Tensor, batch: SamplingBatch) -> StepState:
@@ -142,27 +173,36 @@ class CudaSampler(Sampler):
 
     def sample_random(self, x: torch.Tensor, s: StepState) -> tuple[torch.Tensor, torch.Tensor]:
         """Steps 10-14 for every row. x float32 [B, V] (after step 8a). Returns (int64 [B]
-        token ids, float32 [B, V] final logits).
+        token ids, -1 for a row FlashInfer found nothing to draw in; float32 [B, V] final
+        logits).
 
         The torch path is the template's ``filter`` and this class's ``draw``. When FlashInfer
-        draws, ``filter`` runs without steps 12-13 (FlashInfer's kernels apply them while
-        drawing) and the final logits are completed only when something reads them: seeded
-        rows, processed logprobs or a ratio test (``final_needed``); otherwise the second value
-        is x after steps 10-11."""
+        draws, steps 12-13 run once, where they are needed:
+
+        - nothing reads the final logits: ``filter`` without steps 12-13, and FlashInfer's
+          kernels apply them while drawing; the second value is x after steps 10-11 (the
+          drawn token's logit, all ``drawn_is_finite`` reads, is the same there);
+        - seeded rows (drawn from them), processed logprobs or a ratio test
+          (``final_needed``) read them: the whole ``filter``, and FlashInfer only draws the
+          unseeded rows from its result (``draw_filtered``), without filtering again."""
         if not self.flashinfer_draws(s):
             return super().sample_random(x, s)                              # steps 10-14
-        unfused = dataclasses.replace(s, any_top_k=False, any_top_p=False)
-        before = self.filter(x, unfused)                                    # steps 10-11
-        token_ids = self.flashinfer.draw(before, s, s.bounds, self.top_k_first)  # steps 12-14
-        final = before
-        processed = s.num_logprobs is not None and s.logprobs_mode == "processed"
-        if s.any_seeded or processed or getattr(s, "final_needed", False):
-            # flashinfer_draws holds, so steps 12-13 are the last stages filter would run.
-            if s.any_top_k or s.any_top_p:
-                final = self.apply_top_k_top_p(before, s)                   # steps 12-13
-            if s.any_seeded:
-                token_ids = torch.where(s.seeded, self.draw_seeded(final, s), token_ids)  # 14
+        if not self.final_logits_read(s):
+            unfused = dataclasses.replace(s, any_top_k=False, any_top_p=False)
+            before = self.filter(x, unfused)                                # steps 10-11
+            return self.flashinfer.draw(before, s, s.bounds, self.top_k_first), before  # 12-14
+        final = self.filter(x, s)                                           # steps 10-13
+        token_ids = self.flashinfer.draw_filtered(final)                    # step 14
+        if s.any_seeded:
+            token_ids = torch.where(s.seeded, self.draw_seeded(final, s), token_ids)
         return token_ids, final
+
+    @staticmethod
+    def final_logits_read(s: StepState) -> bool:
+        """Whether anything reads the final logits beyond the drawn token's: seeded rows'
+        draws, processed logprobs, a ratio test (``final_needed``)."""
+        processed = s.num_logprobs is not None and s.logprobs_mode == "processed"
+        return s.any_seeded or processed or getattr(s, "final_needed", False)
 
     # ------------------------------------------------------------------ row checks
     def finite_rows(self, x: torch.Tensor) -> torch.Tensor:
@@ -182,8 +222,10 @@ class CudaSampler(Sampler):
         """Step 3, structured output: tokens whose bit is 0 in ``s.token_bitmask`` (int32
         [B, ceil(V / 32)], bit j % 32 of word j // 32; -1 words disable it) -> -inf. IN PLACE
         on x float32 [B, V] (the working copy ``prepare`` owns); returns x. On CUDA a Triton
-        kernel writes only the masked tokens (no [B, V] boolean); elsewhere ``masked_fill_``."""
-        return apply_token_bitmask_(x, s.token_bitmask)
+        kernel writes only the masked tokens (no [B, V] boolean), launched on x's device; where
+        its first launch failed, or off CUDA, ``masked_fill_`` (``self.bitmask_path`` says
+        which)."""
+        return self.bitmask.apply(x, s.token_bitmask)
 
     def apply_dry(self, x: torch.Tensor, s: StepState) -> torch.Tensor:
         """Step 8a, DRY, IN PLACE on x float32 [B, V] (the working copy ``prepare`` owns);
@@ -328,6 +370,17 @@ class CudaSampler(Sampler):
         # u == 0 would give a -inf key and could lose even a row's only kept token.
         u = u.clamp_min_(torch.finfo(torch.float32).tiny)
         return torch.argmax(x - torch.log(-torch.log(u)), dim=-1)
+
+
+def context_usable(device: torch.device) -> bool:
+    """Whether the CUDA context of ``device`` still runs work (an illegal memory access makes
+    every later call fail). Waits for the device."""
+    try:
+        torch.cuda.synchronize(device)
+        torch.zeros(1, device=device).add_(1).cpu()
+    except Exception:
+        return False
+    return True
 
 
 def with_bounds(s: StepState, batch: SamplingBatch) -> StepState:

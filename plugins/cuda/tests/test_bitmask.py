@@ -14,8 +14,11 @@ import pytest
 import torch
 from corelib.bitmask import pack_bitmask, unpack_bitmask
 
-from corelib_cuda.bitmask import (apply_token_bitmask_, torch_apply_token_bitmask_,
-                                  triton_import_error)
+from corelib import Sampler, SamplingParams
+
+from corelib_cuda import CudaSampler
+from corelib_cuda.bitmask import (BitmaskPath, apply_token_bitmask_, launch_checked,
+                                  torch_apply_token_bitmask_, triton_import_error)
 from corelib_cuda.probe import cuda_availability
 
 TRITON = triton_import_error()
@@ -62,11 +65,16 @@ def check(kernel_name: str, device: str) -> str:
 
 @needs_triton
 def test_triton_kernel_in_the_interpreter_matches_the_reference_unpacking():
+    """The kernel itself, then the start-up launch check on it: a good kernel passes it."""
+    code = check("triton_apply_token_bitmask_", "cpu") + textwrap.dedent("""
+        import torch
+        from corelib_cuda.bitmask import _build_triton_kernel, launch_checked
+        print(launch_checked(torch.device("cpu"), _build_triton_kernel).description)
+    """)
     env = dict(os.environ, TRITON_INTERPRET="1")
-    result = subprocess.run([sys.executable, "-c", check("triton_apply_token_bitmask_", "cpu")],
-                            capture_output=True, text=True, env=env, timeout=300)
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert result.stdout.strip() == "ok"
+    assert result.stdout.split() == ["ok", "triton"]
 
 
 def test_torch_fallback_matches_the_reference_unpacking():
@@ -92,3 +100,60 @@ def test_pack_and_unpack_agree_with_the_kernel_format():
     assert words.dtype == torch.int32 and words.shape == (1, 3)
     assert words[0, 0] == (1 | (1 << 31)) - (1 << 32)        # bits 0 and 31: a negative int32
     assert torch.equal(unpack_bitmask(words, 70), allowed)
+
+
+# ---------------------------------------------------------------------------- start-up launch
+def failing_launcher(x, words):
+    """What a slim image gives on first use: Triton cannot build its launcher."""
+    raise RuntimeError("Failed to find C compiler. Please specify via CC environment variable.")
+
+
+def no_triton():
+    raise ImportError("No module named 'triton'")
+
+
+def masked_step(sampler, words):
+    requests = [(f"s{i}", SamplingParams(seed=i, top_k=20)) for i in range(3)]
+    batch = sampler.new_batch(words.shape[1] * 32 - 6)
+    for rid, params in requests:
+        batch.add(rid, params)
+    logits = torch.randn((3, batch.vocab_size), generator=torch.Generator().manual_seed(4))
+    return sampler.sample(logits, batch, token_bitmask=words), (logits, requests)
+
+
+@pytest.mark.parametrize("build, says", [
+    (lambda: failing_launcher, "the Triton kernel failed its first launch: RuntimeError: Failed to find C compiler"),
+    (lambda: (lambda x, words: x), "the Triton kernel failed its first launch: it masked other tokens"),
+    (lambda: no_triton(), "triton failed to import: ImportError: No module named 'triton'"),
+], ids=["no_compiler", "wrong_tokens", "no_triton"])
+def test_a_kernel_that_fails_at_start_up_leaves_the_torch_expression(build, says):
+    """The launch check at start-up, not the first masked step, finds a kernel that cannot
+    run: the device keeps the torch expression, steps with a mask run, the reason is shown."""
+    path = launch_checked(torch.device("cpu"), build)
+    assert path.kernel is None and path.description.startswith(f"torch ({says}")
+    sampler = CudaSampler("cpu", use_flashinfer=False)
+    sampler.bitmask = path
+    words = pack_bitmask(torch.rand((3, 250), generator=torch.Generator().manual_seed(5)) < 0.4)
+    out, (logits, requests) = masked_step(sampler, words)
+    reference = Sampler("cpu")
+    batch = reference.new_batch(250)
+    for rid, params in requests:
+        batch.add(rid, params)
+    assert torch.equal(out.token_ids, reference.sample(logits, batch, token_bitmask=words).token_ids)
+    assert sampler.bitmask_path.startswith(f"torch ({says}")
+
+
+def test_a_kernel_that_passes_the_launch_check_is_the_one_that_runs():
+    """A launcher that writes the right tokens is kept and called by the masked step."""
+    launches = []
+
+    def recording(x, words):
+        launches.append(tuple(x.shape))
+        return torch_apply_token_bitmask_(x, words)
+
+    path = launch_checked(torch.device("cpu"), lambda: recording)
+    assert path == BitmaskPath(recording, "triton") and launches == [(2, 70)]
+    sampler = CudaSampler("cpu", use_flashinfer=False)
+    sampler.bitmask = path
+    masked_step(sampler, pack_bitmask(torch.rand((3, 250)) < 0.4))
+    assert launches[1:] == [(3, 250)]

@@ -22,7 +22,32 @@ class TestTorchPathOnCpu(ConformanceSuite):
         return CudaSampler("cpu", use_flashinfer=False)
 
 
-class TestGraphRunnerOnCpu(ConformanceSuite):
+class GraphReplays:
+    """Row counts that fit the largest graph size (512), so the chi-square tests replay graphs
+    instead of falling back to the eager sampler, and checks that they did."""
+
+    draw_rows, draw_calls = 512, 40          # 20480 draws, as 1000 x 20 elsewhere
+    verify_rows = 512
+
+    @pytest.mark.parametrize("seeded", [False, True], ids=["unseeded", "seeded"])
+    def test_draws_follow_the_reference_distribution(self, sampler, reference, seeded):
+        before = sampler.stats
+        super().test_draws_follow_the_reference_distribution(sampler, reference, seeded)
+        assert_replayed(before, sampler.stats, self.draw_calls)
+
+    @pytest.mark.parametrize("seeded", [False, True], ids=["unseeded", "seeded"])
+    def test_verify_rejection_sampling_keeps_the_target_distribution(self, sampler, seeded):
+        before = sampler.stats
+        super().test_verify_rejection_sampling_keeps_the_target_distribution(sampler, seeded)
+        assert_replayed(before, sampler.stats, 1)
+
+
+def assert_replayed(before: dict, after: dict, calls: int) -> None:
+    assert after["replays"] - before["replays"] == calls, "the draws did not replay graphs"
+    assert after["eager_steps"] == before["eager_steps"], "some draws ran eagerly"
+
+
+class TestGraphRunnerOnCpu(GraphReplays, ConformanceSuite):
     """The graph runner's padded, persistent-buffer step, replayed eagerly on CPU."""
 
     backend = "cuda"
@@ -47,7 +72,7 @@ class TestTorchPathOnCuda(ConformanceSuite):
 
 
 @needs_gpu
-class TestGraphsOnCuda(ConformanceSuite):
+class TestGraphsOnCuda(GraphReplays, ConformanceSuite):
     backend = "cuda"
 
     def make_sampler(self):

@@ -10,7 +10,7 @@ import textwrap
 
 import pytest
 import torch
-from corelib import BackendUnavailableError
+from corelib import Availability, BackendUnavailableError
 from corelib.registry import Registry
 from corelib.testing import assert_entry_point
 
@@ -32,7 +32,7 @@ def test_backend_is_listed_and_available_exactly_when_the_probe_says_so():
     assert status.available is gpu.available
     assert status.reason, "the status must say why (unavailable) or which path runs (available)"
     if gpu.available:
-        assert "path active" in status.reason
+        assert "path active" in status.reason and "; token bitmask: " in status.reason
     else:
         assert status.reason == gpu.reason
         with pytest.raises(BackendUnavailableError, match="not available"):
@@ -104,3 +104,24 @@ def test_asked_for_by_name_it_builds_a_cuda_sampler():
     assert sampler.device.type == "cuda" and sampler.path in ("flashinfer", "torch")
     assert sampler.path_reason.startswith("FlashInfer path active" if sampler.path == "flashinfer"
                                           else "torch path active because")
+
+
+def test_the_status_of_an_available_backend_names_the_bitmask_path(monkeypatch):
+    """What ``corelib info`` shows with a GPU whose Triton launcher cannot be built: both paths,
+    the bitmask's with the reason its first launch failed. The GPU is simulated (availability
+    and capability); the launch check is the real one, on a launcher that fails."""
+    from corelib_cuda import bitmask, probe as probe_module
+
+    def failing_launcher(x, words):
+        raise RuntimeError("Failed to find C compiler")
+
+    monkeypatch.setenv(ENV_FLASHINFER, "0")
+    monkeypatch.setattr(probe_module, "cuda_availability", lambda device_index=0: Availability(True))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(bitmask, "_cuda_path",
+                        lambda device: bitmask.launch_checked(torch.device("cpu"), lambda: failing_launcher))
+    status = next(s for s in Registry(allow={"cuda"}).statuses() if s.name == "cuda")
+    assert status.available
+    assert status.reason == (f"torch path active because {ENV_FLASHINFER}='0' disables FlashInfer; "
+                             f"token bitmask: torch (the Triton kernel failed its first launch: "
+                             f"RuntimeError: Failed to find C compiler)")

@@ -1,14 +1,21 @@
 """The FlashInfer path's glue (``FlashInferDraw``, ``CudaSampler.sample_random`` and
-``rejection_sample``), checked on the CPU against torch transcriptions of the three kernels'
-documented behaviour: FlashInfer needs a GPU, and this is the code that decides which rows and
-steps FlashInfer takes, what it is given (the filtered target for the ratio test, clamped draft
-ids) and how its output (accepted prefix, residual draw, -1 padding) becomes the contract's
-result, with rows of fewer drafts than K and seeded rows mixed in. The whole conformance suite
-runs on this path too. ``test_gpu.py`` runs the real kernels through the same checks."""
+``rejection_sample``), checked on the CPU against a stand-in for ``flashinfer.sampling``
+(``fake_flashinfer/flashinfer/sampling.py``: the real functions' signatures, input checks and
+results, degenerate rows included, transcribed in torch): FlashInfer needs a GPU, and this is
+the code that decides which rows and steps FlashInfer takes, which entry point it calls with
+what (the filtered target for the ratio test, clamped draft ids, contiguous draft
+probabilities), and how its output (accepted prefix, residual draw, -1 padding, rows without
+a token) becomes the contract's result, with rows of fewer drafts than K and seeded rows mixed
+in. The whole conformance suite runs on this path too; the self-test runs in a child process
+that imports the stand-in as ``flashinfer``. ``test_gpu.py`` runs the real kernels through the
+same checks."""
 
 from __future__ import annotations
 
-from types import SimpleNamespace
+import importlib.util
+import inspect
+import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,82 +23,59 @@ from corelib import Sampler, SamplingParams
 from corelib.testing import ConformanceSuite, chi_square_p_value
 
 from corelib_cuda import CudaSampler
-from corelib_cuda.flashinfer_ops import FlashInferDraw
+from corelib_cuda.flashinfer_ops import FlashInferDraw, self_test_in_subprocess
+from corelib_cuda.probe import import_flashinfer
+
+FAKE_ROOT = Path(__file__).parent / "fake_flashinfer"
+ENTRY_POINTS = ("sampling_from_logits", "top_p_sampling_from_probs", "top_k_mask_logits",
+                "top_k_top_p_sampling_from_logits", "chain_speculative_sampling")
 
 
-def chain_kernel_as_documented(draft_probs, draft_token_ids, target_probs, accepted_num,
-                               emitted_num, deterministic=True, generator=None, seed=None,
-                               offset=None):
-    """FlashInfer 0.7.4's ChainSpeculativeSampling, row by row: draft i passes when
-    u * q(d) < p(d); at the first failure (or after K passes) one draw from relu(p - q) (p at
-    the bonus slot); -1 after; -1 also when that residual is all zero."""
-    B, K = draft_token_ids.shape
-    out = torch.full((B, K + 1), -1, dtype=torch.int32)
-    gen = torch.Generator().manual_seed(int(seed[0]) + int(offset[0]))
-    for b in range(B):
-        pos = K
-        for i in range(K):
-            d = int(draft_token_ids[b, i])
-            if float(torch.rand((), generator=gen)) * float(draft_probs[b, i, d]) < float(target_probs[b, i, d]):
-                out[b, i] = d
-            else:
-                pos = i
-                break
-        q = draft_probs[b, pos] if pos < K else torch.zeros_like(target_probs[b, pos])
-        residual = (target_probs[b, pos] - q).clamp(min=0)
-        if float(residual.sum()) > 0:
-            out[b, pos] = int(torch.multinomial(residual, 1, generator=gen))
-        emitted_num[b] += pos
-    return out, accepted_num, emitted_num
+def load_fake_sampling():
+    spec = importlib.util.spec_from_file_location("fake_flashinfer_sampling",
+                                                  FAKE_ROOT / "flashinfer" / "sampling.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
-def sampling_from_logits_as_documented(logits, seed=None, offset=None, **_):
-    return torch.multinomial(torch.softmax(logits, dim=-1), 1)[:, 0].to(torch.int32)
+fake = load_fake_sampling()
 
 
-def top_k_top_p_sampling_from_logits_as_documented(logits, top_k, top_p, seed=None, offset=None,
-                                                   top_k_max=None, **_):
-    """Keep logits >= the k-th largest (ties kept), softmax, keep the smallest most likely set
-    with mass >= top_p, draw."""
-    V = logits.shape[-1]
-    ordered = torch.sort(logits, dim=-1, descending=True).values
-    kth = ordered.gather(1, (top_k.long().clamp(1, V) - 1)[:, None])
-    probs = torch.softmax(logits.masked_fill(logits < kth, float("-inf")), dim=-1)
-    sorted_p = torch.sort(probs, dim=-1, descending=True).values
-    before = sorted_p.cumsum(dim=-1) - sorted_p
-    last = (before < top_p[:, None]).sum(dim=-1, keepdim=True).clamp(min=1) - 1
-    probs = probs.masked_fill(probs < sorted_p.gather(1, last), 0.0)
-    return torch.multinomial(probs, 1)[:, 0].to(torch.int32)
-
-
-def transcribed_flashinfer_sampler() -> CudaSampler:
-    """The torch path on CPU with FlashInferDraw driving the transcribed kernels: FlashInfer
+def flashinfer_sampler(**kwargs) -> CudaSampler:
+    """The torch path on CPU with FlashInferDraw driving the stand-in kernels: FlashInfer
     draws the unseeded rows of every step and judges their drafts, as on a GPU."""
-    sampler = CudaSampler("cpu", use_flashinfer=False)
-    draw = object.__new__(FlashInferDraw)
-    draw._sampling = SimpleNamespace(
-        chain_speculative_sampling=chain_kernel_as_documented,
-        sampling_from_logits=sampling_from_logits_as_documented,
-        top_k_top_p_sampling_from_logits=top_k_top_p_sampling_from_logits_as_documented)
-    draw.device = sampler.device
-    draw.seed = torch.full((1,), 1234, dtype=torch.int64)
-    draw.offset = torch.zeros(1, dtype=torch.int64)
-    sampler.flashinfer = draw
+    sampler = CudaSampler("cpu", use_flashinfer=False, **kwargs)
+    sampler.flashinfer = FlashInferDraw(sampler.device, seed=1234, sampling=fake)
     return sampler
+
+
+def calls() -> list[str]:
+    return [name for name, _ in fake.CALLS]
 
 
 @pytest.fixture
 def sampler():
-    return transcribed_flashinfer_sampler()
+    fake.CALLS.clear()
+    return flashinfer_sampler()
+
+
+@pytest.mark.skipif(import_flashinfer()[1] is not None, reason=f"{import_flashinfer()[1]}")
+@pytest.mark.parametrize("name", ENTRY_POINTS)
+def test_the_stand_in_has_the_real_signatures(name):
+    import flashinfer.sampling as real
+    ours, theirs = inspect.signature(getattr(fake, name)), inspect.signature(getattr(real, name))
+    assert [(p.name, p.default, p.kind) for p in ours.parameters.values()] == \
+        [(p.name, p.default, p.kind) for p in theirs.parameters.values()]
 
 
 class TestConformanceOnTheFlashInferPath(ConformanceSuite):
     backend = "cuda"
-    draw_rows, draw_calls = 1000, 8         # the transcribed kernels loop in Python over rows
+    draw_rows, draw_calls = 1000, 8
     verify_rows = 2000
 
     def make_sampler(self):
-        return transcribed_flashinfer_sampler()
+        return flashinfer_sampler()
 
 
 @pytest.mark.parametrize("params", [{}, {"top_k": 6, "top_p": 0.9}], ids=["plain", "top_k_top_p"])
@@ -161,3 +145,180 @@ def test_unusable_and_out_of_range_drafts_do_not_reach_the_kernel_as_indices(sam
     passed, recovered = sampler.flashinfer.verify(torch.softmax(logits, -1), checked)
     assert passed.shape == recovered.shape == (2, K)
     assert bool(((recovered >= 0) & (recovered < vocab)).all())
+
+
+# ---------------------------------------------------------------------------- rows without a token
+def overflow_logits(rows: int, vocab: int = 64) -> torch.Tensor:
+    """Finite logits whose leader overflows float32 to +inf at temperature 0.1 (3e38 / 0.1);
+    token 0's logit stays finite, so reading it cannot tell that the row has no token."""
+    logits = torch.randn((rows, vocab), generator=torch.Generator().manual_seed(3))
+    logits[:, 5] = 3e38
+    return logits
+
+
+@pytest.mark.parametrize("params", [dict(top_k=8, top_p=0.9), dict(top_p=0.9), dict(top_k=8)],
+                         ids=["top_k_top_p", "top_p", "top_k"])
+def test_a_row_whose_logits_overflow_is_flagged_as_on_the_torch_path(sampler, params):
+    """FlashInfer's softmax of a +inf row is NaN; its top-p kernel then writes token 0 with
+    valid = False. The row must be flagged (-1, valid False), as the torch path flags it, and
+    the other rows keep their tokens."""
+    vocab = 64
+    requests = [("inf", SamplingParams(temperature=0.1, **params)), ("ok", SamplingParams(**params))]
+    torch_path = CudaSampler("cpu", use_flashinfer=False)
+    logits = overflow_logits(2, vocab)
+    logits[1] = torch.randn(vocab)
+    outs = []
+    for s in (sampler, torch_path):
+        batch = s.new_batch(vocab)
+        for rid, p in requests:
+            batch.add(rid, p)
+        outs.append(s.sample(logits, batch))
+    got, want = outs
+    assert "top_p_sampling_from_probs" in calls()
+    assert want.valid.tolist() == [False, True], "the torch path flags the overflowing row"
+    assert got.valid.tolist() == want.valid.tolist()
+    assert int(got.token_ids[0]) == -1 and 0 <= int(got.token_ids[1]) < vocab
+
+
+def test_the_stand_in_kernel_reports_no_token_as_the_real_one_does():
+    """What the fix relies on: token 0 from the fused entry point (no flag), valid = False from
+    top_p_sampling_from_probs(return_valid=True), for a row whose probabilities are NaN."""
+    probs = torch.softmax(overflow_logits(1) / 0.1, dim=-1)
+    seed, offset = torch.zeros(1, dtype=torch.int64), torch.zeros(1, dtype=torch.int64)
+    assert torch.isnan(probs).all()
+    ids, valid = fake.top_p_sampling_from_probs(probs, torch.tensor([0.9]), seed=seed, offset=offset,
+                                                return_valid=True)
+    assert ids.tolist() == [0] and valid.tolist() == [False]
+    fused = fake.top_k_top_p_sampling_from_logits(overflow_logits(1) / 0.1, torch.tensor([8], dtype=torch.int32),
+                                                  torch.tensor([0.9]), seed=seed, offset=offset)
+    assert fused.tolist() == [0]
+
+
+# ---------------------------------------------------------------------------- which entry point
+def entry_point_batch(sampler, params_list, vocab=64, **kwargs):
+    batch = sampler.new_batch(vocab, **kwargs)
+    for i, params in enumerate(params_list):
+        batch.add(f"r{i}", params)
+    return batch
+
+
+def test_top_p_without_any_top_k_calls_the_top_p_kernel_on_the_softmax(sampler):
+    """No row has a top_k: no top-k mask (no [B, V] copy with k = V), one top-p kernel on
+    softmax(x), with the rows' top_p and the sampler's device seed and offset."""
+    batch = entry_point_batch(sampler, [SamplingParams(top_p=0.8), SamplingParams(top_p=0.5, temperature=0.5)])
+    logits = torch.randn(2, 64)
+    sampler.sample(logits, batch)
+    assert calls() == ["top_p_sampling_from_probs"]
+    args = fake.CALLS[0][1]
+    assert torch.allclose(args["probs"], torch.softmax(logits / torch.tensor([[1.0], [0.5]]), dim=-1))
+    assert args["top_p"].tolist() == pytest.approx([0.8, 0.5]) and args["return_valid"]
+    assert args["seed"] is sampler.flashinfer.seed and args["offset"] is sampler.flashinfer.offset
+
+
+def test_a_top_k_row_masks_with_v_for_rows_without_one(sampler):
+    batch = entry_point_batch(sampler, [SamplingParams(top_k=5, top_p=0.9), SamplingParams(top_p=0.7)])
+    sampler.sample(torch.randn(2, 64), batch)
+    assert calls() == ["top_k_mask_logits", "top_p_sampling_from_probs"]
+    assert fake.CALLS[0][1]["top_k"].tolist() == [5, 64]
+
+
+def test_no_filter_draws_by_the_gumbel_kernel_alone(sampler):
+    batch = entry_point_batch(sampler, [SamplingParams(temperature=0.7)] * 3)
+    sampler.sample(torch.randn(3, 64), batch)
+    assert calls() == ["sampling_from_logits"]
+
+
+@pytest.mark.parametrize("why", ["seeded", "processed_logprobs"])
+def test_when_the_final_logits_are_read_flashinfer_only_draws_from_them(sampler, why):
+    """Seeded rows or processed logprobs need steps 12-13 in torch: then FlashInfer draws the
+    unseeded rows from those final logits (one Gumbel kernel) instead of filtering again."""
+    params = [SamplingParams(top_k=5, top_p=0.9), SamplingParams(top_p=0.7, seed=3 if why == "seeded" else None,
+                                                                  logprobs=2)]
+    mode = "processed" if why == "processed_logprobs" else "raw"
+    batch = entry_point_batch(sampler, params, logprobs_mode=mode)
+    logits = torch.randn(2, 64)
+    out = sampler.sample(logits, batch)
+    assert calls() == ["sampling_from_logits"]
+    reference = Sampler("cpu")
+    final = reference.processed_logits(logits, entry_point_batch(reference, params, logprobs_mode=mode))
+    drawn_from = fake.CALLS[0][1]["logits"]
+    assert torch.equal(torch.isfinite(drawn_from), torch.isfinite(final)), "not the filtered logits"
+    assert bool(torch.isfinite(final.gather(1, out.token_ids[:, None])).all())
+
+
+def test_the_fast_path_is_the_fused_entry_point_with_top_k_max():
+    fake.CALLS.clear()
+    fast = flashinfer_sampler(top_k_first=True)
+    vocab = 65536
+    batch = entry_point_batch(fast, [SamplingParams(top_k=40, top_p=0.9), SamplingParams(top_k=100)], vocab=vocab)
+    fast.sample(torch.randn(2, vocab), batch)
+    assert calls() == ["top_k_top_p_sampling_from_logits"]
+    assert fake.CALLS[0][1]["top_k_max"] == 100
+
+
+# ---------------------------------------------------------------------------- contiguity
+def test_strided_draft_probs_reach_the_chain_kernel_contiguous(sampler):
+    """The chain kernel checks that its inputs are contiguous (CHECK_INPUT); draft
+    probabilities sliced out of a larger buffer (every other slot) must still verify."""
+    vocab, K = 32, 2
+    batch = entry_point_batch(sampler, [SamplingParams(), SamplingParams()], vocab=vocab)
+    logits = torch.randn((2, K + 1, vocab))
+    buffer = torch.softmax(torch.randn((2, 2 * K, vocab)), dim=-1)
+    strided = buffer[:, ::2]
+    assert not strided.is_contiguous()
+    with pytest.raises(RuntimeError, match="contiguous"):   # the stand-in checks as the kernel does
+        fake.chain_speculative_sampling(strided, torch.zeros((2, K), dtype=torch.int32),
+                                        torch.softmax(logits, -1), seed=sampler.flashinfer.seed,
+                                        offset=sampler.flashinfer.offset)
+    out = sampler.verify(logits, batch, torch.tensor([[1, 2], [3, 4]]), strided)
+    assert "chain_speculative_sampling" in calls()
+    assert bool(out.valid.all()) and bool(((out.num_emitted >= 1) & (out.num_emitted <= K + 1)).all())
+
+
+# ---------------------------------------------------------------------------- self-test
+@pytest.fixture
+def stand_in_on_path(monkeypatch):
+    """Child processes import the stand-in as ``flashinfer``; the self-test cache is cleared."""
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(FAKE_ROOT), os.environ.get("PYTHONPATH", "")]))
+    self_test_in_subprocess.cache_clear()
+    yield monkeypatch
+    self_test_in_subprocess.cache_clear()
+
+
+def test_the_self_test_runs_in_a_child_process(stand_in_on_path):
+    assert self_test_in_subprocess("cpu") is None
+
+
+@pytest.mark.parametrize("failure, says", [("abort", "killed by signal"),
+                                           ("bad_ids", "out-of-range token ids")])
+def test_a_kernel_that_crashes_or_misbehaves_leaves_this_process_on_the_torch_path(stand_in_on_path, failure, says):
+    """A kernel that takes its process down (as an illegal memory access poisons a CUDA
+    context) or returns garbage fails the child's self-test: the sampler reports why, keeps
+    the torch path, and this process still samples."""
+    stand_in_on_path.setenv("FAKE_FLASHINFER_FAIL", failure)
+    sampler = CudaSampler("cpu", use_flashinfer=False)
+    problem = sampler._start_flashinfer(sampling=fake)
+    assert problem is not None and says in problem
+    assert sampler.flashinfer is None and "subprocess" in sampler.flashinfer_setup_s
+    stand_in_on_path.delenv("FAKE_FLASHINFER_FAIL")
+    batch = entry_point_batch(sampler, [SamplingParams(top_k=5)])
+    assert bool(sampler.sample(torch.randn(1, 64), batch).valid.all())
+
+
+def test_a_passing_self_test_starts_flashinfer_and_times_both_runs(stand_in_on_path):
+    sampler = CudaSampler("cpu", use_flashinfer=False)
+    assert sampler._start_flashinfer(sampling=fake) is None
+    assert isinstance(sampler.flashinfer, FlashInferDraw)
+    assert set(sampler.flashinfer_setup_s) == {"subprocess", "in_process"}
+
+
+def test_the_flashinfer_seed_comes_from_the_samplers_own_generator():
+    """Drawn from ``generator`` (so it follows that generator's seed), never from torch's
+    global CPU generator, whose state stays as it was."""
+    seeds = []
+    for seed in (7, 7, 8):
+        sampler = CudaSampler("cpu", generator=torch.Generator().manual_seed(seed), use_flashinfer=False)
+        state = torch.get_rng_state()
+        seeds.append(sampler._flashinfer_seed())
+        assert torch.equal(torch.get_rng_state(), state), "the global CPU generator was used"
+    assert seeds[0] == seeds[1] != seeds[2]

@@ -11,7 +11,7 @@ from corelib.testing import chi_square_p_value
 
 from corelib_cuda import CudaSampler, GraphedSampler
 from corelib_cuda.probe import cuda_availability
-from corelib_cuda.sync_check import no_host_sync
+from corelib_cuda.sync_check import HostSyncError, no_host_sync
 
 GPU = cuda_availability()
 pytestmark = pytest.mark.skipif(not GPU.available, reason=f"cuda backend unavailable: {GPU.reason}")
@@ -182,9 +182,17 @@ def test_verify_and_append_never_sync(sampler, with_probs):
 
 
 def test_a_host_bitmask_is_copied_without_a_sync(sampler):
+    """The host mask is pageable (as engines fill it): the sampler must stage it in pinned
+    memory. torch's sync debug mode cannot see a pageable copy (the driver stages it
+    synchronously without a sync call), so the check is the detector's, shown to catch the
+    direct copy first."""
     batch = build(sampler, engine_requests(), eos_token_id=9)
     logits, _, _, mask = verify_inputs(batch, 0)
     host = mask[:, 0].cpu()
+    assert not host.is_pinned()
+    with pytest.raises(HostSyncError, match="pageable"):
+        with no_host_sync("cuda"):
+            host.to("cuda", non_blocking=True)
     sampler.sample(logits[:, 0], batch, token_bitmask=host)
     torch.cuda.synchronize()
     with no_host_sync("cuda"):
@@ -193,8 +201,27 @@ def test_a_host_bitmask_is_copied_without_a_sync(sampler):
     assert bool(out.valid.any())
 
 
+def test_membership_changes_upload_without_a_sync(sampler):
+    """add, swap_rows, remove and per-request logits on CUDA, under the detector and torch's
+    sync debug mode: every host value reaches the device through pinned memory."""
+    batch = build(sampler, engine_requests()[:2], eos_token_id=9)
+    torch.cuda.synchronize()
+    with no_host_sync("cuda"):
+        for rid, params, prompt, outputs in engine_requests()[2:]:
+            batch.add(rid, params, prompt_token_ids=prompt, output_token_ids=outputs)
+        batch.swap_rows(0, 2)
+        batch.remove("full-seeded")
+        out = sampler.sample(torch.randn((batch.num_requests, V), device="cuda"), batch)
+        batch.append(out.token_ids)
+    assert out.token_ids.shape == (batch.num_rows,)
+
+
 def test_the_bitmask_runs_the_triton_kernel(torch_sampler):
+    """Where Triton imports, its first launch (at start-up) must succeed here; the probe's
+    status names the path either way."""
     from corelib_cuda.bitmask import triton_import_error
+    from corelib_cuda.probe import probe
+    assert f"token bitmask: {torch_sampler.bitmask_path}" in probe().reason
     if triton_import_error() is not None:
         pytest.skip(f"triton unavailable on this GPU machine: {triton_import_error()}")
     assert torch_sampler.bitmask_path == "triton"
@@ -244,3 +271,70 @@ def test_verification_keeps_the_target_distribution_on_both_paths(sampler):
         second = tokens[rows][count[rows] >= 2, 1]
         assert chi_square_p_value(torch.bincount(second, minlength=vocab), p[1]) > 1e-6
     assert int(count[R // 2:].max()) <= 2
+
+
+# ---------------------------------------------------------------------------- issue 16 checks
+def test_an_overflowing_row_is_flagged_on_both_paths(sampler):
+    """A top-k / top-p row whose logits overflow to +inf at its temperature has no token:
+    flagged (-1), never FlashInfer's token 0."""
+    vocab = 4096
+    logits = torch.randn((2, vocab), device="cuda")
+    logits[0, 5] = 3e38
+    batch = build(sampler, [("inf", SamplingParams(temperature=0.1, top_k=8, top_p=0.9), [], None),
+                            ("ok", SamplingParams(top_k=8, top_p=0.9), [], None)], vocab=vocab)
+    out = sampler.sample(logits, batch)
+    assert out.valid.tolist() == [False, True] and int(out.token_ids[0]) == -1
+
+
+def test_strided_draft_probs_verify(sampler):
+    batch = build(sampler, [(f"v{i}", SamplingParams(), [], None) for i in range(4)], vocab=1024)
+    K = 2
+    logits = torch.randn((4, K + 1, 1024), device="cuda")
+    buffer = torch.softmax(torch.randn((4, 2 * K, 1024), device="cuda"), dim=-1)
+    out = sampler.verify(logits, batch, torch.randint(1024, (4, K), device="cuda"), buffer[:, ::2])
+    assert bool(out.valid.all())
+
+
+def test_graphs_share_one_pool_and_report_their_cost(sampler):
+    """Sample graphs at two sizes and a verify graph: one memory pool, one capture each, the
+    memory they reserved in the stats; the sampler's outputs stay right after other replays."""
+    runner = GraphedSampler(sampler, sizes=(4, 8))
+    small = build(sampler, mixed_requests()[:3])
+    large = build(sampler, mixed_requests())
+    for batch in (small, large, small, large):
+        out = runner.sample(torch.randn((len(batch), V), device="cuda"), batch)
+        assert bool(((out.token_ids >= 0) & (out.token_ids < V)).all())
+    logits, ids, _, _ = verify_inputs(large, 2)
+    runner.verify(logits, large, ids)
+    graphs = [slot.capture.graph for slot in runner._slots.values()]
+    assert len(graphs) == 3 and all(g.pool() == runner.graphs.pool for g in graphs)
+    stats = runner.stats
+    assert stats["captures"] == stats["graphs"] == 3 and stats["replays"] == 5
+    assert stats["capture_bytes"] >= 0 and stats["eager_steps"] == 0
+    print(f"graph stats: {stats}")
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs (a sampler on cuda:1 while cuda:0 is current)")
+def test_a_sampler_on_a_second_gpu_captures_launches_and_replays_there():
+    """cuda:0 current, the sampler on cuda:1: the Triton bitmask kernel, FlashInfer, graph
+    capture and replay all run on cuda:1 (seeded tokens equal the eager ones there) and
+    allocate nothing on cuda:0."""
+    torch.cuda.set_device(0)
+    eager = CudaSampler("cuda:1")
+    runner = GraphedSampler(CudaSampler("cuda:1"), sizes=(8,))
+    requests = [(f"s{i}", SamplingParams(seed=i, top_k=40, top_p=0.9), [], None) for i in range(6)]
+    b_graph, b_eager = build(runner, requests), build(eager, requests)
+    before = torch.cuda.memory_allocated(0)
+    from corelib.bitmask import pack_bitmask
+    for step in range(3):
+        gen = torch.Generator().manual_seed(step)
+        logits = torch.randn((6, V), generator=gen).to("cuda:1")
+        mask = pack_bitmask(torch.rand((6, V), generator=gen) < 0.5).to("cuda:1")
+        got = runner.sample(logits, b_graph, token_bitmask=mask)
+        want = eager.sample(logits, b_eager, token_bitmask=mask)
+        b_graph.append(got.token_ids)
+        b_eager.append(want.token_ids)
+        assert got.token_ids.device == torch.device("cuda", 1)
+        assert got.token_ids.tolist() == want.token_ids.tolist(), f"step {step}"
+    assert runner.stats["replays"] == 3 and torch.cuda.current_device() == 0
+    assert torch.cuda.memory_allocated(0) == before, "work landed on cuda:0"

@@ -239,3 +239,164 @@ def test_verify_checks_arguments_before_any_replay(pair):
         runner.verify(logits, batch, torch.zeros((4, 2), dtype=torch.long, device=runner.device),
                       token_bitmask=torch.zeros((4, 2, V // 32), dtype=torch.int32))
     assert batch.generated_counts() == [0, 0, 0, 0]
+
+
+# ---------------------------------------------------------------------------- graph limit, stats
+def test_at_most_max_graphs_are_held_and_further_steps_run_eagerly():
+    """Two graphs at most: a third size runs eagerly (and gives the eager tokens); a new key in
+    a slot that has a graph still captures again, replacing it."""
+    runner = GraphedSampler(CudaSampler("cpu", use_flashinfer=False), sizes=(1, 2, 4), use_graphs=False,
+                            max_graphs=2)
+    eager = CudaSampler("cpu", use_flashinfer=False)
+    for rows in (1, 2, 3):
+        requests = [(f"r{i}", SamplingParams(seed=i), [], None) for i in range(rows)]
+        b_graph, b_eager = build(runner, requests), build(eager, requests)
+        logits = logits_for(rows, rows, "cpu")
+        assert runner.sample(logits, b_graph).token_ids.tolist() == eager.sample(logits, b_eager).token_ids.tolist()
+    stats = runner.stats
+    assert (stats["captures"], stats["graphs"], stats["replays"], stats["eager_steps"]) == (2, 2, 2, 1)
+    assert stats["max_graphs"] == 2 and stats["capture_bytes"] == 0
+    b_new = build(runner, [("p", SamplingParams(seed=1, repetition_penalty=1.3), [4], None)])
+    runner.sample(logits_for(9, 1, "cpu"), b_new)                 # size 1, a new key: recaptured
+    assert (runner.stats["captures"], runner.stats["graphs"], runner.stats["eager_steps"]) == (3, 2, 1)
+    with pytest.raises(ValueError, match="max_graphs"):
+        GraphedSampler(CudaSampler("cpu"), max_graphs=0)
+
+
+def test_oversized_batches_count_as_eager_steps():
+    runner = GraphedSampler(CudaSampler("cpu", use_flashinfer=False), sizes=(2,), use_graphs=False)
+    batch = build(runner, [(f"r{i}", SamplingParams(seed=i), [], None) for i in range(3)])
+    runner.sample(logits_for(0, 3, "cpu"), batch)
+    ids = torch.zeros((3, 2), dtype=torch.long)
+    runner.verify(torch.stack([logits_for(j, 3, "cpu") for j in range(3)], dim=1), batch, ids)
+    assert runner.stats["eager_steps"] == 2 and runner.stats["captures"] == 0
+
+
+class FakeCudaGraphApi:
+    """torch.cuda's device, stream and graph API as recorded calls, for a machine without a
+    GPU: which device and stream were current at each capture, warm-up and replay, which pool
+    each capture used, and every device synchronisation or cache flush."""
+
+    def __init__(self, monkeypatch):
+        api = self
+        self.current_device = 0
+        self.current_stream = None
+        self.synchronized, self.emptied, self.pools = [], 0, []
+        self.reserved = 0
+
+        class Stream:
+            def __init__(self, device=None, priority=0):
+                self.device = torch.device(device) if device is not None else torch.device("cuda", api.current_device)
+
+            def wait_stream(self, other):
+                pass
+
+        class device:
+            def __init__(self, d):
+                self.index = torch.device(d).index
+
+            def __enter__(self):
+                self.previous, api.current_device = api.current_device, self.index
+
+            def __exit__(self, *exc):
+                api.current_device = self.previous
+
+        class stream:
+            def __init__(self, s):
+                self.s = s
+
+            def __enter__(self):
+                self.previous, api.current_stream = api.current_stream, self.s
+
+            def __exit__(self, *exc):
+                api.current_stream = self.previous
+
+        class CUDAGraph:
+            def __init__(self):
+                self.captured_on, self.replayed_on, self.ended = None, [], False
+
+            def register_generator_state(self, generator):
+                self.generator = generator
+
+            def capture_begin(self, pool=None, capture_error_mode="global"):
+                self.captured_on = (api.current_device, api.current_stream.device.index, pool)
+
+            def capture_end(self):
+                self.ended = True
+                api.reserved += 4096                     # what the graph's pool took
+
+            def replay(self):
+                self.replayed_on.append(api.current_device)
+
+        def graph_pool_handle():
+            handle = ("pool", api.current_device, len(api.pools))
+            api.pools.append(handle)
+            return handle
+
+        def forbidden(*args, **kwargs):
+            raise AssertionError("torch.cuda.graph synchronises and empties the cache: not used")
+
+        self.Stream, self.device = Stream, device
+        for name, value in dict(Stream=Stream, device=device, stream=stream, CUDAGraph=CUDAGraph,
+                                graph_pool_handle=graph_pool_handle, graph=forbidden,
+                                current_stream=lambda d=None: Stream(d),
+                                memory_reserved=lambda d=None: api.reserved,
+                                synchronize=lambda d=None: api.synchronized.append(d),
+                                empty_cache=lambda: setattr(api, "emptied", api.emptied + 1)).items():
+            monkeypatch.setattr(torch.cuda, name, value)
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch):
+    return FakeCudaGraphApi(monkeypatch)
+
+
+def test_captures_warm_ups_and_replays_run_on_the_samplers_device(fake_cuda):
+    """A runner on cuda:1 while cuda:0 is current: every warm-up, capture and replay runs with
+    cuda:1 current and on a stream of cuda:1; all graphs share one pool; the device is never
+    synchronised and no cache is emptied; cuda:0 is current again afterwards."""
+    from corelib_cuda.graph import CudaGraphs
+    graphs = CudaGraphs(torch.device("cuda", 1), warmup=2)
+    seen = []
+
+    def run():
+        seen.append((fake_cuda.current_device, fake_cuda.current_stream.device.index))
+        return "outputs"
+
+    first, out = graphs.capture(run)
+    second, _ = graphs.capture(run)
+    graphs.replay(first)
+    graphs.replay(second)
+    assert out == "outputs" and seen == [(1, 1)] * 6            # 2 x (2 warm-ups + 1 capture)
+    assert first.captured_on[:2] == second.captured_on[:2] == (1, 1)
+    assert first.captured_on[2] == second.captured_on[2] == graphs.pool == fake_cuda.pools[0]
+    assert len(fake_cuda.pools) == 1 and fake_cuda.pools[0][1] == 1   # one pool, made on cuda:1
+    assert first.replayed_on == second.replayed_on == [1]
+    assert fake_cuda.synchronized == [] and fake_cuda.emptied == 0
+    assert fake_cuda.current_device == 0
+    assert (graphs.captures, graphs.replays, graphs.capture_bytes) == (2, 2, 8192)
+
+
+def test_a_capture_that_fails_ends_the_capture_and_raises(fake_cuda):
+    from corelib_cuda.graph import CudaGraphs
+    graphs = CudaGraphs(torch.device("cuda", 1), warmup=0)
+    began = []
+
+    def failing():
+        began.append(True)
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    with pytest.raises(RuntimeError, match="capturing"):
+        graphs.capture(failing)
+    assert began and graphs.captures == 0 and fake_cuda.current_device == 0
+
+
+def test_the_device_guard_makes_a_cuda_device_current_and_restores_it(fake_cuda):
+    """What Triton launches and graph calls run under (``corelib_cuda.device``); the GPU check
+    runs the launches themselves on a second GPU when the machine has one."""
+    from corelib_cuda.device import device_guard
+    with device_guard(torch.device("cuda", 2)):
+        assert fake_cuda.current_device == 2
+        with device_guard(torch.device("cpu")):
+            assert fake_cuda.current_device == 2
+    assert fake_cuda.current_device == 0

@@ -14,6 +14,8 @@ from corelib import Sampler, SamplingParams
 from corelib.testing import chi_square_p_value
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from corelib.transfer import staged, upload
+
 from corelib_cuda import CudaBatch, CudaSampler, GraphedSampler
 from corelib_cuda.sync_check import HostSyncError, no_host_sync
 
@@ -344,28 +346,78 @@ def test_verify_state_reads_nothing_on_the_host(sampler):
 
 
 def test_verify_and_append_read_nothing_on_the_host_with_device_tensors():
-    """The whole verify + append + sample + append cycle on the meta device: tensors that are
-    not on the host, so the code takes its accelerator branches (draft and appended ids are
-    not validated on the host), and no value can be read at all."""
+    """The whole cycle on the meta device: requests join (add), rows move (swap_rows,
+    remove), verify + append + sample + append, per-request logits, device and host bitmasks.
+    Meta tensors are not on the host, so the code takes its accelerator branches (draft and
+    appended ids are not validated on the host), no value can be read, and every upload the
+    batch and the sampler make is checked: pageable or blocking copies, host data built into
+    a device tensor, host indices on device tensors would raise."""
     meta = CudaSampler("meta", use_flashinfer=False)
     requests = [("full", SamplingParams(**dict(FULL, **NEW_SAMPLERS)), [1, 2, 3], None),
-                ("seeded", SamplingParams(**FULL, seed=5), [1], [4, 8]),
+                ("seeded", SamplingParams(**FULL, seed=5, n=2), [1], [[4, 8], [5]]),
                 ("greedy", SamplingParams(temperature=0.0, logprobs=2), [], None)]
     K = 4
-    for runner in (meta, GraphedSampler(meta, sizes=(4,), use_graphs=False)):
-        batch = build(runner, requests, eos_token_id=9)
+    for runner in (meta, GraphedSampler(meta, sizes=(4, 8), use_graphs=False)):
+        batch = runner.new_batch(V, eos_token_id=9)
         with no_host_sync():
+            for rid, params, prompt, outputs in requests:
+                batch.add(rid, params, prompt_token_ids=prompt, output_token_ids=outputs)
+            batch.swap_rows(0, 3)
             for with_probs in (False, True):
-                logits = torch.randn(3, K + 1, V, device="meta")
-                drafts = torch.zeros(3, K, dtype=torch.long, device="meta")
-                probs = torch.rand(3, K, V, device="meta") if with_probs else None
-                mask = torch.zeros(3, K + 1, V // 32, dtype=torch.int32, device="meta")
+                logits = torch.randn(4, K + 1, V, device="meta")
+                drafts = torch.zeros(4, K, dtype=torch.long, device="meta")
+                probs = torch.rand(4, K, V, device="meta") if with_probs else None
+                mask = torch.zeros(4, K + 1, V // 32, dtype=torch.int32, device="meta")
                 out = runner.verify(logits, batch, drafts, probs, token_bitmask=mask)
                 batch.append(out.token_ids)
-                step = runner.sample(torch.randn(3, V, device="meta"), batch,
-                                     token_bitmask=torch.zeros(3, V // 32, dtype=torch.int32, device="meta"))
+                host_mask = torch.full((4, V // 32), -1, dtype=torch.int32)
+                step = runner.sample(torch.randn(4, V, device="meta"), batch, token_bitmask=host_mask)
                 batch.append(step.token_ids)
-        assert out.token_ids.shape == (3, K + 1) and out.logprobs.token_ids.shape == (3, K + 1, 6)
+                runner.sample(torch.randn(batch.num_requests, V, device="meta"), batch)   # per request
+            batch.remove("seeded")
+            batch.add("late", SamplingParams(top_p=0.9, repetition_penalty=1.2), prompt_token_ids=[7])
+            runner.step(torch.randn(3, V, device="meta"), batch)
+        assert out.token_ids.shape == (4, K + 1) and out.logprobs.token_ids.shape == (4, K + 1, 6)
+
+
+META_UPLOADS_THAT_WAIT = {
+    "torch.tensor(list, device=...)": lambda m: torch.tensor([1, 2], device=m.device),
+    "torch.as_tensor(list, device=...)": lambda m: torch.as_tensor([1, 2], device=m.device),
+    "torch.asarray(list, device=...)": lambda m: torch.asarray([1, 2], device=m.device),
+    "Tensor.new_tensor(list)": lambda m: m.new_tensor([1, 2]),
+    "cpu_tensor.to(device)": lambda m: torch.arange(3).to(m.device),
+    "pageable, non_blocking=True": lambda m: torch.arange(3).to(m.device, non_blocking=True),
+    "staged but blocking": lambda m: staged(torch.arange(3)).to(m.device),
+    "host rows moved per tensor": lambda m: m.index_copy_(0, torch.tensor([1, 0]), m.index_select(0, torch.tensor([0, 1]))),
+    "host index on a device tensor": lambda m: m[torch.tensor([0, 1])],
+    "host values written into a slice": lambda m: m.__setitem__(slice(0, 2), torch.ones(2, 8)),
+    "host values through index_put_": lambda m: m.index_put_((upload([0, 1], m.device, torch.long),), torch.ones(2, 8)),
+    "device values read on the host": lambda m: m.cpu(),
+}
+
+
+@pytest.mark.parametrize("pattern", sorted(META_UPLOADS_THAT_WAIT))
+def test_the_detector_catches_uploads_that_wait(pattern):
+    """The patterns the batch and the sampler used before their uploads were staged (the
+    request index, row moves and host bitmasks built with torch.tensor(..., device=) or
+    moved with .to(device)), on the meta device, where they dispatch no real copy."""
+    m = torch.zeros(4, 8, device="meta")
+    with pytest.raises(HostSyncError):
+        with no_host_sync():
+            META_UPLOADS_THAT_WAIT[pattern](m)
+    assert torch.tensor([1]).device.type == "cpu"              # factories restored afterwards
+
+
+def test_staged_non_blocking_uploads_pass_the_detector():
+    m = torch.zeros(4, 8, device="meta")
+    with no_host_sync():
+        upload([1, 2], m.device, torch.long)
+        upload(torch.ones(2, 8), m.device)
+        staged(torch.arange(3)).to(m.device, non_blocking=True)
+        m[upload([0, 1], m.device, torch.long)] = upload(torch.ones(2, 8), m.device)
+        m[0:2] = 1.0                                            # a scalar: no copy
+        torch.tensor([1, 2])                                    # host data staying on the host
+        torch.as_tensor(m)                                      # already on the device
 
 
 def test_a_short_row_with_draft_probs_emits_its_slot_draw(sampler, reference):
