@@ -174,10 +174,20 @@ def test_logprobs_zero_returns_only_the_sampled_token(ref):
     assert out.logprobs.token_ids.tolist() == [[1]]
 
 
-def test_logprobs_wider_than_vocab_are_padded(ref):
-    out = sample_row(ref, [0.0, 1.0], SamplingParams(temperature=0.0, logprobs=4))
-    assert out.logprobs.token_ids.tolist() == [[1, 1, 0, -1, -1]]
-    assert out.logprobs.logprobs[0, 3] == -INF
+def test_logprobs_up_to_the_vocabulary_and_every_token(ref):
+    out = sample_row(ref, [0.0, 1.0], SamplingParams(temperature=0.0, logprobs=2))
+    assert out.logprobs.token_ids.tolist() == [[1, 1, 0]]
+    out = sample_row(ref, [0.0, 1.0, 0.5], SamplingParams(temperature=0.0, logprobs=-1))
+    assert out.logprobs.token_ids.tolist() == [[1, 1, 2, 0]]
+    with pytest.raises(ValueError, match="request 'r': logprobs=3 asks for more entries than the vocabulary"):
+        ref.new_batch(vocab_size=2).add("r", SamplingParams(logprobs=3))
+
+
+def test_gather_pads_a_width_beyond_the_vocabulary(ref):
+    """Backends with fixed shapes (XLA) gather a padded N; columns past V are id -1, -inf."""
+    lp = ref.gather_logprobs(torch.log_softmax(torch.tensor([[0.0, 1.0]]), -1), torch.tensor([1]), 4)
+    assert lp.token_ids.tolist() == [[1, 1, 0, -1, -1]]
+    assert lp.logprobs[0, 3] == -INF
 
 
 @pytest.mark.parametrize("bad", [math.nan, math.inf])
