@@ -88,15 +88,21 @@ class ProcessorStages:
     def specs(self) -> list[StageSpec]:
         """One StageSpec per processor (for ``SamplingBatch.use_stage``)."""
         key = StageState(KEY_STATE, torch.int64, lambda vocab_size: (), self._new_key, _unchanged)
-        return [StageSpec(name=f"vllm:{processor_name(p)}",
-                          slot=AFTER_FILTERS if p.is_argmax_invariant() else AFTER_PENALTIES,
-                          args=NoArguments, apply=self._apply_with(p), state=(key,),
-                          description="a vLLM logits processor")
-                for p in self.processors]
+        specs, names = [], []
+        for p in self.processors:
+            names.append(processor_name(p))
+            repeat = names.count(names[-1])      # vLLM builds a class named twice twice
+            specs.append(StageSpec(
+                name=f"vllm:{names[-1]}" + (f"#{repeat}" if repeat > 1 else ""),
+                slot=AFTER_FILTERS if p.is_argmax_invariant() else AFTER_PENALTIES,
+                args=NoArguments, apply=self._apply_with(p), state=(key,),
+                description="a vLLM logits processor"))
+        return specs
 
     # ------------------------------------------------------------------ request keys
     def admit(self, request_id: str) -> None:
         self._admitting = request_id
+        self.forget(request_id)       # a request added again (from vLLM's state) gets a new key
 
     def forget(self, request_id: str) -> None:
         key = self._key_of_request.pop(request_id, None)

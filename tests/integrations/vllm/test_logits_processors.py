@@ -10,10 +10,10 @@ import pytest
 import torch
 
 import corelib
-from corelib.integrations.vllm.sampler import traces_its_steps
+from corelib.integrations.vllm.sampler import CorelibSampler, traces_its_steps
 
 from conftest import MAX_NUM_SEQS, PROMPTS, generate, run, runner_of, vllm_params
-from logits_processors import FailAfterTemperature, FailBeforePenalties, Recorder
+from logits_processors import ForceToken, Recorder
 
 # More prompts than max_num_seqs, finishing at different lengths: requests join the batch
 # in freed rows, leave it, and vLLM's condense moves rows.
@@ -138,10 +138,16 @@ def test_an_argmax_invariant_processor_that_raises_spares_greedy_rows(processors
 # ---------------------------------------------------------------------- backends
 @pytest.mark.skipif(importlib.util.find_spec("corelib_cuda") is None,
                     reason="needs the cuda plugin (its GraphedSampler runs on the CPU without graphs)")
-def test_backends_that_trace_or_capture_are_told_apart():
+def test_backends_that_trace_or_capture_refuse_processors_naming_them():
     from corelib_cuda import CudaSampler, GraphedSampler
-    assert traces_its_steps(GraphedSampler(CudaSampler("cpu", use_flashinfer=False), use_graphs=False))
+    graphed = GraphedSampler(CudaSampler("cpu", use_flashinfer=False), use_graphs=False)
+    assert traces_its_steps(graphed)
     assert not traces_its_steps(CudaSampler("cpu", use_flashinfer=False))
+    sampler = CorelibSampler.__new__(CorelibSampler)      # the refusal, on a graphed backend
+    sampler.corelib = graphed
+    with pytest.raises(ValueError, match="vLLM logits processors \\['logits_processors.ForceToken'\\] "
+                                         "cannot run on corelib backend 'cuda': it traces or captures"):
+        sampler._processor_stages([ForceToken(None, torch.device("cpu"), False)])
 
 
 def test_eager_backends_run_processors():

@@ -119,6 +119,16 @@ def test_what_corelib_cannot_honour_is_an_error(kwargs, match):
         corelib_params(VllmParams(**kwargs), vocab_size=512)
 
 
+def test_other_extra_args_keys_are_left_to_custom_logits_processors():
+    """An engine with custom logits processors: they read their own extra_args keys."""
+    params = VllmParams(extra_args={"target_token": 3, "dry_multiplier": 0.5})
+    with pytest.raises(ValueError, match="extra_args\\['target_token'\\] is not a corelib"):
+        corelib_params(params)
+    assert corelib_params(params, custom_processors=True) == corelib.SamplingParams(dry_multiplier=0.5)
+    with pytest.raises(ValueError, match="dry_multiplier"):       # corelib's keys stay checked
+        corelib_params(VllmParams(extra_args={"dry_multiplier": -1.0}), custom_processors=True)
+
+
 def test_unsupported_is_a_value_error():
     assert issubclass(UnsupportedParameterError, ValueError)
 

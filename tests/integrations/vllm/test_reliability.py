@@ -6,7 +6,6 @@ requests, which crashes vLLM's CPU build, runs."""
 from __future__ import annotations
 
 import importlib
-import logging
 import os
 import subprocess
 import sys
