@@ -260,7 +260,8 @@ def why_not_corelib(runner: Any) -> str | None:
                 f"'corelib' plugin here (VLLM_PLUGINS={os.environ.get('VLLM_PLUGINS')!r} must "
                 f"name it when set)")
     from .sampler import CorelibSampler
-    if isinstance(runner.sampler, CorelibSampler):
+    sampler = getattr(runner, "sampler", None)
+    if isinstance(sampler, CorelibSampler):
         return None
     v1 = sys.modules.get(V1_RUNNER_MODULE)
     if v1 is None or not isinstance(runner, v1.GPUModelRunner):
@@ -269,7 +270,7 @@ def why_not_corelib(runner: Any) -> str | None:
     if not _is_hook(v1.GPUModelRunner.__dict__["__init__"]):
         return (f"vLLM's V1 runner module was imported without corelib's hook (another import "
                 f"hook loaded it first), so its runner keeps vLLM's sampler")
-    return (f"its runner's sampler is {_qualified(type(runner.sampler))}: the runner was built "
+    return (f"its runner's sampler is {_qualified(type(sampler))}: the runner was built "
             f"while {ENV_VAR} was unset, or something replaced corelib's sampler after")
 
 

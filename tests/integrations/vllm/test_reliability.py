@@ -16,7 +16,7 @@ import pytest
 import corelib
 from corelib.integrations.vllm import patches
 
-from conftest import KV_CACHE_BYTES, hf_generate, make_llm, run, runner_of, vllm_params
+from conftest import KV_CACHE_BYTES, corelib_vllm, hf_generate, make_llm, run, runner_of, vllm_params
 
 SCRIPT_HEAD = """
 import os, sys
@@ -56,6 +56,22 @@ def test_a_worker_with_vllms_sampler_is_an_error_while_the_variable_is_set(vllm_
             "rank 0 .*: its runner's sampler is vllm.v1.sample.sampler.Sampler: the runner was "
             "built while CORELIB_VLLM was unset")):
         patches.check_workers(vllm_llm.llm_engine.model_executor)
+
+
+def test_each_reason_a_worker_gives(corelib_llm, monkeypatch):
+    runner = runner_of(corelib_llm)
+    assert patches.why_not_corelib(runner) is None
+    with corelib_vllm(None):
+        assert "CORELIB_VLLM is not set in this process" in patches.why_not_corelib(runner)
+    assert patches.why_not_corelib(None) == "the worker has no model runner"
+    monkeypatch.setattr(patches, "_installed", False)    # as in a process without the plugin
+    monkeypatch.setenv("VLLM_PLUGINS", "other")
+    assert ("vLLM did not load the 'corelib' plugin here (VLLM_PLUGINS='other' must name it"
+            in patches.why_not_corelib(runner))
+    monkeypatch.setattr(patches, "_installed", True)
+    from vllm.v1.worker.gpu.model_runner import GPUModelRunner as V2Runner
+    assert "its model runner is vllm.v1.worker.gpu.model_runner.GPUModelRunner, not vLLM's V1" in (
+        patches.why_not_corelib(V2Runner.__new__(V2Runner)))
 
 
 def test_the_start_is_logged_once_per_worker(model_dir):
