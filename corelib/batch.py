@@ -19,7 +19,7 @@ from . import thinking
 from .history import advance_matches, match_lengths, trailing_run
 from .noise import split_seed
 from .params import ALL_LOGPROBS, SamplingParams
-from .stages import StageError, StageInputs, StageSpec, describe_stage
+from .stages import StageError, StageInputs, StageSpec, check_stage_spec, describe_stage
 from .transfer import upload
 
 #: Where step 15's values come from: log-probabilities or logits, of the model's logits as
@@ -211,6 +211,7 @@ class SamplingBatch:
         self._neutral = dict(_OPTIONAL_NEUTRAL)       # grows with custom stages' tensors
         self._stage_specs: Optional[dict] = None
         self._used_stages: Optional[list] = None
+        self._engine_stages: dict[str, tuple[StageSpec, Optional[str]]] = {}   # use_stage
         self._stale_generated = False                 # device appends of [rows, K+1] ids
         self._history_bound = 0                       # upper bound of DRY rows' history length
         self._ensure_capacity(_MIN_CAPACITY)
@@ -263,6 +264,25 @@ class SamplingBatch:
             from .registry import default_registry
             self._stage_specs = default_registry().stages()
         return self._stage_specs
+
+    def use_stage(self, spec: StageSpec, plugin_name: Optional[str] = None) -> None:
+        """Run the custom stage ``spec`` on every row of this batch, with no plugin registry
+        entry and no ``stage_args``: for an engine that brings stages of its own. Its arguments
+        hold their defaults; its state starts from each row's prompt and output at ``add``.
+        At its slot it runs after the registry's stages, in the order of these calls.
+        ``plugin_name`` names it in errors (``StageError``). Call it before the first ``add``;
+        a batch with rows, or a name already in use, raises ValueError; a malformed ``spec``
+        raises as a plugin's would (``check_stage_spec``)."""
+        check_stage_spec(spec, plugin_name or "engine")
+        if self._row_keys:
+            raise ValueError(f"use_stage({spec.name!r}): the batch already has rows; call it "
+                             f"before the first add")
+        if spec.name in self._engine_stages or spec.name in self.stage_specs():
+            raise ValueError(f"use_stage({spec.name!r}): a stage of that name is already in "
+                             f"use by this batch or its plugins")
+        self._engine_stages[spec.name] = (spec, plugin_name)
+        self._allocate_stage(spec)
+        self._changed()
 
     # ------------------------------------------------------------------ add / remove
     def add(self, request_id: str, params: SamplingParams,
@@ -604,11 +624,13 @@ class SamplingBatch:
         return tuple(entries)
 
     def _stages_in_use(self) -> list[tuple[StageSpec, Optional[str]]]:
-        """Custom stages some live request uses, in registration order (cached)."""
+        """Custom stages some live request uses, in registration order, then the batch's
+        own (``use_stage``) (cached)."""
         if self._used_stages is None:
             named = {name for p in self._row_params for name in p.stage_args}
             specs = self._stage_specs or {}
-            self._used_stages = [specs[name] for name in specs if name in named]
+            self._used_stages = ([specs[name] for name in specs if name in named]
+                                 + list(self._engine_stages.values()))
         return self._used_stages
 
     def _stage_arguments(self, request_id: str, params: SamplingParams) -> dict:
@@ -998,6 +1020,8 @@ class SamplingBatch:
             self._write_thinking(sl, params, prompt, outputs)
         for name, (spec, args) in self._stage_arguments("", params).items():
             self._write_stage(sl, spec, args, prompt, outputs)
+        for spec, _ in self._engine_stages.values():
+            self._write_stage(sl, spec, spec.args(), prompt, outputs)
 
     def _write_history(self, sl: slice, params: SamplingParams, prompt: list[int],
                        outputs: list[list[int]]) -> None:

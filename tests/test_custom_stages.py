@@ -192,6 +192,65 @@ def test_two_plugins_claiming_one_stage_name_disable_it(registry):
     assert all("claimed by several plugins" in s.reason for s in registry.stage_statuses())
 
 
+# ---------------------------------------------------------------------- an engine's own stages
+def test_use_stage_runs_on_every_row_as_stage_args_would(registry):
+    """An engine's stage (no registry entry, no stage_args) acts on every row, its state from
+    each row's output and following appends, moves and swaps, exactly as the same stage named
+    by every request through a plugin."""
+    spec = StageSpec("ban", "after_penalties", Times, ban_seen, state=(SEEN,))
+    registry.register(StagePlugin(StageSpec("ban-plugin", "after_penalties", Times, ban_seen,
+                                            state=(SEEN,))), "p")
+    logits = torch.randn((3, V), generator=torch.Generator().manual_seed(3)) * 3
+    engine, plugin = REF.new_batch(V), REF.new_batch(V)
+    engine.use_stage(spec, "engine-x")
+    for batch, args in ((engine, {}), (plugin, {"stage_args": {"ban-plugin": {}}})):
+        add(batch, "a", output=[5, 5], temperature=0.0, **args)
+        add(batch, "b", temperature=0.0, **args)
+        add(batch, "c", seed=4, **args)
+    tokens = {"engine": [], "plugin": []}
+    for step in range(6):
+        if step == 3:
+            for batch in (engine, plugin):
+                batch.remove("a")
+                batch.swap_rows(0, 1)
+        for name, batch in (("engine", engine), ("plugin", plugin)):
+            out = REF.sample(logits[: batch.num_rows], batch)
+            batch.append(out.token_ids)
+            tokens[name].append(out.token_ids.tolist())
+    assert tokens["engine"] == tokens["plugin"]
+    history = [5, 5] + [step[0] for step in tokens["engine"][:3]]      # greedy "a"
+    assert max(history.count(t) for t in history) == 2               # no token a third time
+    assert int(logits[0].argmax()) in history[2:]                    # the stage had to act
+
+
+def test_use_stage_refuses_a_batch_with_rows_a_taken_name_and_bad_specs(registry):
+    registry.register(StagePlugin(StageSpec("shift", "after_penalties", Level, subtract_level)), "p")
+    batch = REF.new_batch(V)
+    with pytest.raises(ValueError, match="'shift'\\): a stage of that name is already in use"):
+        batch.use_stage(StageSpec("shift", "after_filters", Level, subtract_level))
+    batch.use_stage(StageSpec("own", "after_filters", Level, subtract_level))
+    with pytest.raises(ValueError, match="'own'\\): a stage of that name is already in use"):
+        batch.use_stage(StageSpec("own", "after_filters", Level, subtract_level))
+    with pytest.raises(TypeError, match="plugin 'mine' returned 'nope', expected corelib.StageSpec"):
+        batch.use_stage("nope", "mine")
+    with pytest.raises(ValueError, match="slot must be one of"):
+        batch.use_stage(StageSpec("x", "early", Level, subtract_level))
+    add(batch, "a")
+    with pytest.raises(ValueError, match="use_stage\\('late'\\): the batch already has rows"):
+        batch.use_stage(StageSpec("late", "after_filters", Level, subtract_level))
+
+
+def test_a_failing_engine_stage_names_itself(registry):
+    def broken(x, inputs):
+        raise RuntimeError("no luck")
+
+    batch = REF.new_batch(V)
+    batch.use_stage(StageSpec("boom", "after_penalties", Level, broken), "my-engine")
+    add(batch, "a")
+    with pytest.raises(StageError, match="stage 'boom' \\(plugin 'my-engine'\\) failed: RuntimeError: no luck"):
+        REF.sample(torch.zeros((1, V)), batch)
+
+
 # ---------------------------------------------------------------------- real entry points
 installed = {ep.name for ep in entry_points(group="corelib.plugins")}
 needs_plugins = pytest.mark.skipif(

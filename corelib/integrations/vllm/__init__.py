@@ -10,11 +10,14 @@ backend name (``cpu``, ``cuda``, ``reference``, any installed backend) or to ``a
   with a ``CorelibSampler`` instead of vLLM's ``Sampler``, in every worker process;
 - each request's vLLM ``SamplingParams`` become ``corelib.SamplingParams`` when vLLM admits
   the request, so a parameter corelib cannot honour fails that request with vLLM's own
-  validation error (HTTP 400 in the server) instead of sampling differently.
+  validation error (HTTP 400 in the server) instead of sampling differently;
+- each engine checks at start that every worker samples with corelib, and refuses to start
+  when one would not.
 
 The pieces: ``params`` (the parameter mapping), ``sampler`` (the sampler and the corelib
-batch that follows vLLM's persistent batch), ``patches`` (where vLLM is hooked). vLLM itself
-is imported only when ``CORELIB_VLLM`` is set.
+batch that follows vLLM's persistent batch), ``processors`` (vLLM's logits processors as
+corelib stages), ``patches`` (where vLLM is hooked). vLLM's modules are patched when they are
+imported; nothing of vLLM is imported by loading the plugin.
 """
 
 from __future__ import annotations
@@ -34,10 +37,12 @@ def backend_choice() -> str | None:
 
 
 def register() -> None:
-    """vLLM's general-plugin hook. Inert without ``CORELIB_VLLM``; with it, installs the
-    hooks (idempotent: vLLM may call it more than once per process)."""
-    choice = backend_choice()
-    if choice is None:
-        return
-    from .patches import install
-    install()
+    """vLLM's general-plugin hook (idempotent: vLLM may call it more than once per process).
+    With ``CORELIB_VLLM`` set, installs the hooks. Without it, installs only the engine start
+    check, which does nothing unless the variable is set by the time an engine starts (vLLM
+    loads its plugins once per process, so the variable may come later)."""
+    from .patches import install, install_guard
+    if backend_choice() is None:
+        install_guard()
+    else:
+        install()

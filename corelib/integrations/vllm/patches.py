@@ -3,12 +3,16 @@ each hook wraps or replaces one vLLM function, in the process that imports its m
 
 - ``vllm.v1.worker.gpu_model_runner.GPUModelRunner.__init__`` (the V1 runner; vLLM's CPU and
   XPU runners subclass it): afterwards the runner's ``sampler`` is a ``CorelibSampler`` and,
-  with speculative decoding, its ``rejection_sampler`` is corelib's verification;
+  with speculative decoding, its ``rejection_sampler`` is corelib's verification; vLLM's custom
+  logits processors run as corelib stages (``processors``);
 - ``vllm.v1.worker.gpu_model_runner.apply_grammar_bitmask`` (the name the runner calls before
   sampling): for a runner that samples with corelib, the grammar bitmask goes to the sampler
   instead of into the logits (``grammar``);
 - ``GPUModelRunner.sample_tokens``: the requests corelib flagged in the step (no token left to
   sample) travel to the scheduler with the runner's output;
+- ``vllm.v1.worker.gpu_input_batch.InputBatch.add_request``: a runner that samples with
+  corelib keeps no per-request ``torch.Generator`` (corelib never draws from them, and vLLM
+  rewinds them for tokens it discards, which vLLM's CPU build cannot do);
 - ``vllm.v1.core.sched.scheduler.Scheduler.update_from_output``: finishes those requests as
   per-request errors (vLLM's ``FINISHED_ERROR``, finish reason ``"error"``, the reason in
   ``stop_reason``), so the engine and the other requests go on;
@@ -16,13 +20,29 @@ each hook wraps or replaces one vLLM function, in the process that imports its m
 - ``vllm.v1.engine.input_processor.InputProcessor.process_inputs``: afterwards the request's
   final parameters (bad words tokenised, eos ids added) must map to corelib's, else the
   request fails with vLLM's validation error;
+- ``vllm.v1.engine.parallel_sampling.ParentRequest._get_child_sampling_params`` (the front
+  end splits a request with n > 1 into n requests): child i of a seeded request keeps the
+  parent's seed and carries its index (``params.child_params``), where vLLM seeds it
+  ``seed + i``;
 - ``vllm.sampling_params.SamplingParams._validate_spec_decode``: vLLM refuses min_p and
   logit_bias under speculative decoding (its rejection sampler skips them); corelib applies
-  every stage at every verification slot, so with ``CORELIB_VLLM`` set they are accepted.
+  every stage at every verification slot, so with ``CORELIB_VLLM`` set they are accepted;
+- ``vllm.v1.engine.core.EngineCore`` (``install_guard``, whether or not the variable is set
+  when vLLM loads its plugins): an engine core started with ``CORELIB_VLLM`` set installs the
+  hooks above if this process has not (the variable was set after vLLM loaded its plugins,
+  which it does once per process), and before it sizes the KV cache asks every worker which
+  sampler its runner has (``worker_sampler_report``), logs one line per worker and refuses to
+  start when one would not sample with corelib, saying why.
 
 Modules are patched when they are imported (or at once if they already are), so loading the
 plugin imports nothing of vLLM's runner in processes that never build one. Each hook reads
 ``CORELIB_VLLM`` when it runs: a runner built while the variable is unset keeps vLLM's sampler.
+
+The import hook is a ``sys.meta_path`` finder that stays in place and patches the module each
+time its code runs (also after a failed import or a reload). It never removes itself: Python
+iterates ``sys.meta_path`` without a copy and releases the import lock between finders, so a
+finder that leaves the list while another thread imports shifts the list under that thread,
+which then skips the next finder (and the module it would have patched).
 """
 
 from __future__ import annotations
@@ -30,29 +50,36 @@ from __future__ import annotations
 import copy
 import functools
 import importlib.machinery
+import logging
 import os
 import sys
 from typing import Any, Callable
 
 from . import ENV_VAR, backend_choice
 
+# Under vLLM's logger, so the start-up lines go where vLLM's own go, formatted and filtered as
+# vLLM's logging configuration says (it configures the "vllm" logger only).
+logger = logging.getLogger("vllm.corelib")
+
 V1_RUNNER_MODULE = "vllm.v1.worker.gpu_model_runner"
 V2_RUNNER_MODULE = "vllm.v1.worker.gpu.model_runner"
+INPUT_BATCH_MODULE = "vllm.v1.worker.gpu_input_batch"
 INPUT_PROCESSOR_MODULE = "vllm.v1.engine.input_processor"
+PARALLEL_SAMPLING_MODULE = "vllm.v1.engine.parallel_sampling"
 SCHEDULER_MODULE = "vllm.v1.core.sched.scheduler"
 SAMPLING_PARAMS_MODULE = "vllm.sampling_params"
+ENGINE_CORE_MODULE = "vllm.v1.engine.core"
 # The attribute of a ModelRunnerOutput that carries the step's flagged requests (request id ->
 # why) from the worker to the scheduler; it travels with the output (pickled between processes).
 FAILURES_ATTRIBUTE = "corelib_failures"
 # The rejection-sampling method corelib's verify implements (vLLM's "synthetic" and "block"
 # accept drafts by other rules).
 STANDARD_REJECTION = "standard"
-# vLLM's built-in logits processors; corelib implements what they do (min_tokens,
-# logit_bias, min_p) from the request's parameters.
-BUILTIN_LOGITS_PROCESSORS = {"MinTokensLogitsProcessor", "LogitBiasLogitsProcessor",
-                             "MinPLogitsProcessor"}
+# Set on every function corelib puts in place of vLLM's, so a check can tell a patched class.
+HOOK_MARK = "__corelib_hook__"
 
 _installed = False
+_guarded = False
 
 
 def install() -> None:
@@ -65,9 +92,22 @@ def install() -> None:
     os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
     when_imported(V1_RUNNER_MODULE, _patch_v1_runner)
     when_imported(V2_RUNNER_MODULE, _refuse_v2_runner)
+    when_imported(INPUT_BATCH_MODULE, _patch_input_batch)
     when_imported(INPUT_PROCESSOR_MODULE, _patch_input_processor)
+    when_imported(PARALLEL_SAMPLING_MODULE, _patch_parallel_sampling)
     when_imported(SCHEDULER_MODULE, _patch_scheduler)
     when_imported(SAMPLING_PARAMS_MODULE, _patch_spec_decode_validation)
+    install_guard()
+
+
+def install_guard() -> None:
+    """Install the engine core's start-up hooks (once per process; inert while
+    ``CORELIB_VLLM`` is unset when an engine starts)."""
+    global _guarded
+    if _guarded:
+        return
+    _guarded = True
+    when_imported(ENGINE_CORE_MODULE, _patch_engine_core)
 
 
 # ---------------------------------------------------------------------- the hooks
@@ -91,8 +131,19 @@ def _patch_v1_runner(module) -> None:
             setattr(output, FAILURES_ATTRIBUTE, failures)
         return output
     _wrap_result(module.GPUModelRunner, "sample_tokens", with_failures)
-    module.apply_grammar_bitmask = routed_apply_grammar_bitmask(module.apply_grammar_bitmask,
-                                                                sampler_for)
+    routed = routed_apply_grammar_bitmask(module.apply_grammar_bitmask, sampler_for)
+    setattr(routed, HOOK_MARK, True)
+    module.apply_grammar_bitmask = routed
+
+
+def _patch_input_batch(module) -> None:
+    from .sampler import sampler_for
+
+    def without_generator(batch, row):
+        if sampler_for(batch) is not None:
+            batch.generators.pop(row, None)
+        return row
+    _wrap_result(module.InputBatch, "add_request", without_generator)
 
 
 def attach_sampler(runner: Any, choice: str) -> None:
@@ -110,11 +161,6 @@ def attach_sampler(runner: Any, choice: str) -> None:
     if mode not in LOGPROBS_MODES:
         raise ValueError(f"{ENV_VAR}: logprobs_mode={mode!r} is not supported; corelib "
                          f"returns {sorted(LOGPROBS_MODES)}")
-    custom = [type(p).__name__ for p in runner.input_batch.logitsprocs.all
-              if type(p).__name__ not in BUILTIN_LOGITS_PROCESSORS]
-    if custom:
-        raise ValueError(f"{ENV_VAR}: custom logits processors {custom} are not supported: "
-                         f"corelib's sampler does not run them")
     runner.sampler = CorelibSampler(runner, choice)
     if spec is not None:
         runner.rejection_sampler = runner.sampler.rejection_sampler
@@ -139,10 +185,113 @@ def _patch_input_processor(module) -> None:
         if backend_choice() is None or params is None:
             return
         try:
-            corelib_params(params, processor.model_config.get_vocab_size())
+            corelib_params(params, processor.model_config.get_vocab_size(),
+                           custom_processors=runs_custom_processors(processor.model_config))
         except ValueError as exc:
             raise VLLMValidationError(f"corelib sampler ({ENV_VAR}): {exc}") from exc
     _wrap_after(module.InputProcessor, "process_inputs", after_process)
+
+
+def _patch_parallel_sampling(module) -> None:
+    from .params import child_params
+
+    def corelib_children(original, parent, index):
+        if backend_choice() is None or parent.sampling_params.seed is None:
+            return original(parent, index)     # unseeded children share vLLM's cached params
+        return child_params(parent.sampling_params, index)
+    _wrap_around(module.ParentRequest, "_get_child_sampling_params", corelib_children)
+
+
+def _patch_engine_core(module) -> None:
+    def install_if_asked(core, *args, **kwargs):
+        if backend_choice() is not None:
+            install()        # no-op unless CORELIB_VLLM was set after the plugins loaded
+    _wrap_before(module.EngineCore, "__init__", install_if_asked)
+
+    def check_before_kv_cache(core, *args, **kwargs):
+        if backend_choice() is not None:
+            check_workers(core.model_executor)
+    _wrap_before(module.EngineCore, "_initialize_kv_caches", check_before_kv_cache)
+
+
+def check_workers(executor: Any) -> list[dict[str, Any]]:
+    """Ask every worker of ``executor`` which sampler its runner has; log one line per worker
+    and raise RuntimeError, saying why, when one would not sample with corelib."""
+    reports = executor.collective_rpc(worker_sampler_report)
+    for report in reports:
+        if "problem" not in report:
+            logger.info("corelib sampler (%s): %s samples with corelib backend %r on %s; "
+                        "patched: %s", ENV_VAR, report["worker"], report["backend"],
+                        report["device"], ", ".join(report["patched"]))
+    problems = [report["problem"] for report in reports if "problem" in report]
+    if problems:
+        raise RuntimeError(f"{ENV_VAR}={backend_choice()!r} is set, but this engine would not "
+                           f"sample with corelib: " + "; ".join(problems))
+    return reports
+
+
+def worker_sampler_report(worker: Any) -> dict[str, Any]:
+    """Runs in a worker process (``collective_rpc``): ``worker`` (where, "worker rank r (pid
+    p)") and either ``backend``, ``device`` and ``patched`` (what corelib replaced in this
+    worker) or ``problem`` (why its runner would not sample with corelib)."""
+    where = f"worker rank {getattr(worker, 'rank', '?')} (pid {os.getpid()})"
+    runner = getattr(worker, "model_runner", None)
+    problem = why_not_corelib(runner)
+    if problem is not None:
+        return {"worker": where, "problem": f"{where}: {problem}"}
+    report = {"worker": where, **runner.sampler.describe()}
+    batch_module = sys.modules.get(INPUT_BATCH_MODULE)
+    if batch_module is not None and _is_hook(batch_module.InputBatch.add_request):
+        report["patched"].append("no per-request generators")
+    if _is_hook(type(runner).sample_tokens):
+        report["patched"].append("flagged rows -> scheduler")
+    return report
+
+
+def why_not_corelib(runner: Any) -> str | None:
+    """Why ``runner`` (a worker's model runner) would not sample with corelib, or None."""
+    choice = backend_choice()
+    if choice is None:
+        return f"{ENV_VAR} is not set in this process; every vLLM process must inherit it"
+    if runner is None:
+        return "the worker has no model runner"
+    if not _installed:
+        return (f"corelib's hooks are not installed in this process: vLLM did not load the "
+                f"'corelib' plugin here (VLLM_PLUGINS={os.environ.get('VLLM_PLUGINS')!r} must "
+                f"name it when set)")
+    from .sampler import CorelibSampler
+    sampler = getattr(runner, "sampler", None)
+    if isinstance(sampler, CorelibSampler):
+        return None
+    v1 = sys.modules.get(V1_RUNNER_MODULE)
+    if v1 is None or not isinstance(runner, v1.GPUModelRunner):
+        return (f"its model runner is {_qualified(type(runner))}, not vLLM's V1 runner, the "
+                f"one corelib samples in")
+    if not _is_hook(v1.GPUModelRunner.__dict__["__init__"]):
+        return (f"vLLM's V1 runner module was imported without corelib's hook (another import "
+                f"hook loaded it first), so its runner keeps vLLM's sampler")
+    return (f"its runner's sampler is {_qualified(type(sampler))}: the runner was built "
+            f"while {ENV_VAR} was unset, or something replaced corelib's sampler after")
+
+
+def _qualified(kind: type) -> str:
+    return f"{kind.__module__}.{kind.__qualname__}"
+
+
+def runs_custom_processors(model_config: Any) -> bool:
+    """Whether an engine of ``model_config`` runs custom logits processors: named in its
+    config, or installed as ``vllm.logits_processors`` entry points (vLLM loads them all)."""
+    if model_config.logits_processors:
+        return True
+    return _processor_plugins_installed()
+
+
+@functools.lru_cache(maxsize=None)
+def _processor_plugins_installed() -> bool:
+    from importlib.metadata import entry_points
+
+    from vllm.v1.sample.logits_processor import LOGITSPROCS_GROUP
+    return bool(entry_points(group=LOGITSPROCS_GROUP))
 
 
 def _patch_spec_decode_validation(module) -> None:
@@ -190,7 +339,7 @@ def _wrap_after(cls: type, name: str, hook: Callable) -> None:
         result = original(self, *args, **kwargs)
         hook(self, result)
         return result
-    setattr(cls, name, wrapper)
+    _install(cls, name, wrapper)
 
 
 def _wrap_result(cls: type, name: str, transform: Callable) -> None:
@@ -200,7 +349,7 @@ def _wrap_result(cls: type, name: str, transform: Callable) -> None:
     @functools.wraps(original)
     def wrapper(self, *args, **kwargs):
         return transform(self, original(self, *args, **kwargs))
-    setattr(cls, name, wrapper)
+    _install(cls, name, wrapper)
 
 
 def _wrap_around(cls: type, name: str, hook: Callable) -> None:
@@ -210,7 +359,7 @@ def _wrap_around(cls: type, name: str, hook: Callable) -> None:
     @functools.wraps(original)
     def wrapper(self, *args, **kwargs):
         return hook(original, self, *args, **kwargs)
-    setattr(cls, name, wrapper)
+    _install(cls, name, wrapper)
 
 
 def _wrap_before(cls: type, name: str, hook: Callable) -> None:
@@ -221,22 +370,30 @@ def _wrap_before(cls: type, name: str, hook: Callable) -> None:
     def wrapper(self, *args, **kwargs):
         hook(self, *args, **kwargs)
         return original(self, *args, **kwargs)
+    _install(cls, name, wrapper)
+
+
+def _install(cls: type, name: str, wrapper: Callable) -> None:
+    setattr(wrapper, HOOK_MARK, True)
     setattr(cls, name, wrapper)
 
 
+def _is_hook(function: Any) -> bool:
+    return getattr(function, HOOK_MARK, False)
+
+
 def when_imported(module_name: str, patch: Callable[[Any], None]) -> None:
-    """Call ``patch(module)`` once ``module_name`` is imported: now if it already is, else
-    right after its code runs (an import hook that removes itself)."""
+    """Call ``patch(module)`` now if ``module_name`` is imported, and each time its code runs
+    from now on (an import hook that stays in ``sys.meta_path``; see the module docstring)."""
     module = sys.modules.get(module_name)
     if module is not None:
         patch(module)
-    else:
-        sys.meta_path.insert(0, _PatchOnImport(module_name, patch))
+    sys.meta_path.insert(0, _PatchOnImport(module_name, patch))
 
 
 class _PatchOnImport:
     """A ``sys.meta_path`` finder for one module: finds it as the path finder would, and runs
-    ``patch`` after the module's own code."""
+    ``patch`` after the module's own code, every time that code runs."""
 
     def __init__(self, module_name: str, patch: Callable[[Any], None]):
         self.module_name = module_name
@@ -245,7 +402,6 @@ class _PatchOnImport:
     def find_spec(self, name, path=None, target=None):
         if name != self.module_name:
             return None
-        sys.meta_path.remove(self)
         spec = importlib.machinery.PathFinder.find_spec(name, path)
         if spec is None or spec.loader is None:
             return spec

@@ -42,7 +42,8 @@ from ...batch import SamplingBatch
 from ...params import SamplingParams
 from ...sampler import Logprobs, Sampler
 from . import AUTO, ENV_VAR
-from .params import corelib_params
+from .params import child_offset, corelib_params
+from .processors import ProcessorStages, custom_processors, processor_name
 from .speculative import CorelibRejectionSampler, DraftLayout, SpeculationStats
 
 logger = logging.getLogger(__name__)
@@ -73,6 +74,13 @@ def make_sampler(choice: str, device: torch.device, seed: Optional[int]) -> Samp
     return sampler
 
 
+def traces_its_steps(sampler: Any) -> bool:
+    """Whether a corelib sampler runs its steps as traced (XLA) or captured (CUDA graphs)
+    programs, where arbitrary Python such as a vLLM logits processor cannot run."""
+    return (sampler.device.type == "xla" or sampler.name == "tpu"
+            or type(sampler).__name__ == "GraphedSampler")
+
+
 def accepts_token_bitmask(sampler: Sampler) -> bool:
     """Whether ``sampler.sample`` takes a ``token_bitmask`` argument (a backend written before
     it does not: vLLM masks the logits in place for it instead)."""
@@ -82,9 +90,13 @@ def accepts_token_bitmask(sampler: Sampler) -> bool:
 class BatchMirror:
     """A ``SamplingBatch`` kept in the row order of a vLLM ``InputBatch`` (module docstring)."""
 
-    def __init__(self, sampler: Sampler, vocab_size: int, logprobs_mode: str):
+    def __init__(self, sampler: Sampler, vocab_size: int, logprobs_mode: str,
+                 processors: Optional[ProcessorStages] = None):
         self.vocab_size = vocab_size
         self.batch: SamplingBatch = sampler.new_batch(vocab_size, logprobs_mode=logprobs_mode)
+        self.processors = processors
+        for spec in processors.specs() if processors else ():
+            self.batch.use_stage(spec, "vllm")
         # request id -> (vLLM SamplingParams object, prompt length) it was added with
         self._added: dict[str, tuple[Any, int]] = {}
         self.moves = {"added": 0, "removed": 0, "swapped": 0}   # for tests and benchmarks
@@ -120,6 +132,8 @@ class BatchMirror:
             self.batch.remove(victim)
             stale.discard(victim)
             del self._added[victim]
+            if self.processors:
+                self.processors.forget(victim)
             self.moves["removed"] += 1
 
     def _matches(self, request_id: str, state: Any, generated: int, output_ids: list[int]) -> bool:
@@ -135,9 +149,13 @@ class BatchMirror:
         if state.prompt_token_ids is None and state.sampling_params.repetition_penalty != 1.0:
             raise ValueError(f"request {request_id!r}: repetition_penalty needs the prompt's "
                              f"token ids, but the prompt was given as embeddings")
-        params = corelib_params(state.sampling_params, self.vocab_size)
+        params = corelib_params(state.sampling_params, self.vocab_size,
+                                custom_processors=self.processors is not None)
+        if self.processors:
+            self.processors.admit(request_id)
         self.batch.add(request_id, params, prompt_token_ids=state.prompt_token_ids or (),
-                       output_token_ids=list(output_ids))
+                       output_token_ids=list(output_ids),
+                       child_offset=child_offset(state.sampling_params))
         self._added[request_id] = (state.sampling_params, state.num_prompt_tokens)
         self.moves["added"] += 1
 
@@ -172,8 +190,9 @@ class CorelibSampler(VllmSampler):
                          use_fp64_gumbel=getattr(model_config, "use_fp64_gumbel", False))
         self.runner = runner
         self.corelib = make_sampler(choice, torch.device(runner.device), model_config.seed)
+        self.processors = self._processor_stages(custom_processors(runner.input_batch.logitsprocs))
         self.mirror = BatchMirror(self.corelib, runner.input_batch.vocab_size,
-                                  LOGPROBS_MODES[model_config.logprobs_mode])
+                                  LOGPROBS_MODES[model_config.logprobs_mode], self.processors)
         self.rejection_sampler = CorelibRejectionSampler(self)
         # A backend written before corelib's token_bitmask argument gets vLLM's own in-place
         # masking of the logits instead (``grammar``).
@@ -182,6 +201,36 @@ class CorelibSampler(VllmSampler):
         self._grammar_bitmask: Optional[torch.Tensor] = None
         self._failures: dict[str, str] = {}
         _SAMPLERS.add(self)
+
+    def _processor_stages(self, processors: list) -> Optional[ProcessorStages]:
+        """vLLM's custom logits processors as stages of the mirror's batch (``processors``),
+        or None without any. A backend that traces or captures its steps cannot run their
+        Python: ValueError naming them."""
+        if not processors:
+            return None
+        if traces_its_steps(self.corelib):
+            raise ValueError(
+                f"{ENV_VAR}: vLLM logits processors {[processor_name(p) for p in processors]} "
+                f"cannot run on corelib backend {self.corelib.name!r}: it traces or captures "
+                f"its steps; use a backend that runs eager torch (reference, cpu, cuda)")
+
+        def rows_of(request_ids: list[str]) -> tuple[list[int], int]:
+            batch = self.mirror.batch
+            return [batch.rows_of(r)[0] for r in request_ids], batch.num_rows
+
+        return ProcessorStages(processors, rows_of,
+                               lambda request_id: self.mirror.batch.params_of(request_id).is_greedy)
+
+    def describe(self) -> dict[str, Any]:
+        """What this sampler changed in its runner, for the start-up log line of its worker."""
+        patched = ["sampler"]
+        if self.takes_token_bitmask:
+            patched.append("grammar bitmask -> token_bitmask")
+        if self.runner.speculative_config is not None:
+            patched.append("rejection_sampler -> corelib verify")
+        if self.processors:
+            patched.append(f"logits processors as corelib stages: {self.processors.names}")
+        return {"backend": self.corelib.name, "device": str(self.corelib.device), "patched": patched}
 
     # ------------------------------------------------------------------ one token per row
     def forward(self, logits: torch.Tensor, sampling_metadata: Any,
@@ -201,6 +250,8 @@ class CorelibSampler(VllmSampler):
         if sampling_metadata is not self.runner.input_batch.sampling_metadata:
             return self._profile(logits)
         batch = self.mirror.sync(self.runner.input_batch, self.runner.requests)
+        if self.processors:
+            self.processors.start_step()
         if mask is None:
             out = self.corelib.sample(logits, batch)
         else:
@@ -276,13 +327,15 @@ class CorelibSampler(VllmSampler):
         if getattr(self.runner, "use_async_scheduling", False):
             raise_on_invalid(batch)
         counts = batch.generated_counts()
+        processor_failures = self.processors.failures if self.processors else {}
         for row in (~valid).nonzero()[:, 0].tolist():
             request_id = batch.rows[row][0]
+            why = processor_failures.get(request_id) or (
+                f"its grammar, allowed_token_ids, bad_words and min_tokens (which holds back the "
+                f"stop and eos ids) exclude every token, or its logits are NaN/+inf")
             self._failures[request_id] = (
                 f"corelib sampler ({ENV_VAR}): request {request_id!r} has no token to sample "
-                f"after {counts[row]} generated tokens: its grammar, allowed_token_ids, bad_words "
-                f"and min_tokens (which holds back the stop and eos ids) exclude every token, or "
-                f"its logits are NaN/+inf")
+                f"after {counts[row]} generated tokens: {why}")
             logger.error("%s; vLLM finishes the request with an error", self._failures[request_id])
         return True
 

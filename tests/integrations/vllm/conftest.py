@@ -188,3 +188,18 @@ def draft_llm(model_dir):
 def vllm_llm(model_dir):
     """vLLM with its own sampler: CORELIB_VLLM unset while the engine starts."""
     return make_llm(model_dir, None)
+
+
+@pytest.fixture(scope="session")
+def processors_llm(model_dir):
+    """corelib's cpu backend running the test suite's vLLM logits processors
+    (``logits_processors.ALL``)."""
+    import logits_processors
+    return make_llm(model_dir, "cpu", logits_processors=logits_processors.ALL)
+
+
+@pytest.fixture(scope="session")
+def processors_vllm_llm(model_dir):
+    """vLLM's own sampler with the same logits processors."""
+    import logits_processors
+    return make_llm(model_dir, None, logits_processors=logits_processors.ALL)

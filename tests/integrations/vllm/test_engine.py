@@ -88,17 +88,6 @@ def test_requests_joining_and_leaving_sample_as_if_alone(corelib_llm):
     assert together == alone
 
 
-# ---------------------------------------------------------------------- n > 1
-def test_parallel_sampling_children_differ_and_child_i_is_seed_plus_i(corelib_llm, hf_model):
-    children = run(corelib_llm, PROMPTS[:1], vllm_params(n=3, seed=7, **SEEDED))[0]
-    assert len({tuple(c) for c in children}) == 3
-    singles = [first(run(corelib_llm, PROMPTS[:1], vllm_params(seed=7 + i, **SEEDED)))[0]
-               for i in range(3)]
-    assert children == singles          # child 0 is the n = 1 request; vLLM seeds child i seed + i
-    assert children[0] == first(hf_generate(hf_model, PROMPTS[:1],
-                                            corelib.SamplingParams(seed=7, **SEEDED)))[0]
-
-
 # ---------------------------------------------------------------------- the stages act
 FEATURES = {
     "repetition_penalty": (dict(repetition_penalty=2.0), dict(repetition_penalty=2.0)),

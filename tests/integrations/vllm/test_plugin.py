@@ -35,12 +35,15 @@ def test_entry_point_is_declared_by_corelib():
 
 
 def test_inert_without_the_variable():
-    """vLLM loading its plugins without CORELIB_VLLM imports none of corelib's hooks."""
+    """vLLM loading its plugins without CORELIB_VLLM installs none of corelib's sampling hooks:
+    only the engine start check, which waits for the variable."""
     env = {k: v for k, v in os.environ.items() if k != "CORELIB_VLLM"}
     code = ("import sys; from vllm.plugins import load_general_plugins; load_general_plugins(); "
-            "import corelib.integrations.vllm as p; "
-            "assert 'corelib.integrations.vllm.patches' not in sys.modules; "
-            "assert not any(type(f).__name__ == '_PatchOnImport' for f in sys.meta_path); "
+            "from corelib.integrations.vllm import patches; "
+            "hooked = {f.module_name for f in sys.meta_path if type(f).__name__ == '_PatchOnImport'}; "
+            "assert hooked == {patches.ENGINE_CORE_MODULE}, hooked; "
+            "assert not patches._installed; "
+            "assert 'corelib.integrations.vllm.sampler' not in sys.modules; "
             "print('inert')")
     result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                             timeout=300)
@@ -114,6 +117,16 @@ def test_extra_args_keys_vllm_reads_are_left_to_vllm():
 def test_what_corelib_cannot_honour_is_an_error(kwargs, match):
     with pytest.raises(ValueError, match=match):
         corelib_params(VllmParams(**kwargs), vocab_size=512)
+
+
+def test_other_extra_args_keys_are_left_to_custom_logits_processors():
+    """An engine with custom logits processors: they read their own extra_args keys."""
+    params = VllmParams(extra_args={"target_token": 3, "dry_multiplier": 0.5})
+    with pytest.raises(ValueError, match="extra_args\\['target_token'\\] is not a corelib"):
+        corelib_params(params)
+    assert corelib_params(params, custom_processors=True) == corelib.SamplingParams(dry_multiplier=0.5)
+    with pytest.raises(ValueError, match="dry_multiplier"):       # corelib's keys stay checked
+        corelib_params(VllmParams(extra_args={"dry_multiplier": -1.0}), custom_processors=True)
 
 
 def test_unsupported_is_a_value_error():
