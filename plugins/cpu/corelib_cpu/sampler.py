@@ -28,6 +28,9 @@ What the stages do differently from the reference (``corelib.Sampler``):
   (``bitmask``: a byte table, no [B, V] boolean), penalties touch only the tokens a row has
   seen, from the running slots kept by :class:`~corelib_cpu.batch.CpuBatch`, DRY only the
   tokens of the history entries that extend a repeat (``filters.dry_``);
+- step 8b (the reasoning budget) writes a forced row in place, -inf but its token's logit 0,
+  and updates that row's group and row maxima, so the other rows keep theirs; step 1 of
+  ``raw_logits`` reads the caller's rows while no stage has copied them;
 - step 9 and step 15's top-N use group maxima (``rowops``) instead of torch.argmax/topk;
 - step 10a (top-n-sigma) computes the reference's mean and deviation with the same float32
   reductions, and cuts each row with one threshold pass;
@@ -83,7 +86,7 @@ from .draw import (
 )
 from .filters import dry_, top_n_sigma_thresholds, typical_rows_, xtc_rows_
 from .plan import BlockPlan, StepPlan, make_plan
-from .rowops import count_at_least, first_argmax, group_maxima, is_finite, top_values
+from .rowops import GROUP, count_at_least, first_argmax, group_maxima, is_finite, top_values
 from .select import (
     kth_largest,
     mask_below,
@@ -148,6 +151,8 @@ class Block:
     masked: set = field(default_factory=set)     # rows whose cut is applied to x
     top: Optional[torch.Tensor] = None           # float32 [n, 1]: x's row maxima, or None
     finite_pending: bool = False                 # the NaN/+inf check waits for step 5's maxima
+    finite: Optional[torch.Tensor] = None        # bool [n]: that check's result, written by
+                                                 # any_token_left (steps with a thinking budget)
     row_max: Optional[torch.Tensor] = None       # float32 [n]: maxima after steps 3-5
     drawn_finite: Optional[torch.Tensor] = None  # bool [n]: step 14's token has a finite logit
     weights: list = field(default_factory=list)  # (whole rows, float32 [m, V] their draw
@@ -173,6 +178,22 @@ class Block:
         """x was written: forget what was derived from it."""
         self._maxima = None
         self.top = None
+
+    def force(self, rows: torch.Tensor, tokens: torch.Tensor) -> None:
+        """Step 8b on x (ours to write): each of ``rows`` (int64 [m]) keeps only its token of
+        ``tokens`` (int64 [m]), with logit 0; every other token -inf. The group maxima and row
+        maxima known so far are updated, not dropped: the other rows keep theirs."""
+        maxima, top = self._maxima, self.top
+        self.x.index_fill_(0, rows, NEG_INF)
+        self.x[rows, tokens] = 0.0
+        self.changed()
+        if maxima is not None:
+            maxima.index_fill_(0, rows, NEG_INF)
+            maxima[rows, tokens // GROUP] = 0.0
+            self._maxima = maxima
+        if top is not None:
+            self.top = top.index_fill(0, rows, 0.0)
+        self.dropped = True
 
 
 class CpuSampler(Sampler):
@@ -290,6 +311,14 @@ class CpuSampler(Sampler):
             blk.owned = True
         return blk.x
 
+    def copy_logits(self, x: Block) -> torch.Tensor:
+        """Step 1 of ``logprobs_mode="raw_logits"``: float32 [n, V], the block's logits before
+        any stage. While x is still the caller's rows (which no stage writes: :meth:`own`
+        copies them first) those rows themselves; else a copy into the workspace."""
+        if not x.owned:
+            return x.x
+        return self.workspace.take("raw", tuple(x.x.shape)).copy_(x.x)
+
     def log_softmax(self, x) -> torch.Tensor:
         """float32 [n, V] log-probabilities of a Block's logits (into the workspace; step 1's
         raw logprobs) or of a tensor (new). Not in place."""
@@ -301,11 +330,16 @@ class CpuSampler(Sampler):
         """bool [n]: rows free of NaN and +inf. Only step 3's allowed ids can hide them (a
         fill overwrites); the other masks of steps 3-5 add -inf, which keeps NaN and turns
         +inf into NaN. Without allowed ids the check is left to ``any_token_left``, which
-        reads the rows' maxima after the masks anyway: a 0-dim True then."""
+        reads the rows' maxima after the masks anyway: a 0-dim True then, folded into the
+        rows left. A step with a thinking budget keeps the two apart (the template counts a
+        forced row as having a token left, never as finite): the tensor returned here is
+        written by ``any_token_left``, which the template calls before it reads this one."""
         if x.state.any_allowed:
-            top = x.x.amax(dim=-1)
-            return ~(torch.isnan(top) | (top == float("inf")))
+            return not_overflowed(x.x.amax(dim=-1))
         x.finite_pending = True
+        if x.state.any_thinking:
+            x.finite = torch.ones(x.x.shape[0], dtype=torch.bool)
+            return x.finite
         return _TRUE
 
     def apply_allowed_ids(self, x: Block, s: StepState) -> Block:
@@ -355,6 +389,9 @@ class CpuSampler(Sampler):
         wants_maxima = (bp.any_greedy or bp.candidates_only) and not later
         top = x.maxima().amax(dim=-1) if wants_maxima else x.x.amax(dim=-1)
         x.row_max = top
+        if x.finite is not None:                    # see finite_rows
+            x.finite.copy_(not_overflowed(top))
+            return top > NEG_INF
         return is_finite(top) if x.finite_pending else top > NEG_INF
 
     def neutralise_rows(self, x: Block, valid: torch.Tensor) -> Block:
@@ -408,6 +445,17 @@ class CpuSampler(Sampler):
         disables it."""
         dry_(self.own(x), s)
         x.changed()
+        return x
+
+    def apply_thinking_budget(self, x: Block, forced: torch.Tensor) -> Block:
+        """Step 8b, in place on the block's copy: a forced row (``forced`` int64 [n], -1 = not
+        forced) keeps only its forced token, with logit 0; every other token -inf. The group
+        and row maxima of the other rows stay known (``Block.force``), so a forced row costs
+        its own row, and the block's copy when no earlier stage made it."""
+        rows = (forced >= 0).nonzero()[:, 0]
+        if rows.numel():
+            self.own(x)
+            x.force(rows, forced[rows])
         return x
 
     def apply_custom_stages(self, x: Block, s: StepState, slot: str) -> Block:
@@ -1154,6 +1202,11 @@ _INF_BITS = 0x7F800000
 #: within a few ulps of its exact value, so p(d), r(d) and the kept mass the reference sums
 #: are all within ~1e-6 of exact; 1e-3 is a wide margin that still settles most slots.
 NUCLEUS_MASS_SLACK = 1e-3
+
+
+def not_overflowed(top: torch.Tensor) -> torch.Tensor:
+    """bool, top's shape: neither NaN nor +inf (rows' maxima: -inf is a row fully masked)."""
+    return ~(torch.isnan(top) | (top == float("inf")))
 
 
 def ban_in_place(x: torch.Tensor, ids: torch.Tensor, banned: torch.Tensor) -> None:
