@@ -1,11 +1,13 @@
 """Verification's judges: the target distribution at the draft slots of one block, read
 from the block's candidates, cuts and whole rows (see ``corelib_cpu.sampler``).
 
-:class:`SlotJudge` serves the token rule (``CpuSampler.rejection_sample``).
+:class:`SlotJudge` serves the token rule (``CpuSampler.rejection_sample``), :class:`BlockJudge`
+block verification (``CpuSampler.block_verify``).
 """
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING, Optional
 
 import torch
@@ -191,3 +193,160 @@ class SlotJudge:
             tokens = ids.gather(1, column)[:, 0].tolist()
             self.drawn += [(key, token) for (_, _, key), token in zip(self.batched, tokens)]
         return self.drawn
+
+
+class BlockJudge(SlotJudge):
+    """Block verification (``corelib.Sampler.block_verify``: its rule and its arithmetic) at
+    the draft slots of a block. ``spans``: block-local row r -> k_r, its drafts up to the first
+    slot without a token (rows left out are not judged); drafts with their probabilities q
+    float32 [b, K, V].
+
+    Seeded rows read the reference's p at their slots, the softmax of the slot's final row
+    (candidates written out, cuts applied; the judged slots' rows in one softmax over a
+    workspace buffer), and compute w_i, R_i, h_i and the residual with the reference's float64
+    operations: bit for bit its decisions and its residual, raced with the contract's noise.
+    A candidate row's slot whose draft is not a kept candidate has p(d) = 0 exactly, so its
+    later weights are 0 and their slots need no softmax. Unseeded rows need only the target
+    distribution: whole rows take the same softmax with float32 residuals, candidate rows
+    the candidates' softmax (p is 0 beyond them; it differs from the reference's in float32
+    rounding only, which no draw can see), W columns instead of V.
+
+    Each row's stopping point tau is found from the longest prefix down (:meth:`stop`): the
+    test of the whole span needs no residual (h_k = w_k), a prefix with u_i above a bound of
+    h_i fails without one, and any other prefix's residual mass R_i is summed only when every
+    longer test failed; the residual drawn at tau is the one its test summed."""
+
+    def __init__(self, sampler: CpuSampler, blk: Block, drafts, spans: dict):
+        B, K = drafts.token_ids.shape
+        self.S = S = K + 1
+        ids = drafts.token_ids.clamp(min=0)
+        tokens = torch.cat([ids, torch.zeros_like(ids[:, :1])], dim=1).view(-1)
+        super().__init__(sampler, blk, tokens)
+        self.q = drafts.probs
+        self.q_draft = self.q.gather(2, ids[..., None])[..., 0].tolist()     # q_j(d_j)
+        self.seeded = blk.plan.seeded
+        self.kept_draft = []                # candidate place -> its draft is a kept candidate
+        if blk.cand is not None:
+            hit = (blk.cand.ids == tokens[blk.cand.index][:, None]) & (blk.cand.values > NEG_INF)
+            self.kept_draft = hit.any(dim=-1).tolist()
+        slots = self.dense_slots(spans)
+        self.dense = {v: i for i, v in enumerate(slots)}
+        if slots:
+            self.p = self.dense_probs(slots)
+            at = tokens[torch.tensor(slots, dtype=torch.long)]
+            self.p_dense = self.p.gather(1, at[:, None])[:, 0].tolist()
+        self.kept = None                    # (slot, residual, its mass) of the last sum
+        # R_i <= w_i sum(p_i) and h_i = R_i / (R_i + 1 - w_i) grows with R_i, so h_i <=
+        # w_i max(sum(p_i), 1). A float32 softmax's values sum to 1 within (V + 8) 2**-24 (its
+        # sum of V terms, and an exp and a division per value), widened by 1%; the
+        # reference's are the same values.
+        self.mass_bound = 1.0 + 1.01 * (self.V + 8) * 2.0 ** -24
+
+    def dense_slots(self, spans: dict) -> list:
+        """The block rows of the judged slots that read the reference's p (see the class
+        docstring), whole rows first, then candidate rows."""
+        whole, candidates = [], []
+        for r, k in spans.items():
+            for v in range(r * self.S, r * self.S + k):
+                place = self.at.get(v)
+                if place is None:
+                    whole.append(v)
+                elif self.seeded[v]:
+                    if not self.kept_draft[place]:
+                        break                       # p(d) = 0: w is 0 from here on
+                    candidates.append(v)
+        return whole + candidates
+
+    def dense_probs(self, slots: list) -> torch.Tensor:
+        """float32 [m, V]: the reference's softmax of the final rows of ``slots`` (block rows:
+        whole rows first, then candidate rows), into the workspace."""
+        sampler, blk = self.sampler, self.blk
+        whole = [v for v in slots if v not in self.at]
+        logits = sampler.workspace.take("block_x", (len(slots), self.V))
+        if whole:
+            sampler.densify(blk, whole)
+            torch.index_select(blk.x, 0, torch.tensor(whole, dtype=torch.long), out=logits[:len(whole)])
+        if len(whole) < len(slots):
+            places = torch.tensor([self.at[v] for v in slots[len(whole):]], dtype=torch.long)
+            logits[len(whole):].fill_(NEG_INF).scatter_(1, blk.cand.ids[places], blk.cand.values[places])
+        return torch.softmax(logits, dim=-1, out=sampler.workspace.take("block_p", (len(slots), self.V)))
+
+    def stop(self, r: int, k: int, u: list) -> tuple[int, float]:
+        """(tau, w_tau) for row r with k drafts judged (``u``: float [K], the block stream's
+        uniforms of its slots): tau the largest i with ``u[i - 1] <= h_i``, 0 if none."""
+        w = self.weights_of(r, k)
+        for i in range(k, 0, -1):
+            if i == k:
+                h = w[k]
+            elif u[i - 1] > w[i] * self.mass_bound:      # h_i <= w_i (1 + gamma) < u: fails
+                continue
+            elif w[i] > 0:
+                mass = self.residual(r, i, w[i])
+                denominator = mass + 1.0 - w[i]
+                h = mass / max(denominator, 1e-300) if denominator > 0 else 1.0
+            else:                           # R_i = sum max(0 - q, 0) = 0
+                h = 0.0
+            if u[i - 1] <= h:
+                return i, w[i]
+        return 0, 1.0
+
+    def weights_of(self, r: int, k: int) -> list:
+        """[w_0 .. w_k] (Python floats: float64 as the reference's), w_0 = 1 and w_(j+1) =
+        min(w_j p_j(d_j) / q_j(d_j), 1)."""
+        w = [1.0]
+        for j in range(k):
+            if w[-1] == 0:
+                w.append(0.0)
+                continue
+            p_d, q_d = self.p_draft_at(r * self.S + j), self.q_draft[r][j]
+            ratio = p_d / q_d if q_d > 0 else (math.inf if p_d > 0 else 0.0)
+            w.append(min(w[-1] * ratio, 1.0))
+        return w
+
+    def p_draft_at(self, v: int) -> float:
+        """p(d) at block row v: the reference's (dense rows), 0 for a draft that is not a kept
+        candidate, else the candidates' softmax (unseeded candidate rows)."""
+        at = self.dense.get(v)
+        if at is not None:
+            return self.p_dense[at]
+        place = self.at[v]
+        return self.p_draft[place] if self.kept_draft[place] else 0.0
+
+    def target(self, v: int) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """p at block row v: (float32 [V], None) from the reference's softmax, or (float32
+        [W], the candidates' ids) for an unseeded candidate row."""
+        at = self.dense.get(v)
+        if at is not None:
+            return self.p[at], None
+        place = self.at[v]
+        if self.seeded[v]:                  # a slot after the dense ones (see dense_slots)
+            return self.exact(v), None
+        return self.probs[place], self.blk.cand.ids[place]
+
+    def residual(self, r: int, i: int, w: float) -> float:
+        """R_i = sum_x max(w p_i(x) - q_i(x), 0) at row r's slot i (float64 for seeded rows,
+        as the reference sums it), keeping the residual for :meth:`draw`."""
+        v = r * self.S + i
+        p, ids = self.target(v)
+        q = self.q[r, i] if ids is None else self.q[r, i][ids]
+        if self.seeded[v]:
+            res64 = (w * p.double() - q.double()).clamp_(min=0.0)
+            res, mass = res64.float(), float(res64.sum())
+        else:
+            res = torch.sub(p * w, q).clamp_(min=0.0)
+            mass = float(res.sum())
+        self.kept = (v, res, mass, p, ids)
+        return mass
+
+    def draw(self, r: int, tau: int, w: float) -> int:
+        """The token row r emits at slot tau (< its k): a draw from max(w_tau p_tau - q_tau, 0)
+        renormalised (p_tau where that is all zero), with step 14's noise at the slot."""
+        v = r * self.S + tau
+        if self.kept is None or self.kept[0] != v:
+            self.residual(r, tau, w)
+        _, res, mass, p, ids = self.kept
+        weights = res if mass > 0 else p
+        if self.seeded[v]:
+            return self.race(v, weights, None)
+        column = int(draw_from_weights(weights[None], self.sampler.generator)[0][0])
+        return column if ids is None else int(ids[column])

@@ -71,7 +71,7 @@ from typing import Optional
 
 import torch
 from corelib import Logprobs, Sampler, SamplerOutput, SamplingBatch, StepState
-from corelib.noise import STREAM_XTC, token_offsets
+from corelib.noise import STREAM_BLOCK, STREAM_XTC, token_offsets
 from corelib.sampler import NEG_INF, Drafts, VerifyOutput
 from corelib.stages import run_stage
 
@@ -85,7 +85,7 @@ from .draw import (
     race_unseeded_candidates,
 )
 from .filters import dry_, top_n_sigma_thresholds, typical_rows_, xtc_rows_
-from .judge import SlotJudge
+from .judge import BlockJudge, SlotJudge
 from .plan import BlockPlan, StepPlan, make_plan
 from .rowops import GROUP, count_at_least, first_argmax, group_maxima, is_finite, top_values
 from .select import (
@@ -634,9 +634,14 @@ class CpuSampler(Sampler):
         if not pending:
             return
         x = self.own(blk)
+        places = {}                           # each record's pending places, resolved together
         for row in pending:
             record, j = blk.cuts[row]
-            self.resolve(record, [j])
+            places.setdefault(id(record), (record, []))[1].append(j)
+        for record, at in places.values():
+            self.resolve(record, at)
+        for row in pending:
+            record, j = blk.cuts[row]
             if record.cut[j] != 0.0:
                 # sign(w) - 0.5 is -0.5 where w == 0 and 0.5 where w > 0; copysign makes that
                 # -inf / +inf and min() masks. (No subtraction of a tiny value: subnormal
@@ -993,6 +998,43 @@ class CpuSampler(Sampler):
             recovered[r, j] = token
         return passed, recovered
 
+    def block_verify(self, final: Block, s: StepState, drafts: Drafts,
+                     valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Block verification at the draft slots of the block's random rows, by
+        ``Sampler.block_verify``'s rule and arithmetic (see :class:`BlockJudge`). valid bool
+        [b (K+1)]: the slot has a token. Returns (bool [b, K] accepted: the first tau drafts;
+        int64 [b, K] recovered, of which only slot tau is read: the template emits the
+        residual draw there when tau < k). Greedy rows' entries, and those of rows whose
+        drafts are unusable (flagged), are unused and left False / 0.
+
+        A row is judged over its drafts up to the first slot without a token (no draft at or
+        after it is kept); only its stopping slot draws."""
+        B, K = drafts.token_ids.shape
+        S = K + 1
+        bp = final.plan
+        accepted = torch.zeros((B, K), dtype=torch.bool)
+        recovered = torch.zeros((B, K), dtype=torch.long)
+        count, usable, has_token = drafts.count.tolist(), drafts.usable.tolist(), valid.view(B, S).tolist()
+        spans = {}
+        for r in range(B):
+            if bp.greedy[r * S] or not usable[r]:
+                continue
+            k = 0
+            while k < count[r] and has_token[r][k]:
+                k += 1
+            if k:
+                spans[r] = k
+        if not spans:
+            return accepted, recovered
+        u = self.row_uniforms(s, STREAM_BLOCK).view(B, S)[:, :K].tolist()
+        judge = BlockJudge(self, final, drafts, spans)
+        for r, k in spans.items():
+            tau, w = judge.stop(r, k, u[r])
+            accepted[r, :tau] = True
+            if tau < k:
+                recovered[r, tau] = judge.draw(r, tau, w)
+        return accepted, recovered
+
     # ------------------------------------------------------------------ step 15
     def processed_source(self, x: Block, final: Block, s: StepState, normalise: bool = True) -> torch.Tensor:
         """The final distribution's logits of the block (greedy rows: step 8a's), float32
@@ -1089,7 +1131,8 @@ def undrawn_slots(bp: BlockPlan, drafts: Drafts) -> frozenset:
 def drafts_of(drafts: Drafts, rows: slice) -> Drafts:
     """The drafts of the rows ``rows`` (views)."""
     return Drafts(drafts.token_ids[rows], drafts.count[rows],
-                  None if drafts.probs is None else drafts.probs[rows], drafts.usable[rows])
+                  None if drafts.probs is None else drafts.probs[rows], drafts.usable[rows],
+                  drafts.method)
 
 
 def join_logprobs(pieces: list) -> Logprobs:

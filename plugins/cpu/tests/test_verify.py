@@ -217,3 +217,106 @@ def test_draft_slots_left_undrawn_flag_and_stop_like_the_reference():
     assert torch.equal(got.num_emitted, want.num_emitted)
     assert torch.equal(got.valid, want.valid)
     assert got.valid.tolist() == [True, True, False, True]
+
+
+# ---------------------------------------------------------------------- block verification
+def block_requests() -> list:
+    """Seeded rows of every kind the judge reads differently (candidate rows, whole rows
+    with a pending top-p cut or a min-p cut, plain whole rows, a forced thinking row) and a
+    greedy row."""
+    think = dict(thinking_budget=0, thinking_start_token_ids=[200], thinking_end_token_ids=[201])
+    return [(f"k{i}", SamplingParams(seed=40 + i, top_k=20, temperature=0.8), [1, 2]) for i in range(3)]\
+        + [(f"p{i}", SamplingParams(seed=50 + i, top_p=0.9), [3]) for i in range(2)]\
+        + [("m", SamplingParams(seed=60, min_p=0.02, temperature=1.2), []),
+           ("w", SamplingParams(seed=61, frequency_penalty=0.4), [5, 5, 6]),
+           ("kp", SamplingParams(seed=62, top_k=40, top_p=0.8), []),
+           ("forced", SamplingParams(seed=63, **think), [200]),
+           ("g", SamplingParams(temperature=0.0), [7])]
+
+
+@pytest.mark.parametrize("rows_per_block", [1, 3, 100])
+@pytest.mark.parametrize("closeness", [0.3, 2.0], ids=["close-drafts", "far-drafts"])
+def test_block_verification_of_seeded_rows_emits_the_references_tokens(rows_per_block, closeness):
+    """Seeded rows verified as a block emit exactly the reference's tokens over several steps
+    (drafts near the target: long accepted prefixes and residuals at late slots; far from it:
+    stops at early slots), with short rows (-1 padding), a slot without a token (NaN), in
+    blocks of 1, 3 and all rows."""
+    requests = block_requests()
+    cpu, reference = CpuSampler(block_elements=rows_per_block * V * (K + 1)), Sampler("cpu")
+    mine, ref = build(cpu, requests), build(reference, requests)
+    g = torch.Generator().manual_seed(80)
+    stops = set()
+    for step in range(5):
+        logits = torch.randn((len(requests), K + 1, V), generator=g) * 2
+        q = torch.softmax(logits[:, :K] + closeness * torch.randn((len(requests), K, V), generator=g), dim=-1)
+        ids = torch.stack([torch.multinomial(q[:, j], 1, generator=g)[:, 0] for j in range(K)], dim=1)
+        ids[1, 2:] = -1                                            # a short row
+        logits[2, 2, 9] = float("nan")                             # row k2 stops before slot 2
+        got = cpu.verify(logits, mine, ids, q, method="block")
+        want = reference.verify(logits, ref, ids, q, method="block")
+        assert torch.equal(got.token_ids, want.token_ids), f"step {step}"
+        assert torch.equal(got.num_emitted, want.num_emitted), f"step {step}"
+        assert torch.equal(got.valid, want.valid)
+        stops |= set(got.num_emitted.tolist())
+        mine.append(got.token_ids)
+        ref.append(want.token_ids)
+    assert stops >= ({1, 2, 3, 4} if closeness < 1 else {1, 2})
+
+
+def test_block_verification_sums_residuals_only_from_the_longest_prefix_down(monkeypatch):
+    """The judge tests the longest prefix first: when drafts are the target's own draws most
+    rows keep them all (h_k = w_k = 1 needs no residual), so far fewer residual masses are
+    summed than the reference's one per slot."""
+    from corelib_cpu.judge import BlockJudge
+    summed = []
+    residual = BlockJudge.residual
+    monkeypatch.setattr(BlockJudge, "residual",
+                        lambda self, r, i, w: (summed.append((r, i)), residual(self, r, i, w))[1])
+    R = 40
+    cpu = CpuSampler()
+    batch = cpu.new_batch(V)
+    for i in range(R):
+        batch.add(f"r{i}", SamplingParams(seed=90 + i))
+    g = torch.Generator().manual_seed(91)
+    logits = torch.randn((R, K + 1, V), generator=g)
+    q = torch.softmax(logits[:, :K], dim=-1)                      # drafts from the target itself
+    ids = torch.stack([torch.multinomial(q[:, j], 1, generator=g)[:, 0] for j in range(K)], dim=1)
+    out = cpu.verify(logits, batch, ids, q, method="block")
+    assert bool((out.num_emitted == K + 1).all())                 # p = q: every draft kept
+    assert summed == []
+
+
+@pytest.mark.parametrize("kind", ["candidates", "whole-top-p"])
+def test_unseeded_block_verification_keeps_the_target_distribution(kind):
+    """Unseeded rows verified as a block: candidate rows judge with the candidates' softmax,
+    whole rows with the reference's; either way every row's two-token sequence follows the
+    filtered target p_0 x p_1 (chi-square, fixed seeds, p > 1e-6; the shared suite checks
+    plain rows at V = 8)."""
+    from corelib.testing.rules import chi_square_p_value
+    Vs, Ks, R = 600, 2, 6000
+    params = SamplingParams(top_k=4, temperature=0.9) if kind == "candidates" else SamplingParams(top_p=0.7)
+    gen = torch.Generator().manual_seed(92)
+    target = torch.full((Ks + 1, Vs), -4.0)
+    target[:, :6] = torch.randn((Ks + 1, 6), generator=gen)       # the mass on a few tokens
+    reference = Sampler("cpu")
+    ref_batch = reference.new_batch(Vs)
+    for j in range(Ks + 1):
+        ref_batch.add(f"slot{j}", params)
+    p = torch.softmax(reference.processed_logits(target, ref_batch), dim=-1)   # filtered, per slot
+    q = torch.softmax(target[:Ks] + torch.randn((Ks, Vs), generator=gen), dim=-1)
+    drafts = torch.stack([torch.multinomial(q[j], R, replacement=True, generator=gen) for j in range(Ks)], dim=1)
+    cpu = CpuSampler(generator=torch.Generator().manual_seed(93))
+    batch = cpu.new_batch(Vs)
+    for i in range(R):
+        batch.add(f"r{i}", params)
+    out = cpu.verify(target.expand(R, -1, -1).contiguous(), batch, drafts,
+                     q.expand(R, -1, -1).contiguous(), method="block")
+    ids, count = out.token_ids, out.num_emitted
+    second = torch.multinomial(p[1], R, replacement=True, generator=torch.Generator().manual_seed(94))
+    second = torch.where(count >= 2, ids[:, 1], second)
+    pairs = torch.bincount(ids[:, 0] * Vs + second, minlength=Vs * Vs)
+    expected = (p[0][:, None] * p[1][None, :]).flatten()
+    assert int(pairs[expected == 0].sum()) == 0, "a sequence outside the filtered target"
+    kept = expected > 0
+    assert chi_square_p_value(pairs[kept], expected[kept]) > 1e-6
+    assert float((count >= 2).double().mean()) > 0.3                # blocks were kept, not only stops
