@@ -199,81 +199,177 @@ class BlockJudge(SlotJudge):
     """Block verification (``corelib.Sampler.block_verify``: its rule and its arithmetic) at
     the draft slots of a block. ``spans``: block-local row r -> k_r, its drafts up to the first
     slot without a token (rows left out are not judged); drafts with their probabilities q
-    float32 [b, K, V].
+    float32 [b, K, V]. :meth:`judge` finds each row's stop tau, :meth:`draw` and
+    :meth:`residual_draws` the tokens of the rows that stop before their last draft.
 
-    Seeded rows read the reference's p at their slots, the softmax of the slot's final row
-    (candidates written out, cuts applied; the judged slots' rows in one softmax over a
-    workspace buffer), and compute w_i, R_i, h_i and the residual with the reference's float64
-    operations: bit for bit its decisions and its residual, raced with the contract's noise.
-    A candidate row's slot whose draft is not a kept candidate has p(d) = 0 exactly, so its
-    later weights are 0 and their slots need no softmax. Unseeded rows need only the target
-    distribution: whole rows take the same softmax with float32 residuals, candidate rows
-    the candidates' softmax (p is 0 beyond them; it differs from the reference's in float32
-    rounding only, which no draw can see), W columns instead of V.
+    Seeded rows decide with the reference's p at their slots, the softmax of the slot's final
+    row (candidates written out, cuts applied; many slots in one softmax over a workspace
+    buffer), and the reference's float64 operations for w_i, R_i, h_i and the residual, which
+    they race with the contract's noise: the reference's tokens. (A candidate row sums its
+    residual mass over its candidates, zero elsewhere: the same terms in another order, as the
+    reference's own sum takes with another thread count; a decision moves only where u lies
+    within float64 rounding of h.) Seeded candidate rows first try bounds: their candidates'
+    softmax lies within ``tolerance`` of the reference's p (see ``select.top_p_candidates_fast``),
+    which bounds every w_i; a row whose tests the bounds settle (all drafts kept, or none
+    with the residual at slot 0) needs the reference's softmax at slot 0 at most, the others
+    take it at their slots. Unseeded rows need only the target distribution: whole rows take
+    the reference's softmax with float32 residuals, candidate rows their candidates' softmax
+    (it differs from the reference's in float32 rounding only, which no draw can see).
 
-    Each row's stopping point tau is found from the longest prefix down (:meth:`stop`): the
-    test of the whole span needs no residual (h_k = w_k), a prefix with u_i above a bound of
-    h_i fails without one, and any other prefix's residual mass R_i is summed only when every
-    longer test failed; the residual drawn at tau is the one its test summed."""
+    A candidate slot whose draft is not a kept candidate has p(d) = 0 exactly: the row's later
+    weights are 0 and their slots need no softmax. Each row's tau is found from the longest
+    prefix down (:meth:`stop`): the test of the whole span needs no residual (h_k = w_k), a
+    prefix with u_i above a bound of h_i fails without one, and any other prefix's residual
+    mass R_i is summed only when every longer test failed; the residual drawn at tau is the
+    one its test summed."""
 
     def __init__(self, sampler: CpuSampler, blk: Block, drafts, spans: dict):
         B, K = drafts.token_ids.shape
-        self.S = S = K + 1
+        self.S = K + 1
         ids = drafts.token_ids.clamp(min=0)
-        tokens = torch.cat([ids, torch.zeros_like(ids[:, :1])], dim=1).view(-1)
-        super().__init__(sampler, blk, tokens)
+        self.tokens = torch.cat([ids, torch.zeros_like(ids[:, :1])], dim=1).view(-1)
+        super().__init__(sampler, blk, self.tokens)
+        self.spans = spans
         self.q = drafts.probs
         self.q_draft = self.q.gather(2, ids[..., None])[..., 0].tolist()     # q_j(d_j)
         self.seeded = blk.plan.seeded
         self.kept_draft = []                # candidate place -> its draft is a kept candidate
         if blk.cand is not None:
-            hit = (blk.cand.ids == tokens[blk.cand.index][:, None]) & (blk.cand.values > NEG_INF)
+            hit = (blk.cand.ids == self.tokens[blk.cand.index][:, None]) & (blk.cand.values > NEG_INF)
             self.kept_draft = hit.any(dim=-1).tolist()
-        slots = self.dense_slots(spans)
-        self.dense = {v: i for i, v in enumerate(slots)}
-        if slots:
-            self.p = self.dense_probs(slots)
-            at = tokens[torch.tensor(slots, dtype=torch.long)]
-            self.p_dense = self.p.gather(1, at[:, None])[:, 0].tolist()
-        self.kept = None                    # (slot, residual, its mass) of the last sum
+        self.p_rows: dict = {}              # block row -> float32 [V], the reference's p
+        self.p_d: dict = {}                 # block row -> the reference's p(d), a float
+        self.kept = None                    # (slot, residual, its mass, p, ids) of the last sum
+        self.candidate_draws = []           # unseeded candidate rows' draws: (key, weights, ids)
         # R_i <= w_i sum(p_i) and h_i = R_i / (R_i + 1 - w_i) grows with R_i, so h_i <=
         # w_i max(sum(p_i), 1). A float32 softmax's values sum to 1 within (V + 8) 2**-24 (its
         # sum of V terms, and an exp and a division per value), widened by 1%; the
-        # reference's are the same values.
+        # reference's are the same values, the candidates' sum closer still.
         self.mass_bound = 1.0 + 1.01 * (self.V + 8) * 2.0 ** -24
 
-    def dense_slots(self, spans: dict) -> list:
-        """The block rows of the judged slots that read the reference's p (see the class
-        docstring), whole rows first, then candidate rows."""
+    def bounded(self, v: int) -> bool:
+        """Block row v's p(d) has bounds short of the reference's softmax, which costs this
+        row more than a softmax: a seeded candidate row (a softmax of V, not W, values) or a
+        row whose top-p cut is pending (its threshold)."""
+        return (v in self.at and self.seeded[v]) or self.pending_cut(v) is not None
+
+    def pending_cut(self, v: int):
+        """(the Cut, place) of block row v when its top-p threshold is still unknown."""
+        found = self.blk.cuts.get(v)
+        if found is None or found[0].cut[found[1]] is not None or found[0].top_p is None:
+            return None
+        return found
+
+    def judge(self, u: list) -> dict:
+        """row -> tau for every judged row (``u``: float [b, K], the block stream's uniforms)."""
+        taus = {}
+        for r, k in self.spans.items():
+            if self.bounded(r * self.S):
+                tau = self.bounded_stop(r, k, u[r])
+                if tau is not None:
+                    taus[r] = tau
+        self.exact_slots([r for r in self.spans if r not in taus])
+        for r, k in self.spans.items():
+            if r not in taus:
+                taus[r] = self.stop(r, k, u[r])
+        return taus
+
+    def exact_slots(self, rows: list) -> None:
+        """The reference's p at the judged slots of ``rows``, in one softmax: every slot of a
+        whole row; a candidate row's up to its first draft that is not a kept candidate (w is
+        0 after it); none of an unseeded candidate row's."""
         whole, candidates = [], []
-        for r, k in spans.items():
-            for v in range(r * self.S, r * self.S + k):
+        for r in rows:
+            for v in range(r * self.S, r * self.S + self.spans[r]):
                 place = self.at.get(v)
                 if place is None:
                     whole.append(v)
                 elif self.seeded[v]:
                     if not self.kept_draft[place]:
-                        break                       # p(d) = 0: w is 0 from here on
+                        break
                     candidates.append(v)
-        return whole + candidates
+        slots = whole + candidates
+        if not slots:
+            return
+        p = self.dense_probs(whole, candidates)
+        p_d = p.gather(1, self.tokens[torch.tensor(slots, dtype=torch.long)][:, None])[:, 0].tolist()
+        for i, v in enumerate(slots):
+            self.p_rows[v], self.p_d[v] = p[i], p_d[i]
 
-    def dense_probs(self, slots: list) -> torch.Tensor:
-        """float32 [m, V]: the reference's softmax of the final rows of ``slots`` (block rows:
-        whole rows first, then candidate rows), into the workspace."""
+    def dense_probs(self, whole: list, candidates: list) -> torch.Tensor:
+        """float32 [m, V]: the reference's softmax of the final rows of ``whole`` (block rows
+        not in the candidate set) then ``candidates`` (candidate rows), into the workspace."""
         sampler, blk = self.sampler, self.blk
-        whole = [v for v in slots if v not in self.at]
-        logits = sampler.workspace.take("block_x", (len(slots), self.V))
+        n = len(whole) + len(candidates)
+        logits = sampler.workspace.take("block_x", (n, self.V))
         if whole:
             sampler.densify(blk, whole)
             torch.index_select(blk.x, 0, torch.tensor(whole, dtype=torch.long), out=logits[:len(whole)])
-        if len(whole) < len(slots):
-            places = torch.tensor([self.at[v] for v in slots[len(whole):]], dtype=torch.long)
+        if candidates:
+            places = torch.tensor([self.at[v] for v in candidates], dtype=torch.long)
             logits[len(whole):].fill_(NEG_INF).scatter_(1, blk.cand.ids[places], blk.cand.values[places])
-        return torch.softmax(logits, dim=-1, out=sampler.workspace.take("block_p", (len(slots), self.V)))
+        return torch.softmax(logits, dim=-1, out=sampler.workspace.take("block_p", (n, self.V)))
 
-    def stop(self, r: int, k: int, u: list) -> tuple[int, float]:
-        """(tau, w_tau) for row r with k drafts judged (``u``: float [K], the block stream's
-        uniforms of its slots): tau the largest i with ``u[i - 1] <= h_i``, 0 if none."""
+    def bounded_stop(self, r: int, k: int, u: list) -> Optional[int]:
+        """tau for row r from bounds on its weights (:meth:`draft_bounds`), or None when they
+        do not settle it (then :meth:`stop` decides with the reference's p). Settles tau = 0
+        (every test fails for every w within the bounds; the residual at slot 0 has w_0 = 1,
+        exact) from the upper bounds, and tau = k (the whole span's test passes for every w_k
+        within them) from the lower ones, found only then."""
+        high = self.bounded_weights(r, k, upper=True)
+        if high is None:
+            return None
+        if u[k - 1] > high[k]:
+            if all(u[i - 1] > high[i] * self.mass_bound for i in range(1, k)):
+                return 0
+            return None
+        low = self.bounded_weights(r, k, upper=False)
+        return k if low is not None and u[k - 1] <= low[k] else None
+
+    def bounded_weights(self, r: int, k: int, upper: bool) -> Optional[list]:
+        """[w_0 .. w_k] from the upper (or lower) bounds of each p_j(d_j), None where a slot
+        has none: bounds on the reference's weights, since w_(j+1) grows with w_j and p_j(d_j)."""
+        w = [1.0]
+        for j in range(k):
+            bounds = self.draft_bounds(r * self.S + j, upper)
+            if bounds is None:
+                return None
+            w.append(next_weight(w[-1], bounds, self.q_draft[r][j]))
+        return w
+
+    def draft_bounds(self, v: int, upper: bool) -> Optional[float]:
+        """An upper (or lower) bound on the reference's p(d) at block row v without its
+        softmax, or None. A candidate row: 0 for a draft that is not a kept candidate, else its
+        candidates' softmax within ``tolerance`` (relative; none for subnormal values). A
+        pending top-p cut with probabilities r before it: p(d) = r(d) / M, M the nucleus mass,
+        top_p <= M <= sum(r) ~ 1, for d in the nucleus (``nucleus_contains``, asked for the
+        lower bound only), 0 outside; float32 rounding within ``NUCLEUS_MASS_SLACK``, as in
+        :meth:`SlotJudge.bounded_test`."""
+        place = self.at.get(v)
+        if place is not None:
+            if not self.kept_draft[place]:
+                return 0.0
+            p = self.p_draft[place]
+            if not self.seeded[v]:
+                return p                    # an unseeded row's own target
+            if p < 2.0 ** -100:
+                return None
+            return p * (1.0 + self.tolerance) if upper else p * (1.0 - self.tolerance)
+        found = self.pending_cut(v)
+        if found is None:
+            return None
+        record, j = found
+        token = self.tokens[v:v + 1]
+        r_d, top_p = float(record.weights[j][token]), record.top_p[j]
+        if upper:
+            return r_d / top_p * (1.0 + NUCLEUS_MASS_SLACK)
+        inside = bool(nucleus_contains(record.weights[j][None], token, torch.tensor([top_p]))[0])
+        return r_d * (1.0 - NUCLEUS_MASS_SLACK) if inside else 0.0
+
+    def stop(self, r: int, k: int, u: list) -> int:
+        """tau for row r with k drafts judged, by the reference's p (``u``: float [K], the
+        block stream's uniforms of its slots): the largest i with ``u[i - 1] <= h_i``, 0 if
+        none."""
         w = self.weights_of(r, k)
         for i in range(k, 0, -1):
             if i == k:
@@ -287,41 +383,38 @@ class BlockJudge(SlotJudge):
             else:                           # R_i = sum max(0 - q, 0) = 0
                 h = 0.0
             if u[i - 1] <= h:
-                return i, w[i]
-        return 0, 1.0
+                return i
+        return 0
 
     def weights_of(self, r: int, k: int) -> list:
         """[w_0 .. w_k] (Python floats: float64 as the reference's), w_0 = 1 and w_(j+1) =
         min(w_j p_j(d_j) / q_j(d_j), 1)."""
         w = [1.0]
         for j in range(k):
-            if w[-1] == 0:
-                w.append(0.0)
-                continue
-            p_d, q_d = self.p_draft_at(r * self.S + j), self.q_draft[r][j]
-            ratio = p_d / q_d if q_d > 0 else (math.inf if p_d > 0 else 0.0)
-            w.append(min(w[-1] * ratio, 1.0))
+            v = r * self.S + j
+            p_d = self.p_d.get(v)
+            if p_d is None:
+                # a candidate row's: 0 for a draft that is not a kept candidate, the candidates'
+                # softmax for an unseeded row; a seeded row has the reference's up to there
+                # (exact_slots), and w = 0 after it
+                place = self.at[v]
+                p_d = self.p_draft[place] if self.kept_draft[place] and not self.seeded[v] else 0.0
+            w.append(next_weight(w[-1], p_d, self.q_draft[r][j]))
         return w
 
-    def p_draft_at(self, v: int) -> float:
-        """p(d) at block row v: the reference's (dense rows), 0 for a draft that is not a kept
-        candidate, else the candidates' softmax (unseeded candidate rows)."""
-        at = self.dense.get(v)
-        if at is not None:
-            return self.p_dense[at]
-        place = self.at[v]
-        return self.p_draft[place] if self.kept_draft[place] else 0.0
-
     def target(self, v: int) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-        """p at block row v: (float32 [V], None) from the reference's softmax, or (float32
-        [W], the candidates' ids) for an unseeded candidate row."""
-        at = self.dense.get(v)
-        if at is not None:
-            return self.p[at], None
-        place = self.at[v]
-        if self.seeded[v]:                  # a slot after the dense ones (see dense_slots)
-            return self.exact(v), None
-        return self.probs[place], self.blk.cand.ids[place]
+        """p at block row v: (float32 [V], None) for a whole row; (float32 [W], the
+        candidates' ids) for a candidate row: the reference's p there (seeded) or the
+        candidates' softmax (unseeded)."""
+        place = self.at.get(v)
+        if place is None:                   # settled by bounds, a whole row's slot 0 needs it
+            p = self.p_rows.get(v)
+            return (self.exact(v) if p is None else p), None
+        ids = self.blk.cand.ids[place]
+        if not self.seeded[v]:
+            return self.probs[place], ids
+        p = self.p_rows.get(v)
+        return (self.exact(v) if p is None else p)[ids], ids
 
     def residual(self, r: int, i: int, w: float) -> float:
         """R_i = sum_x max(w p_i(x) - q_i(x), 0) at row r's slot i (float64 for seeded rows,
@@ -338,15 +431,38 @@ class BlockJudge(SlotJudge):
         self.kept = (v, res, mass, p, ids)
         return mass
 
-    def draw(self, r: int, tau: int, w: float) -> int:
-        """The token row r emits at slot tau (< its k): a draw from max(w_tau p_tau - q_tau, 0)
-        renormalised (p_tau where that is all zero), with step 14's noise at the slot."""
+    def draw(self, r: int, tau: int) -> None:
+        """Record the token row r emits at slot tau (< its k): a draw from max(w_tau p_tau -
+        q_tau, 0) renormalised (p_tau where that is all zero), with step 14's noise at the
+        slot; made now, or with the block's other unseeded candidate rows
+        (:meth:`residual_draws`)."""
         v = r * self.S + tau
         if self.kept is None or self.kept[0] != v:
-            self.residual(r, tau, w)
+            self.residual(r, tau, self.weights_of(r, tau)[tau])
         _, res, mass, p, ids = self.kept
         weights = res if mass > 0 else p
         if self.seeded[v]:
-            return self.race(v, weights, None)
-        column = int(draw_from_weights(weights[None], self.sampler.generator)[0][0])
-        return column if ids is None else int(ids[column])
+            self.drawn.append(((r, tau), self.race(v, weights, ids)))
+        elif ids is not None:
+            self.candidate_draws.append(((r, tau), weights, ids))
+        else:
+            self.drawn.append(((r, tau), int(draw_from_weights(weights[None], self.sampler.generator)[0][0])))
+
+    def residual_draws(self) -> list:
+        """[((row, slot), token)] for every row that stopped before its last draft."""
+        if self.candidate_draws:
+            weights = torch.stack([weights for _, weights, _ in self.candidate_draws])
+            columns = race_unseeded_candidates(weights.log(), self.sampler.generator)[:, 0].tolist()
+            self.drawn += [(key, int(ids[column])) for (key, _, ids), column in zip(self.candidate_draws, columns)]
+            self.candidate_draws = []
+        return self.drawn
+
+
+def next_weight(w: float, p_d: float, q_d: float) -> float:
+    """Block verification's w_(j+1) = min(w_j p_j(d_j) / q_j(d_j), 1), 0 once w_j is 0, as the
+    reference computes it in float64 (a draft the draft model could not draw but the target
+    can has ratio inf). Non-decreasing in w and in p_d."""
+    if w <= 0:
+        return 0.0
+    ratio = p_d / q_d if q_d > 0 else (math.inf if p_d > 0 else 0.0)
+    return min(w * ratio, 1.0)

@@ -1028,11 +1028,12 @@ class CpuSampler(Sampler):
             return accepted, recovered
         u = self.row_uniforms(s, STREAM_BLOCK).view(B, S)[:, :K].tolist()
         judge = BlockJudge(self, final, drafts, spans)
-        for r, k in spans.items():
-            tau, w = judge.stop(r, k, u[r])
+        for r, tau in judge.judge(u).items():
             accepted[r, :tau] = True
-            if tau < k:
-                recovered[r, tau] = judge.draw(r, tau, w)
+            if tau < spans[r]:
+                judge.draw(r, tau)
+        for (r, j), token in judge.residual_draws():
+            recovered[r, j] = token
         return accepted, recovered
 
     # ------------------------------------------------------------------ step 15

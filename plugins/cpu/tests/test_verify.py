@@ -320,3 +320,97 @@ def test_unseeded_block_verification_keeps_the_target_distribution(kind):
     kept = expected > 0
     assert chi_square_p_value(pairs[kept], expected[kept]) > 1e-6
     assert float((count >= 2).double().mean()) > 0.3                # blocks were kept, not only stops
+
+
+@pytest.mark.parametrize("drafts_from", ["target", "uniform"])
+def test_seeded_candidate_rows_settled_by_bounds_skip_the_references_softmax(monkeypatch, drafts_from):
+    """Seeded top-k rows first judge with bounds from their candidates' softmax: drafts drawn
+    from the target itself keep every draft (tau = k) and drafts from a uniform distribution
+    keep none (tau = 0, the residual at slot 0) without the reference's softmax at the other
+    slots, and the tokens stay the reference's."""
+    from corelib_cpu.judge import BlockJudge
+    softmaxed = []
+    dense = BlockJudge.dense_probs
+    monkeypatch.setattr(BlockJudge, "dense_probs", lambda self, whole, candidates: (
+        softmaxed.append(len(whole) + len(candidates)), dense(self, whole, candidates))[1])
+    exact = BlockJudge.exact
+    monkeypatch.setattr(BlockJudge, "exact", lambda self, row: (softmaxed.append(1), exact(self, row))[1])
+    R = 30
+    requests = [(f"k{i}", SamplingParams(seed=100 + i, top_k=8, temperature=0.9), []) for i in range(R)]
+    cpu, reference = CpuSampler(), Sampler("cpu")
+    mine, ref = build(cpu, requests), build(reference, requests)
+    g = torch.Generator().manual_seed(101)
+    logits = torch.randn((R, K + 1, V), generator=g) * 3
+    target = torch.softmax(reference.processed_logits(logits.view(R * (K + 1), V), build(reference, [
+        (f"t{i}", SamplingParams(top_k=8, temperature=0.9), []) for i in range(R * (K + 1))])), dim=-1)
+    q = target.view(R, K + 1, V)[:, :K].contiguous() if drafts_from == "target" else torch.full((R, K, V), 1.0 / V)
+    ids = torch.stack([torch.multinomial(q[:, j], 1, generator=g)[:, 0] for j in range(K)], dim=1)
+    got = cpu.verify(logits, mine, ids, q, method="block")
+    want = reference.verify(logits, ref, ids, q, method="block")
+    assert torch.equal(got.token_ids, want.token_ids)
+    if drafts_from == "target":
+        assert int((got.num_emitted == K + 1).sum()) >= R - 2      # p = q up to rounding
+        assert sum(softmaxed) <= 2 * K
+    else:
+        assert got.num_emitted.tolist() == [1] * R
+        assert sum(softmaxed) == R                                  # slot 0's, for its residual
+
+
+@pytest.mark.parametrize("kind", ["candidates", "pending-top-p"])
+def test_seeded_rows_on_the_edge_of_their_bounds_take_the_references_softmax(monkeypatch, kind):
+    """Uniforms set to the reference's own w_k (the largest float32 not above it: the whole
+    span's test passes there, by a hair): neither the candidates' softmax nor the
+    probabilities before a pending top-p cut can settle such a test, so the row must take the
+    reference's p, and keep every draft as the reference does."""
+    from corelib.noise import STREAM_BLOCK
+    R = 24
+    reference = Sampler("cpu")
+    params = SamplingParams(top_k=6, temperature=0.9) if kind == "candidates" else SamplingParams(top_p=0.6)
+    g = torch.Generator().manual_seed(102)
+    logits = torch.randn((R, K + 1, V), generator=g) * 2
+    slots = reference.new_batch(V)
+    for i in range(R * (K + 1)):
+        slots.add(f"t{i}", params)
+    p = torch.softmax(reference.processed_logits(logits.view(R * (K + 1), V), slots), dim=-1).view(R, K + 1, V)
+    q = torch.softmax(p[:, :K].log() + 0.3 * torch.randn((R, K, V), generator=g), dim=-1)   # on the kept set
+    ids = torch.stack([torch.multinomial(q[:, j], 1, generator=g)[:, 0] for j in range(K)], dim=1)
+    w = torch.ones(R, dtype=torch.float64)                         # the reference's w_K
+    for j in range(K):
+        ratio = p[:, j].gather(1, ids[:, j:j + 1])[:, 0].double() / q[:, j].gather(1, ids[:, j:j + 1])[:, 0].double()
+        w = (w * ratio).clamp(max=1.0)
+    assert bool((w > 0.05).all()) and bool((w < 1.0).any())
+    edge = w.float()
+    edge = torch.where(edge.double() > w, torch.nextafter(edge, torch.tensor(0.0)), edge)
+    u = torch.full((R, K + 1), 0.999)
+    u[:, K - 1] = edge
+    original = Sampler.row_uniforms
+    monkeypatch.setattr(Sampler, "row_uniforms", lambda self, s, stream: u.view(-1)[:s.num_rows].clone()
+                        if stream == STREAM_BLOCK else original(self, s, stream))
+    requests = [(f"k{i}", params.model_copy(update=dict(seed=200 + i)), []) for i in range(R)]
+    got = CpuSampler().verify(logits, build(CpuSampler(), requests), ids, q, method="block")
+    want = reference.verify(logits, build(reference, requests), ids, q, method="block")
+    assert want.num_emitted.tolist() == [K + 1] * R                 # u <= h_K = w_K everywhere
+    assert torch.equal(got.token_ids, want.token_ids)
+
+
+@pytest.mark.parametrize("closeness", [0.2, 1.0, 3.0])
+def test_many_seeded_top_p_rows_verified_as_a_block_emit_the_references_tokens(closeness):
+    """Seeded whole rows with a pending top-p cut, judged from bounds on the nucleus mass
+    where those settle the block (every draft kept, or none) and from the reference's softmax
+    otherwise: many rows, drafts near and far, the reference's tokens."""
+    Vs, R = 64, 400
+    g = torch.Generator().manual_seed(103)
+    cpu, reference = CpuSampler(), Sampler("cpu")
+    mine, ref = cpu.new_batch(Vs), reference.new_batch(Vs)
+    for i in range(R):
+        params = SamplingParams(seed=700 + i, top_p=0.8, temperature=0.9)
+        mine.add(f"p{i}", params)
+        ref.add(f"p{i}", params)
+    logits = torch.randn((R, K + 1, Vs), generator=g) * 2
+    q = torch.softmax(logits[:, :K] / 0.9 + closeness * torch.randn((R, K, Vs), generator=g), dim=-1)
+    ids = torch.stack([torch.multinomial(q[:, j], 1, generator=g)[:, 0] for j in range(K)], dim=1)
+    got = cpu.verify(logits, mine, ids, q, method="block")
+    want = reference.verify(logits, ref, ids, q, method="block")
+    differ = (got.token_ids != want.token_ids).any(dim=1).nonzero()[:, 0].tolist()
+    assert not differ, f"rows {differ[:10]} differ from the reference"
+    assert len(set(got.num_emitted.tolist())) >= 3                 # stops at several slots
