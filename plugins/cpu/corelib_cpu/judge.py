@@ -208,13 +208,15 @@ class BlockJudge(SlotJudge):
     they race with the contract's noise: the reference's tokens. (A candidate row sums its
     residual mass over its candidates, zero elsewhere: the same terms in another order, as the
     reference's own sum takes with another thread count; a decision moves only where u lies
-    within float64 rounding of h.) Seeded candidate rows first try bounds: their candidates'
-    softmax lies within ``tolerance`` of the reference's p (see ``select.top_p_candidates_fast``),
-    which bounds every w_i; a row whose tests the bounds settle (all drafts kept, or none
-    with the residual at slot 0) needs the reference's softmax at slot 0 at most, the others
-    take it at their slots. Unseeded rows need only the target distribution: whole rows take
-    the reference's softmax with float32 residuals, candidate rows their candidates' softmax
-    (it differs from the reference's in float32 rounding only, which no draw can see).
+    within float64 rounding of h.) Rows whose exact p costs more than a softmax first try
+    bounds on p(d) (:meth:`draft_bounds`): a seeded candidate row's candidates' softmax lies
+    within ``tolerance`` of the reference's p (see ``select.top_p_candidates_fast``), and a
+    pending top-p cut gives p(d) = r(d) / M with top_p <= M <= 1 without its threshold. The
+    bounds bound every w_i; a row whose tests they settle (all drafts kept, or none, with the
+    residual at slot 0) needs the exact p at slot 0 at most, the others take it at their
+    slots. Unseeded rows need only the target distribution: whole rows take the reference's
+    softmax with float32 residuals, candidate rows their candidates' softmax (it differs
+    from the reference's in float32 rounding only, which no draw can see).
 
     A candidate slot whose draft is not a kept candidate has p(d) = 0 exactly: the row's later
     weights are 0 and their slots need no softmax. Each row's tau is found from the longest
@@ -248,9 +250,9 @@ class BlockJudge(SlotJudge):
         self.mass_bound = 1.0 + 1.01 * (self.V + 8) * 2.0 ** -24
 
     def bounded(self, v: int) -> bool:
-        """Block row v's p(d) has bounds short of the reference's softmax, which costs this
-        row more than a softmax: a seeded candidate row (a softmax of V, not W, values) or a
-        row whose top-p cut is pending (its threshold)."""
+        """Block row v is judged from bounds first: its exact p costs more than its bounds
+        (a seeded candidate row: the reference's softmax reads V values, the bounds W; a row
+        whose top-p cut is pending: the exact p needs the cut's threshold)."""
         return (v in self.at and self.seeded[v]) or self.pending_cut(v) is not None
 
     def pending_cut(self, v: int):

@@ -51,13 +51,16 @@ What the stages do differently from the reference (``corelib.Sampler``):
   contract's noise, so their tokens are the reference's), whole unseeded rows with one
   uniform per row through the inverse CDF, and whole seeded rows with the contract's noise
   for the tokens that can still win (``draw.draw_seeded_rows``);
-- verification (:class:`SlotJudge`): a row's slots are judged up to its first rejected draft
+- verification (:class:`~corelib_cpu.judge.SlotJudge`): a row's slots are judged up to its first rejected draft
   and only that slot draws its residual (the template emits nothing after it); candidate
   rows judge with the candidates' softmax (seeded decisions within its rounding bound, and
   seeded residuals, take the reference's softmax), whole rows with the reference's softmax
   (seeded) or their draw weights (unseeded); seeded residual draws race with the contract's
   noise over the residual's support, unseeded ones draw from the residual itself; the draft
-  probabilities are checked by two integer reductions over their bits.
+  probabilities are checked by two integer reductions over their bits. Block verification
+  (:class:`~corelib_cpu.judge.BlockJudge`) computes the reference's weights and residual
+  masses for seeded rows, from the longest prefix down, summing a residual only where a
+  bound cannot settle the test, and draws only at the row's stopping slot.
 
 Every kept set equals the reference's (the conformance suite checks it), and so do seeded
 tokens. Shapes: ``B`` rows, ``V`` vocabulary, ``n`` rows of a block, ``W`` candidates.
