@@ -455,7 +455,8 @@ class BlockJudge(SlotJudge):
         if self.candidate_draws:
             weights = torch.stack([weights for _, weights, _ in self.candidate_draws])
             columns = race_unseeded_candidates(weights.log(), self.sampler.generator)[:, 0].tolist()
-            self.drawn += [(key, int(ids[column])) for (key, _, ids), column in zip(self.candidate_draws, columns)]
+            self.drawn += [(key, int(ids[column]))
+                           for (key, _, ids), column in zip(self.candidate_draws, columns)]
             self.candidate_draws = []
         return self.drawn
 

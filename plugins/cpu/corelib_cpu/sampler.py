@@ -51,8 +51,8 @@ What the stages do differently from the reference (``corelib.Sampler``):
   contract's noise, so their tokens are the reference's), whole unseeded rows with one
   uniform per row through the inverse CDF, and whole seeded rows with the contract's noise
   for the tokens that can still win (``draw.draw_seeded_rows``);
-- verification (:class:`~corelib_cpu.judge.SlotJudge`): a row's slots are judged up to its first rejected draft
-  and only that slot draws its residual (the template emits nothing after it); candidate
+- verification (:class:`~corelib_cpu.judge.SlotJudge`): a row's slots are judged up to its
+  first rejected draft and only that slot draws its residual (the template emits nothing after it); candidate
   rows judge with the candidates' softmax (seeded decisions within its rounding bound, and
   seeded residuals, take the reference's softmax), whole rows with the reference's softmax
   (seeded) or their draw weights (unseeded); seeded residual draws race with the contract's

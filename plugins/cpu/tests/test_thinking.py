@@ -94,7 +94,8 @@ def test_forced_rows_are_valid_when_masked_and_flagged_when_not_finite(with_allo
     extra = dict(allowed_token_ids=[7, 8, 9]) if with_allowed else {}
     masked = dict(allowed_token_ids=[7, 8]) if with_allowed else dict(min_tokens=3, stop_token_ids=[END])
     reqs = [("masked", SamplingParams(thinking_budget=0, **THINK, temperature=0.0, **masked), THINKING),
-            ("masked-seeded", SamplingParams(thinking_budget=0, **THINK, seed=1, top_k=5, **masked), THINKING),
+            ("masked-seeded", SamplingParams(thinking_budget=0, **THINK, seed=1, top_k=5, **masked),
+             THINKING),
             ("nan", SamplingParams(thinking_budget=0, **THINK, seed=2, **extra), THINKING),
             ("inf", SamplingParams(thinking_budget=0, **THINK, temperature=0.0, **extra), THINKING),
             ("plain", SamplingParams(seed=3, **extra), THINKING),

@@ -304,7 +304,8 @@ def test_unseeded_block_verification_keeps_the_target_distribution(kind):
         ref_batch.add(f"slot{j}", params)
     p = torch.softmax(reference.processed_logits(target, ref_batch), dim=-1)   # filtered, per slot
     q = torch.softmax(target[:Ks] + torch.randn((Ks, Vs), generator=gen), dim=-1)
-    drafts = torch.stack([torch.multinomial(q[j], R, replacement=True, generator=gen) for j in range(Ks)], dim=1)
+    drafts = torch.stack([torch.multinomial(q[j], R, replacement=True, generator=gen)
+                          for j in range(Ks)], dim=1)
     cpu = CpuSampler(generator=torch.Generator().manual_seed(93))
     batch = cpu.new_batch(Vs)
     for i in range(R):
@@ -343,7 +344,10 @@ def test_seeded_candidate_rows_settled_by_bounds_skip_the_references_softmax(mon
     logits = torch.randn((R, K + 1, V), generator=g) * 3
     target = torch.softmax(reference.processed_logits(logits.view(R * (K + 1), V), build(reference, [
         (f"t{i}", SamplingParams(top_k=8, temperature=0.9), []) for i in range(R * (K + 1))])), dim=-1)
-    q = target.view(R, K + 1, V)[:, :K].contiguous() if drafts_from == "target" else torch.full((R, K, V), 1.0 / V)
+    if drafts_from == "target":
+        q = target.view(R, K + 1, V)[:, :K].contiguous()
+    else:
+        q = torch.full((R, K, V), 1.0 / V)
     ids = torch.stack([torch.multinomial(q[:, j], 1, generator=g)[:, 0] for j in range(K)], dim=1)
     got = cpu.verify(logits, mine, ids, q, method="block")
     want = reference.verify(logits, ref, ids, q, method="block")
@@ -371,12 +375,14 @@ def test_seeded_rows_on_the_edge_of_their_bounds_take_the_references_softmax(mon
     slots = reference.new_batch(V)
     for i in range(R * (K + 1)):
         slots.add(f"t{i}", params)
-    p = torch.softmax(reference.processed_logits(logits.view(R * (K + 1), V), slots), dim=-1).view(R, K + 1, V)
+    p = torch.softmax(reference.processed_logits(logits.view(R * (K + 1), V), slots), dim=-1)
+    p = p.view(R, K + 1, V)
     q = torch.softmax(p[:, :K].log() + 0.3 * torch.randn((R, K, V), generator=g), dim=-1)   # on the kept set
     ids = torch.stack([torch.multinomial(q[:, j], 1, generator=g)[:, 0] for j in range(K)], dim=1)
     w = torch.ones(R, dtype=torch.float64)                         # the reference's w_K
     for j in range(K):
-        ratio = p[:, j].gather(1, ids[:, j:j + 1])[:, 0].double() / q[:, j].gather(1, ids[:, j:j + 1])[:, 0].double()
+        d = ids[:, j:j + 1]
+        ratio = p[:, j].gather(1, d)[:, 0].double() / q[:, j].gather(1, d)[:, 0].double()
         w = (w * ratio).clamp(max=1.0)
     assert bool((w > 0.05).all()) and bool((w < 1.0).any())
     edge = w.float()
