@@ -28,6 +28,9 @@ What the stages do differently from the reference (``corelib.Sampler``):
   (``bitmask``: a byte table, no [B, V] boolean), penalties touch only the tokens a row has
   seen, from the running slots kept by :class:`~corelib_cpu.batch.CpuBatch`, DRY only the
   tokens of the history entries that extend a repeat (``filters.dry_``);
+- step 8b (the reasoning budget) writes a forced row in place, -inf but its token's logit 0,
+  and updates that row's group and row maxima, so the other rows keep theirs; step 1 of
+  ``raw_logits`` reads the caller's rows while no stage has copied them;
 - step 9 and step 15's top-N use group maxima (``rowops``) instead of torch.argmax/topk;
 - step 10a (top-n-sigma) computes the reference's mean and deviation with the same float32
   reductions, and cuts each row with one threshold pass;
@@ -48,13 +51,16 @@ What the stages do differently from the reference (``corelib.Sampler``):
   contract's noise, so their tokens are the reference's), whole unseeded rows with one
   uniform per row through the inverse CDF, and whole seeded rows with the contract's noise
   for the tokens that can still win (``draw.draw_seeded_rows``);
-- verification (:class:`SlotJudge`): a row's slots are judged up to its first rejected draft
-  and only that slot draws its residual (the template emits nothing after it); candidate
+- verification (:class:`~corelib_cpu.judge.SlotJudge`): a row's slots are judged up to its
+  first rejected draft and only that slot draws its residual (the template emits nothing after it); candidate
   rows judge with the candidates' softmax (seeded decisions within its rounding bound, and
   seeded residuals, take the reference's softmax), whole rows with the reference's softmax
   (seeded) or their draw weights (unseeded); seeded residual draws race with the contract's
   noise over the residual's support, unseeded ones draw from the residual itself; the draft
-  probabilities are checked by two integer reductions over their bits.
+  probabilities are checked by two integer reductions over their bits. Block verification
+  (:class:`~corelib_cpu.judge.BlockJudge`) computes the reference's weights and residual
+  masses for seeded rows, from the longest prefix down, summing a residual only where a
+  bound cannot settle the test, and draws only at the row's stopping slot.
 
 Every kept set equals the reference's (the conformance suite checks it), and so do seeded
 tokens. Shapes: ``B`` rows, ``V`` vocabulary, ``n`` rows of a block, ``W`` candidates.
@@ -68,7 +74,7 @@ from typing import Optional
 
 import torch
 from corelib import Logprobs, Sampler, SamplerOutput, SamplingBatch, StepState
-from corelib.noise import STREAM_XTC, token_offsets
+from corelib.noise import STREAM_BLOCK, STREAM_XTC, token_offsets
 from corelib.sampler import NEG_INF, Drafts, VerifyOutput
 from corelib.stages import run_stage
 
@@ -82,8 +88,9 @@ from .draw import (
     race_unseeded_candidates,
 )
 from .filters import dry_, top_n_sigma_thresholds, typical_rows_, xtc_rows_
+from .judge import BlockJudge, SlotJudge
 from .plan import BlockPlan, StepPlan, make_plan
-from .rowops import count_at_least, first_argmax, group_maxima, is_finite, top_values
+from .rowops import GROUP, count_at_least, first_argmax, group_maxima, is_finite, top_values
 from .select import (
     kth_largest,
     mask_below,
@@ -148,6 +155,8 @@ class Block:
     masked: set = field(default_factory=set)     # rows whose cut is applied to x
     top: Optional[torch.Tensor] = None           # float32 [n, 1]: x's row maxima, or None
     finite_pending: bool = False                 # the NaN/+inf check waits for step 5's maxima
+    finite: Optional[torch.Tensor] = None        # bool [n]: that check's result, written by
+                                                 # any_token_left (steps with a thinking budget)
     row_max: Optional[torch.Tensor] = None       # float32 [n]: maxima after steps 3-5
     drawn_finite: Optional[torch.Tensor] = None  # bool [n]: step 14's token has a finite logit
     weights: list = field(default_factory=list)  # (whole rows, float32 [m, V] their draw
@@ -173,6 +182,22 @@ class Block:
         """x was written: forget what was derived from it."""
         self._maxima = None
         self.top = None
+
+    def force(self, rows: torch.Tensor, tokens: torch.Tensor) -> None:
+        """Step 8b on x (ours to write): each of ``rows`` (int64 [m]) keeps only its token of
+        ``tokens`` (int64 [m]), with logit 0; every other token -inf. The group maxima and row
+        maxima known so far are updated, not dropped: the other rows keep theirs."""
+        maxima, top = self._maxima, self.top
+        self.x.index_fill_(0, rows, NEG_INF)
+        self.x[rows, tokens] = 0.0
+        self.changed()
+        if maxima is not None:
+            maxima.index_fill_(0, rows, NEG_INF)
+            maxima[rows, tokens // GROUP] = 0.0
+            self._maxima = maxima
+        if top is not None:
+            self.top = top.index_fill(0, rows, 0.0)
+        self.dropped = True
 
 
 class CpuSampler(Sampler):
@@ -290,6 +315,14 @@ class CpuSampler(Sampler):
             blk.owned = True
         return blk.x
 
+    def copy_logits(self, x: Block) -> torch.Tensor:
+        """Step 1 of ``logprobs_mode="raw_logits"``: float32 [n, V], the block's logits before
+        any stage. While x is still the caller's rows (which no stage writes: :meth:`own`
+        copies them first) those rows themselves; else a copy into the workspace."""
+        if not x.owned:
+            return x.x
+        return self.workspace.take("raw", tuple(x.x.shape)).copy_(x.x)
+
     def log_softmax(self, x) -> torch.Tensor:
         """float32 [n, V] log-probabilities of a Block's logits (into the workspace; step 1's
         raw logprobs) or of a tensor (new). Not in place."""
@@ -301,11 +334,16 @@ class CpuSampler(Sampler):
         """bool [n]: rows free of NaN and +inf. Only step 3's allowed ids can hide them (a
         fill overwrites); the other masks of steps 3-5 add -inf, which keeps NaN and turns
         +inf into NaN. Without allowed ids the check is left to ``any_token_left``, which
-        reads the rows' maxima after the masks anyway: a 0-dim True then."""
+        reads the rows' maxima after the masks anyway: a 0-dim True then, folded into the
+        rows left. A step with a thinking budget keeps the two apart (the template counts a
+        forced row as having a token left, never as finite): the tensor returned here is
+        written by ``any_token_left``, which the template calls before it reads this one."""
         if x.state.any_allowed:
-            top = x.x.amax(dim=-1)
-            return ~(torch.isnan(top) | (top == float("inf")))
+            return not_overflowed(x.x.amax(dim=-1))
         x.finite_pending = True
+        if x.state.any_thinking:
+            x.finite = torch.ones(x.x.shape[0], dtype=torch.bool)
+            return x.finite
         return _TRUE
 
     def apply_allowed_ids(self, x: Block, s: StepState) -> Block:
@@ -355,6 +393,9 @@ class CpuSampler(Sampler):
         wants_maxima = (bp.any_greedy or bp.candidates_only) and not later
         top = x.maxima().amax(dim=-1) if wants_maxima else x.x.amax(dim=-1)
         x.row_max = top
+        if x.finite is not None:                    # see finite_rows
+            x.finite.copy_(not_overflowed(top))
+            return top > NEG_INF
         return is_finite(top) if x.finite_pending else top > NEG_INF
 
     def neutralise_rows(self, x: Block, valid: torch.Tensor) -> Block:
@@ -408,6 +449,17 @@ class CpuSampler(Sampler):
         disables it."""
         dry_(self.own(x), s)
         x.changed()
+        return x
+
+    def apply_thinking_budget(self, x: Block, forced: torch.Tensor) -> Block:
+        """Step 8b, in place on the block's copy: a forced row (``forced`` int64 [n], -1 = not
+        forced) keeps only its forced token, with logit 0; every other token -inf. The group
+        and row maxima of the other rows stay known (``Block.force``), so a forced row costs
+        its own row, and the block's copy when no earlier stage made it."""
+        rows = (forced >= 0).nonzero()[:, 0]
+        if rows.numel():
+            self.own(x)
+            x.force(rows, forced[rows])
         return x
 
     def apply_custom_stages(self, x: Block, s: StepState, slot: str) -> Block:
@@ -585,9 +637,14 @@ class CpuSampler(Sampler):
         if not pending:
             return
         x = self.own(blk)
+        places = {}                           # each record's pending places, resolved together
         for row in pending:
             record, j = blk.cuts[row]
-            self.resolve(record, [j])
+            places.setdefault(id(record), (record, []))[1].append(j)
+        for record, at in places.values():
+            self.resolve(record, at)
+        for row in pending:
+            record, j = blk.cuts[row]
             if record.cut[j] != 0.0:
                 # sign(w) - 0.5 is -0.5 where w == 0 and 0.5 where w > 0; copysign makes that
                 # -inf / +inf and min() masks. (No subtraction of a tiny value: subnormal
@@ -944,6 +1001,44 @@ class CpuSampler(Sampler):
             recovered[r, j] = token
         return passed, recovered
 
+    def block_verify(self, final: Block, s: StepState, drafts: Drafts,
+                     valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Block verification at the draft slots of the block's random rows, by
+        ``Sampler.block_verify``'s rule and arithmetic (see :class:`BlockJudge`). valid bool
+        [b (K+1)]: the slot has a token. Returns (bool [b, K] accepted: the first tau drafts;
+        int64 [b, K] recovered, of which only slot tau is read: the template emits the
+        residual draw there when tau < k). Greedy rows' entries, and those of rows whose
+        drafts are unusable (flagged), are unused and left False / 0.
+
+        A row is judged over its drafts up to the first slot without a token (no draft at or
+        after it is kept); only its stopping slot draws."""
+        B, K = drafts.token_ids.shape
+        S = K + 1
+        bp = final.plan
+        accepted = torch.zeros((B, K), dtype=torch.bool)
+        recovered = torch.zeros((B, K), dtype=torch.long)
+        count, usable, has_token = drafts.count.tolist(), drafts.usable.tolist(), valid.view(B, S).tolist()
+        spans = {}
+        for r in range(B):
+            if bp.greedy[r * S] or not usable[r]:
+                continue
+            k = 0
+            while k < count[r] and has_token[r][k]:
+                k += 1
+            if k:
+                spans[r] = k
+        if not spans:
+            return accepted, recovered
+        u = self.row_uniforms(s, STREAM_BLOCK).view(B, S)[:, :K].tolist()
+        judge = BlockJudge(self, final, drafts, spans)
+        for r, tau in judge.judge(u).items():
+            accepted[r, :tau] = True
+            if tau < spans[r]:
+                judge.draw(r, tau)
+        for (r, j), token in judge.residual_draws():
+            recovered[r, j] = token
+        return accepted, recovered
+
     # ------------------------------------------------------------------ step 15
     def processed_source(self, x: Block, final: Block, s: StepState, normalise: bool = True) -> torch.Tensor:
         """The final distribution's logits of the block (greedy rows: step 8a's), float32
@@ -978,182 +1073,13 @@ class CpuSampler(Sampler):
         return self.own(blk)
 
 
-class SlotJudge:
-    """The target distribution p at a verification block's draft slots, for
-    ``rejection_sample``: the ratio test of each slot, and the residual draw of each row's
-    rejected slot.
-
-    Candidate rows (top-k) use the candidates' softmax, computed once for the block: the
-    reference's softmax of the whole row differs from it by at most (2W + 4) float32 ulps
-    per value (see ``select.top_p_candidates_fast``), so a seeded slot whose ratio test lies
-    within twice that takes the reference's softmax, and a seeded row's residual always does
-    (its draw must be the reference's token). Their unseeded residual draws run together, over
-    the candidates (the residual is 0 elsewhere). Whole rows use the reference's softmax of
-    the slot's final row. Seeded residual draws race with the contract's noise over the
-    residual's support, the reference's token; unseeded ones draw from the residual itself.
-    ``tokens`` int64 [n]: the draft judged at each row of the block (0 at bonus slots)."""
-
-    def __init__(self, sampler: CpuSampler, blk: Block, tokens: torch.Tensor):
-        self.sampler, self.blk = sampler, blk
-        self.V = blk.x.shape[1]
-        cand = blk.cand
-        self.at = {} if cand is None else {row: j for j, row in enumerate(cand.rows)}
-        if cand is not None:
-            self.probs = torch.softmax(cand.values, dim=-1)
-            hit = cand.ids == tokens[cand.index][:, None]
-            self.p_draft = (self.probs * hit).sum(dim=-1).tolist()   # one candidate at most
-            self.tolerance = (4 * cand.values.shape[1] + 40) * 2.0 ** -24
-        self.batched: list = []            # unseeded candidate rows' rejections: (place, q, key)
-        self.drawn: list = []              # (key, token) of the other rejections
-        self.totals: dict = {}             # unseeded whole row -> its weights' sum
-        self.computed = None               # (row, weights) last computed into "verify_weights"
-
-    def exact(self, row: int) -> torch.Tensor:
-        """float32 [V]: the reference's softmax of the row's final logits (a workspace row,
-        valid until the next call)."""
-        blk = self.blk
-        place = self.at.get(row)
-        out = self.sampler.workspace.take("verify_p", (self.V,))
-        if place is None:
-            self.sampler.densify(blk, [row])
-            return torch.softmax(blk.x[row], dim=-1, out=out)
-        x = self.sampler.workspace.take("verify_x", (self.V,)).fill_(NEG_INF)
-        x.scatter_(0, blk.cand.ids[place], blk.cand.values[place])
-        return torch.softmax(x, dim=-1, out=out)
-
-    def weights(self, row: int) -> tuple[torch.Tensor, float]:
-        """An unseeded whole row's final distribution, unnormalised, and its sum: the weights
-        its draw used, or computed now (into a buffer of their own)."""
-        w = next((weights[rows.index(row)] for rows, weights in self.blk.weights if row in rows), None)
-        if w is None:
-            if self.computed is not None and self.computed[0] == row:
-                w = self.computed[1]          # a rejected slot's weights, made by its ratio test
-            else:
-                w = self.sampler.row_weights(self.blk, [row], "verify_weights")[0]
-                self.computed = (row, w)      # the buffer holds them until the next row's
-        total = self.totals.get(row)
-        if total is None:
-            total = self.totals[row] = float(w.sum())
-        return w, total
-
-    def passes(self, row: int, token: int, uq: float) -> bool:
-        """The ratio test ``u q(d) < p(d)`` at the slot of ``row``, with the reference's p(d)
-        (an unseeded whole row: its draw weights, normalised; see :meth:`bounded_test`
-        for a whole row whose top-p threshold is still unknown)."""
-        place = self.at.get(row)
-        if place is None:
-            verdict = self.bounded_test(row, token, uq)
-            if verdict is not None:
-                return verdict
-            if not self.blk.plan.seeded[row]:
-                w, total = self.weights(row)
-                return uq < float(w[token]) / total
-            return uq < float(self.exact(row)[token])
-        p = self.p_draft[place]
-        if not self.blk.plan.seeded[row]:
-            return uq < p
-        if uq < p * (1.0 - self.tolerance):
-            return True
-        if uq >= p * (1.0 + self.tolerance):
-            return False
-        return uq < float(self.exact(row)[token])
-
-    def bounded_test(self, row: int, token: int, uq: float) -> Optional[bool]:
-        """The ratio test of a whole row whose top-p cut is pending, decided without its
-        threshold where bounds settle it, else None (the caller resolves the cut). A
-        verdict is the one the reference's p(d) gives, so seeded rows use it too.
-
-        With r the row's probabilities before the cut and M the nucleus mass, p(d) is r(d)
-        / M for d in the nucleus and 0 outside, and min(top_p, total) <= M <= total, the
-        total within float32 rounding of 1 (``NUCLEUS_MASS_SLACK`` covers rounding; a pending
-        cut has top_p < 1): a test that fails with p(d) at its upper bound r(d) / top_p
-        fails, and one that passes at r(d) passes once d is known to be in the nucleus
-        (``nucleus_contains``, a threshold pass and a sum instead of the radix select)."""
-        found = self.blk.cuts.get(row)
-        if found is None:
-            return None
-        record, j = found
-        if record.cut[j] is not None or record.top_p is None:
-            return None
-        r = record.weights[j]
-        r_token = float(r[token])
-        if uq >= r_token / record.top_p[j] * (1.0 + NUCLEUS_MASS_SLACK):
-            return False
-        if uq < r_token * (1.0 - NUCLEUS_MASS_SLACK):
-            inside = nucleus_contains(r[None], torch.tensor([token]), torch.tensor([record.top_p[j]]))
-            if bool(inside[0]):
-                return True
-        return None
-
-    def reject(self, row: int, q: torch.Tensor, key) -> None:
-        """Record the residual draw of a rejected slot (``q`` float32 [V], the draft's
-        distribution there): made now, or with the block's other unseeded candidate rows."""
-        place = self.at.get(row)
-        seeded = self.blk.plan.seeded[row]
-        if place is not None and not seeded:
-            self.batched.append((place, q, key))
-            return
-        if place is None and not seeded:
-            # max(w / S - q, 0) scaled by S: the residual's own distribution
-            w, total = self.weights(row)
-            residual = torch.add(w, q, alpha=-total, out=self.sampler.workspace.take("verify_residual", (self.V,)))
-            token, ok = draw_from_weights(residual.clamp_(min=0.0)[None], self.sampler.generator)
-            if not bool(ok[0]):                        # all zero: p itself
-                token, _ = draw_from_weights(w[None], self.sampler.generator)
-            self.drawn.append((key, int(token[0])))
-            return
-        if place is None:
-            p, ids = self.exact(row), None
-            residual = torch.sub(p, q, out=self.sampler.workspace.take("verify_residual", (self.V,)))
-        else:
-            ids = self.blk.cand.ids[place]
-            p = self.exact(row)[ids]
-            residual = p - q[ids]
-        residual.clamp_(min=0.0)
-        if not bool((residual > 0).any()):
-            residual = p
-        if seeded:
-            token = self.race(row, residual, ids)
-        else:
-            column = int(draw_from_weights(residual[None], self.sampler.generator)[0][0])
-            token = column if ids is None else int(ids[column])
-        self.drawn.append((key, token))
-
-    def race(self, row: int, weights: torch.Tensor, ids: Optional[torch.Tensor]) -> int:
-        """The contract's seeded race over ``log(weights)`` where weights > 0 (the reference's
-        race over the whole row: the others are -inf there); ids: the weights' token ids
-        (None: the vocabulary)."""
-        support = (weights > 0).nonzero()[:, 0]
-        if support.numel() == 0:                           # NaN (a flagged row): no token
-            return 0
-        tokens = support if ids is None else ids[support]
-        key = self.blk.state.keys[row:row + 1]
-        column = race_seeded_candidates(weights[support].log()[None], tokens[None], key)
-        return int(tokens[column[0, 0]])
-
-    def residual_draws(self) -> list:
-        """[(key, token)] for every rejected slot."""
-        if self.batched:
-            cand = self.blk.cand
-            places = torch.tensor([place for place, _, _ in self.batched], dtype=torch.long)
-            ids = cand.ids[places]
-            q = torch.stack([q_row[ids[i]] for i, (_, q_row, _) in enumerate(self.batched)])
-            p = self.probs[places]
-            residual = (p - q).clamp_(min=0.0)
-            empty = ~(residual > 0).any(dim=-1, keepdim=True)
-            weights = torch.where(empty, p, residual)
-            column = race_unseeded_candidates(weights.log(), self.sampler.generator)
-            tokens = ids.gather(1, column)[:, 0].tolist()
-            self.drawn += [(key, token) for (_, _, key), token in zip(self.batched, tokens)]
-        return self.drawn
-
-
 _INF = torch.tensor(float("inf"))
 _INF_BITS = 0x7F800000
-#: Relative slack on the bounds of ``SlotJudge.bounded_test``: each float32 probability is
-#: within a few ulps of its exact value, so p(d), r(d) and the kept mass the reference sums
-#: are all within ~1e-6 of exact; 1e-3 is a wide margin that still settles most slots.
-NUCLEUS_MASS_SLACK = 1e-3
+
+
+def not_overflowed(top: torch.Tensor) -> torch.Tensor:
+    """bool, top's shape: neither NaN nor +inf (rows' maxima: -inf is a row fully masked)."""
+    return ~(torch.isnan(top) | (top == float("inf")))
 
 
 def ban_in_place(x: torch.Tensor, ids: torch.Tensor, banned: torch.Tensor) -> None:
@@ -1209,7 +1135,8 @@ def undrawn_slots(bp: BlockPlan, drafts: Drafts) -> frozenset:
 def drafts_of(drafts: Drafts, rows: slice) -> Drafts:
     """The drafts of the rows ``rows`` (views)."""
     return Drafts(drafts.token_ids[rows], drafts.count[rows],
-                  None if drafts.probs is None else drafts.probs[rows], drafts.usable[rows])
+                  None if drafts.probs is None else drafts.probs[rows], drafts.usable[rows],
+                  drafts.method)
 
 
 def join_logprobs(pieces: list) -> Logprobs:

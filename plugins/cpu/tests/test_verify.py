@@ -217,3 +217,206 @@ def test_draft_slots_left_undrawn_flag_and_stop_like_the_reference():
     assert torch.equal(got.num_emitted, want.num_emitted)
     assert torch.equal(got.valid, want.valid)
     assert got.valid.tolist() == [True, True, False, True]
+
+
+# ---------------------------------------------------------------------- block verification
+def block_requests() -> list:
+    """Seeded rows of every kind the judge reads differently (candidate rows, whole rows
+    with a pending top-p cut or a min-p cut, plain whole rows, a forced thinking row) and a
+    greedy row."""
+    think = dict(thinking_budget=0, thinking_start_token_ids=[200], thinking_end_token_ids=[201])
+    return [(f"k{i}", SamplingParams(seed=40 + i, top_k=20, temperature=0.8), [1, 2]) for i in range(3)]\
+        + [(f"p{i}", SamplingParams(seed=50 + i, top_p=0.9), [3]) for i in range(2)]\
+        + [("m", SamplingParams(seed=60, min_p=0.02, temperature=1.2), []),
+           ("w", SamplingParams(seed=61, frequency_penalty=0.4), [5, 5, 6]),
+           ("kp", SamplingParams(seed=62, top_k=40, top_p=0.8), []),
+           ("forced", SamplingParams(seed=63, **think), [200]),
+           ("g", SamplingParams(temperature=0.0), [7])]
+
+
+@pytest.mark.parametrize("rows_per_block", [1, 3, 100])
+@pytest.mark.parametrize("closeness", [0.3, 2.0], ids=["close-drafts", "far-drafts"])
+def test_block_verification_of_seeded_rows_emits_the_references_tokens(rows_per_block, closeness):
+    """Seeded rows verified as a block emit exactly the reference's tokens over several steps
+    (drafts near the target: long accepted prefixes and residuals at late slots; far from it:
+    stops at early slots), with short rows (-1 padding), a slot without a token (NaN), in
+    blocks of 1, 3 and all rows."""
+    requests = block_requests()
+    cpu, reference = CpuSampler(block_elements=rows_per_block * V * (K + 1)), Sampler("cpu")
+    mine, ref = build(cpu, requests), build(reference, requests)
+    g = torch.Generator().manual_seed(80)
+    stops = set()
+    for step in range(5):
+        logits = torch.randn((len(requests), K + 1, V), generator=g) * 2
+        q = torch.softmax(logits[:, :K] + closeness * torch.randn((len(requests), K, V), generator=g), dim=-1)
+        ids = torch.stack([torch.multinomial(q[:, j], 1, generator=g)[:, 0] for j in range(K)], dim=1)
+        ids[1, 2:] = -1                                            # a short row
+        logits[2, 2, 9] = float("nan")                             # row k2 stops before slot 2
+        got = cpu.verify(logits, mine, ids, q, method="block")
+        want = reference.verify(logits, ref, ids, q, method="block")
+        assert torch.equal(got.token_ids, want.token_ids), f"step {step}"
+        assert torch.equal(got.num_emitted, want.num_emitted), f"step {step}"
+        assert torch.equal(got.valid, want.valid)
+        stops |= set(got.num_emitted.tolist())
+        mine.append(got.token_ids)
+        ref.append(want.token_ids)
+    assert stops >= ({1, 2, 3, 4} if closeness < 1 else {1, 2})
+
+
+def test_block_verification_sums_residuals_only_from_the_longest_prefix_down(monkeypatch):
+    """The judge tests the longest prefix first: when drafts are the target's own draws most
+    rows keep them all (h_k = w_k = 1 needs no residual), so far fewer residual masses are
+    summed than the reference's one per slot."""
+    from corelib_cpu.judge import BlockJudge
+    summed = []
+    residual = BlockJudge.residual
+    monkeypatch.setattr(BlockJudge, "residual",
+                        lambda self, r, i, w: (summed.append((r, i)), residual(self, r, i, w))[1])
+    R = 40
+    cpu = CpuSampler()
+    batch = cpu.new_batch(V)
+    for i in range(R):
+        batch.add(f"r{i}", SamplingParams(seed=90 + i))
+    g = torch.Generator().manual_seed(91)
+    logits = torch.randn((R, K + 1, V), generator=g)
+    q = torch.softmax(logits[:, :K], dim=-1)                      # drafts from the target itself
+    ids = torch.stack([torch.multinomial(q[:, j], 1, generator=g)[:, 0] for j in range(K)], dim=1)
+    out = cpu.verify(logits, batch, ids, q, method="block")
+    assert bool((out.num_emitted == K + 1).all())                 # p = q: every draft kept
+    assert summed == []
+
+
+@pytest.mark.parametrize("kind", ["candidates", "whole-top-p"])
+def test_unseeded_block_verification_keeps_the_target_distribution(kind):
+    """Unseeded rows verified as a block: candidate rows judge with the candidates' softmax,
+    whole rows with the reference's; either way every row's two-token sequence follows the
+    filtered target p_0 x p_1 (chi-square, fixed seeds, p > 1e-6; the shared suite checks
+    plain rows at V = 8)."""
+    from corelib.testing.rules import chi_square_p_value
+    Vs, Ks, R = 600, 2, 6000
+    params = SamplingParams(top_k=4, temperature=0.9) if kind == "candidates" else SamplingParams(top_p=0.7)
+    gen = torch.Generator().manual_seed(92)
+    target = torch.full((Ks + 1, Vs), -4.0)
+    target[:, :6] = torch.randn((Ks + 1, 6), generator=gen)       # the mass on a few tokens
+    reference = Sampler("cpu")
+    ref_batch = reference.new_batch(Vs)
+    for j in range(Ks + 1):
+        ref_batch.add(f"slot{j}", params)
+    p = torch.softmax(reference.processed_logits(target, ref_batch), dim=-1)   # filtered, per slot
+    q = torch.softmax(target[:Ks] + torch.randn((Ks, Vs), generator=gen), dim=-1)
+    drafts = torch.stack([torch.multinomial(q[j], R, replacement=True, generator=gen)
+                          for j in range(Ks)], dim=1)
+    cpu = CpuSampler(generator=torch.Generator().manual_seed(93))
+    batch = cpu.new_batch(Vs)
+    for i in range(R):
+        batch.add(f"r{i}", params)
+    out = cpu.verify(target.expand(R, -1, -1).contiguous(), batch, drafts,
+                     q.expand(R, -1, -1).contiguous(), method="block")
+    ids, count = out.token_ids, out.num_emitted
+    second = torch.multinomial(p[1], R, replacement=True, generator=torch.Generator().manual_seed(94))
+    second = torch.where(count >= 2, ids[:, 1], second)
+    pairs = torch.bincount(ids[:, 0] * Vs + second, minlength=Vs * Vs)
+    expected = (p[0][:, None] * p[1][None, :]).flatten()
+    assert int(pairs[expected == 0].sum()) == 0, "a sequence outside the filtered target"
+    kept = expected > 0
+    assert chi_square_p_value(pairs[kept], expected[kept]) > 1e-6
+    assert float((count >= 2).double().mean()) > 0.3                # blocks were kept, not only stops
+
+
+@pytest.mark.parametrize("drafts_from", ["target", "uniform"])
+def test_seeded_candidate_rows_settled_by_bounds_skip_the_references_softmax(monkeypatch, drafts_from):
+    """Seeded top-k rows first judge with bounds from their candidates' softmax: drafts drawn
+    from the target itself keep every draft (tau = k) and drafts from a uniform distribution
+    keep none (tau = 0, the residual at slot 0) without the reference's softmax at the other
+    slots, and the tokens stay the reference's."""
+    from corelib_cpu.judge import BlockJudge
+    softmaxed = []
+    dense = BlockJudge.dense_probs
+    monkeypatch.setattr(BlockJudge, "dense_probs", lambda self, whole, candidates: (
+        softmaxed.append(len(whole) + len(candidates)), dense(self, whole, candidates))[1])
+    exact = BlockJudge.exact
+    monkeypatch.setattr(BlockJudge, "exact", lambda self, row: (softmaxed.append(1), exact(self, row))[1])
+    R = 30
+    requests = [(f"k{i}", SamplingParams(seed=100 + i, top_k=8, temperature=0.9), []) for i in range(R)]
+    cpu, reference = CpuSampler(), Sampler("cpu")
+    mine, ref = build(cpu, requests), build(reference, requests)
+    g = torch.Generator().manual_seed(101)
+    logits = torch.randn((R, K + 1, V), generator=g) * 3
+    target = torch.softmax(reference.processed_logits(logits.view(R * (K + 1), V), build(reference, [
+        (f"t{i}", SamplingParams(top_k=8, temperature=0.9), []) for i in range(R * (K + 1))])), dim=-1)
+    if drafts_from == "target":
+        q = target.view(R, K + 1, V)[:, :K].contiguous()
+    else:
+        q = torch.full((R, K, V), 1.0 / V)
+    ids = torch.stack([torch.multinomial(q[:, j], 1, generator=g)[:, 0] for j in range(K)], dim=1)
+    got = cpu.verify(logits, mine, ids, q, method="block")
+    want = reference.verify(logits, ref, ids, q, method="block")
+    assert torch.equal(got.token_ids, want.token_ids)
+    if drafts_from == "target":
+        assert int((got.num_emitted == K + 1).sum()) >= R - 2      # p = q up to rounding
+        assert sum(softmaxed) <= 2 * K
+    else:
+        assert got.num_emitted.tolist() == [1] * R
+        assert sum(softmaxed) == R                                  # slot 0's, for its residual
+
+
+@pytest.mark.parametrize("kind", ["candidates", "pending-top-p"])
+def test_seeded_rows_on_the_edge_of_their_bounds_take_the_references_softmax(monkeypatch, kind):
+    """Uniforms set to the reference's own w_k (the largest float32 not above it: the whole
+    span's test passes there, by a hair): neither the candidates' softmax nor the
+    probabilities before a pending top-p cut can settle such a test, so the row must take the
+    reference's p, and keep every draft as the reference does."""
+    from corelib.noise import STREAM_BLOCK
+    R = 24
+    reference = Sampler("cpu")
+    params = SamplingParams(top_k=6, temperature=0.9) if kind == "candidates" else SamplingParams(top_p=0.6)
+    g = torch.Generator().manual_seed(102)
+    logits = torch.randn((R, K + 1, V), generator=g) * 2
+    slots = reference.new_batch(V)
+    for i in range(R * (K + 1)):
+        slots.add(f"t{i}", params)
+    p = torch.softmax(reference.processed_logits(logits.view(R * (K + 1), V), slots), dim=-1)
+    p = p.view(R, K + 1, V)
+    q = torch.softmax(p[:, :K].log() + 0.3 * torch.randn((R, K, V), generator=g), dim=-1)   # on the kept set
+    ids = torch.stack([torch.multinomial(q[:, j], 1, generator=g)[:, 0] for j in range(K)], dim=1)
+    w = torch.ones(R, dtype=torch.float64)                         # the reference's w_K
+    for j in range(K):
+        d = ids[:, j:j + 1]
+        ratio = p[:, j].gather(1, d)[:, 0].double() / q[:, j].gather(1, d)[:, 0].double()
+        w = (w * ratio).clamp(max=1.0)
+    assert bool((w > 0.05).all()) and bool((w < 1.0).any())
+    edge = w.float()
+    edge = torch.where(edge.double() > w, torch.nextafter(edge, torch.tensor(0.0)), edge)
+    u = torch.full((R, K + 1), 0.999)
+    u[:, K - 1] = edge
+    original = Sampler.row_uniforms
+    monkeypatch.setattr(Sampler, "row_uniforms", lambda self, s, stream: u.view(-1)[:s.num_rows].clone()
+                        if stream == STREAM_BLOCK else original(self, s, stream))
+    requests = [(f"k{i}", params.model_copy(update=dict(seed=200 + i)), []) for i in range(R)]
+    got = CpuSampler().verify(logits, build(CpuSampler(), requests), ids, q, method="block")
+    want = reference.verify(logits, build(reference, requests), ids, q, method="block")
+    assert want.num_emitted.tolist() == [K + 1] * R                 # u <= h_K = w_K everywhere
+    assert torch.equal(got.token_ids, want.token_ids)
+
+
+@pytest.mark.parametrize("closeness", [0.2, 1.0, 3.0])
+def test_many_seeded_top_p_rows_verified_as_a_block_emit_the_references_tokens(closeness):
+    """Seeded whole rows with a pending top-p cut, judged from bounds on the nucleus mass
+    where those settle the block (every draft kept, or none) and from the reference's softmax
+    otherwise: many rows, drafts near and far, the reference's tokens."""
+    Vs, R = 64, 400
+    g = torch.Generator().manual_seed(103)
+    cpu, reference = CpuSampler(), Sampler("cpu")
+    mine, ref = cpu.new_batch(Vs), reference.new_batch(Vs)
+    for i in range(R):
+        params = SamplingParams(seed=700 + i, top_p=0.8, temperature=0.9)
+        mine.add(f"p{i}", params)
+        ref.add(f"p{i}", params)
+    logits = torch.randn((R, K + 1, Vs), generator=g) * 2
+    q = torch.softmax(logits[:, :K] / 0.9 + closeness * torch.randn((R, K, Vs), generator=g), dim=-1)
+    ids = torch.stack([torch.multinomial(q[:, j], 1, generator=g)[:, 0] for j in range(K)], dim=1)
+    got = cpu.verify(logits, mine, ids, q, method="block")
+    want = reference.verify(logits, ref, ids, q, method="block")
+    differ = (got.token_ids != want.token_ids).any(dim=1).nonzero()[:, 0].tolist()
+    assert not differ, f"rows {differ[:10]} differ from the reference"
+    assert len(set(got.num_emitted.tolist())) >= 3                 # stops at several slots
