@@ -10,7 +10,12 @@ vLLM's field is derived, the mapping takes vLLM's derived value:
 - ``n`` is 1 inside the engine: vLLM runs a request with n > 1 as n requests. vLLM seeds
   child i with ``seed + i``; with ``CORELIB_VLLM`` set, child i of a seeded request keeps the
   parent's seed and carries its index in ``extra_args["child_offset"]`` (``child_params``), so
-  it draws what row (request, i) of corelib's own n-completion request draws.
+  it draws what row (request, i) of corelib's own n-completion request draws;
+- ``thinking_token_budget`` is corelib's ``thinking_budget``, with the markers of the engine's
+  reasoning config (``ThinkingMarkers``): its start ids open a thinking section, its natural
+  end ids close one, its forced end ids (which may begin with a transition phrase) are what
+  the budget forces;
+- ``logprobs`` keeps its value, -1 (every token) included.
 
 corelib's own samplers that vLLM has no field for come through ``extra_args``: a key that
 is a ``corelib.SamplingParams`` field absent from vLLM's ``SamplingParams`` is passed on
@@ -24,6 +29,7 @@ So is a vLLM feature that would change sampling and that corelib does not implem
 from __future__ import annotations
 
 import copy
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import pydantic
@@ -36,6 +42,10 @@ GREEDY_TEMPERATURE = 1e-5
 VLLM_EXTRA_ARGS = frozenset({"kv_transfer_params", "ec_transfer_params", "kv_cache_report_mode"})
 # The extra_args key of the child index a request draws as (parallel sampling).
 CHILD_OFFSET = "child_offset"
+# corelib fields that vLLM sets otherwise: the budget is vLLM's thinking_token_budget, the
+# markers are the engine's reasoning config (one set per engine, as vLLM has it).
+THINKING_FIELDS = frozenset({"thinking_budget", "thinking_start_token_ids",
+                             "thinking_end_token_ids", "thinking_forced_token_ids"})
 _INT32_MAX = 2**31 - 1
 
 
@@ -43,19 +53,64 @@ class UnsupportedParameterError(ValueError):
     """A vLLM request asks for something corelib cannot sample exactly."""
 
 
+@dataclass(frozen=True)
+class ThinkingMarkers:
+    """The token ids of an engine's reasoning markers, as corelib's step 8b reads them."""
+
+    start: tuple[int, ...]       # opens a thinking section (thinking_start_token_ids)
+    end: tuple[int, ...]         # closes one when the model writes it (thinking_end_token_ids)
+    forced: tuple[int, ...]      # forced once the budget is spent (thinking_forced_token_ids)
+
+
+def thinking_markers(reasoning_config: Any,
+                     vocab_size: Optional[int] = None) -> Optional[ThinkingMarkers]:
+    """The markers of vLLM's ``ReasoningConfig``; None without one, or when vLLM found no
+    marker strings to tokenise. Its ``reasoning_start_token_ids`` open a section, its
+    ``natural_reasoning_end_token_ids`` (the parser's end marker) close one, and its
+    ``reasoning_end_token_ids`` (``reasoning_end_str``: a transition phrase, then the end
+    marker) are forced. Raises ValueError naming the setting when corelib's contract cannot
+    express them: forced ids that do not end with the natural end ids, or ids outside
+    ``vocab_size``."""
+    if reasoning_config is None or not reasoning_config.enabled:
+        return None
+    markers = ThinkingMarkers(tuple(reasoning_config.reasoning_start_token_ids or ()),
+                              tuple(reasoning_config.natural_reasoning_end_token_ids or ()),
+                              tuple(reasoning_config.reasoning_end_token_ids or ()))
+    if not (markers.start and markers.end and markers.forced):
+        return None
+    if markers.forced[len(markers.forced) - len(markers.end):] != markers.end:
+        raise ValueError(
+            f"the reasoning config's forced end {list(markers.forced)} (reasoning_end_str "
+            f"{reasoning_config.reasoning_end_str!r}) does not end with its natural end "
+            f"{list(markers.end)} (the reasoning parser's end marker): corelib forces a "
+            f"transition phrase followed by the end marker; make reasoning_end_str end with it")
+    for name, ids in (("reasoning_start_token_ids", markers.start),
+                      ("natural_reasoning_end_token_ids", markers.end),
+                      ("reasoning_end_token_ids", markers.forced)):
+        if vocab_size is not None and max(ids) >= vocab_size:
+            raise ValueError(f"the reasoning config's {name} {list(ids)} hold token id "
+                             f"{max(ids)}, out of range for the model's vocabulary of {vocab_size}")
+    return markers
+
+
 def extra_args_fields(vllm_params_type: type) -> frozenset[str]:
     """The ``corelib.SamplingParams`` fields ``extra_args`` may set: those that
-    ``vllm_params_type`` (vLLM's ``SamplingParams``, a msgspec struct) does not have."""
-    return frozenset(SamplingParams.model_fields) - frozenset(vllm_params_type.__struct_fields__)
+    ``vllm_params_type`` (vLLM's ``SamplingParams``, a msgspec struct) does not have, except
+    the reasoning budget's (``THINKING_FIELDS``), which vLLM sets its own way."""
+    return (frozenset(SamplingParams.model_fields) - frozenset(vllm_params_type.__struct_fields__)
+            - THINKING_FIELDS)
 
 
 def corelib_params(params: Any, vocab_size: Optional[int] = None,
-                   custom_processors: bool = False) -> SamplingParams:
+                   custom_processors: bool = False,
+                   thinking: Optional[ThinkingMarkers] = None) -> SamplingParams:
     """The ``corelib.SamplingParams`` that sample what ``params`` (a vLLM ``SamplingParams``)
     asks for. Raises ``ValueError`` naming the parameter when corelib cannot honour it or a
-    value is out of corelib's range, and for token ids outside ``vocab_size`` when given.
-    ``custom_processors``: the engine runs custom logits processors, so an ``extra_args`` key
-    that is neither corelib's nor vLLM's is left to them."""
+    value is out of corelib's range, and for token ids (and a number of logprobs) beyond
+    ``vocab_size`` when given. ``custom_processors``: the engine runs custom logits
+    processors, so an ``extra_args`` key that is neither corelib's nor vLLM's is left to them.
+    ``thinking``: the engine's reasoning markers (``thinking_markers``), which a
+    ``thinking_token_budget`` needs."""
     _reject_unsupported(params)
     fields = {
         "n": params.n,
@@ -74,6 +129,7 @@ def corelib_params(params: Any, vocab_size: Optional[int] = None,
         "seed": params.seed,
         "logprobs": params.logprobs,
     }
+    fields.update(_thinking_fields(params, thinking))
     fields.update(_extra_fields(params, custom_processors))
     offset = child_offset(params)
     if offset + params.n - 1 > _INT32_MAX:
@@ -86,6 +142,9 @@ def corelib_params(params: Any, vocab_size: Optional[int] = None,
     if vocab_size is not None and top is not None and top >= vocab_size:
         raise ValueError(f"token id {top} in the sampling parameters is out of range for the "
                          f"model's vocabulary of {vocab_size}")
+    if vocab_size is not None and result.logprobs is not None and result.logprobs > vocab_size:
+        raise ValueError(f"logprobs={result.logprobs} exceeds the model's vocabulary of "
+                         f"{vocab_size} (-1 asks for every token)")
     _check_first_token_possible(result)
     return result
 
@@ -127,17 +186,23 @@ def _check_first_token_possible(params: SamplingParams) -> None:
 
 
 def _reject_unsupported(params: Any) -> None:
-    if params.logprobs == -1:
-        raise UnsupportedParameterError(
-            "logprobs=-1 (the whole vocabulary) is not supported by corelib's sampler: ask for "
-            "at most 20")
     if params.logprob_token_ids is not None:
         raise UnsupportedParameterError(
             f"logprob_token_ids is not supported by corelib's sampler, got {params.logprob_token_ids}")
-    if params.thinking_token_budget is not None:
-        raise UnsupportedParameterError(
-            f"thinking_token_budget is not supported by corelib's sampler, got "
-            f"{params.thinking_token_budget}")
+
+
+def _thinking_fields(params: Any, thinking: Optional[ThinkingMarkers]) -> dict[str, Any]:
+    budget = params.thinking_token_budget
+    if budget is None:
+        return {}
+    if thinking is None:
+        raise ValueError(
+            f"thinking_token_budget={budget} needs the engine's reasoning markers: start the "
+            f"engine with a reasoning parser (reasoning_parser) or a reasoning config "
+            f"(reasoning_config with reasoning_start_str and reasoning_end_str)")
+    return {"thinking_budget": budget, "thinking_start_token_ids": list(thinking.start),
+            "thinking_end_token_ids": list(thinking.end),
+            "thinking_forced_token_ids": list(thinking.forced)}
 
 
 def _extra_fields(params: Any, custom_processors: bool) -> dict[str, Any]:
@@ -149,6 +214,9 @@ def _extra_fields(params: Any, custom_processors: bool) -> dict[str, Any]:
             continue
         if key in allowed:
             fields[key] = value
+        elif key in THINKING_FIELDS:
+            raise ValueError(f"extra_args[{key!r}]: the reasoning budget is vLLM's "
+                             f"thinking_token_budget, its markers the engine's reasoning config")
         elif key in SamplingParams.model_fields:
             raise ValueError(f"extra_args[{key!r}]: {key} is a field of vLLM's SamplingParams; "
                              f"set it there")

@@ -24,6 +24,11 @@ each hook wraps or replaces one vLLM function, in the process that imports its m
   end splits a request with n > 1 into n requests): child i of a seeded request keeps the
   parent's seed and carries its index (``params.child_params``), where vLLM seeds it
   ``seed + i``;
+- ``vllm.v1.spec_decode.llm_base_proposer.SpecDecodeBaseProposer.__init__`` (the drafters that
+  run a model: draft models, EAGLE, MTP): vLLM's drafter hands its draft probabilities to the
+  verification only under ``rejection_sample_method="standard"``; with corelib's block
+  verification (``"block"``) and ``draft_sample_method="probabilistic"`` it hands them on too,
+  since block verification needs them (without them every row keeps the token rule);
 - ``vllm.sampling_params.SamplingParams._validate_spec_decode``: vLLM refuses min_p and
   logit_bias under speculative decoding (its rejection sampler skips them); corelib applies
   every stage at every verification slot, so with ``CORELIB_VLLM`` set they are accepted;
@@ -68,13 +73,11 @@ INPUT_PROCESSOR_MODULE = "vllm.v1.engine.input_processor"
 PARALLEL_SAMPLING_MODULE = "vllm.v1.engine.parallel_sampling"
 SCHEDULER_MODULE = "vllm.v1.core.sched.scheduler"
 SAMPLING_PARAMS_MODULE = "vllm.sampling_params"
+PROPOSER_MODULE = "vllm.v1.spec_decode.llm_base_proposer"
 ENGINE_CORE_MODULE = "vllm.v1.engine.core"
 # The attribute of a ModelRunnerOutput that carries the step's flagged requests (request id ->
 # why) from the worker to the scheduler; it travels with the output (pickled between processes).
 FAILURES_ATTRIBUTE = "corelib_failures"
-# The rejection-sampling method corelib's verify implements (vLLM's "synthetic" and "block"
-# accept drafts by other rules).
-STANDARD_REJECTION = "standard"
 # Set on every function corelib puts in place of vLLM's, so a check can tell a patched class.
 HOOK_MARK = "__corelib_hook__"
 
@@ -97,6 +100,7 @@ def install() -> None:
     when_imported(PARALLEL_SAMPLING_MODULE, _patch_parallel_sampling)
     when_imported(SCHEDULER_MODULE, _patch_scheduler)
     when_imported(SAMPLING_PARAMS_MODULE, _patch_spec_decode_validation)
+    when_imported(PROPOSER_MODULE, _patch_proposer)
     install_guard()
 
 
@@ -149,20 +153,10 @@ def _patch_input_batch(module) -> None:
 def attach_sampler(runner: Any, choice: str) -> None:
     """Give ``runner`` (a V1 ``GPUModelRunner``) corelib's sampler (and corelib's draft
     verification when it decodes speculatively), or raise ValueError naming the engine
-    setting corelib cannot honour."""
-    from .sampler import LOGPROBS_MODES, CorelibSampler
-    spec = runner.speculative_config
-    if spec is not None and spec.rejection_sample_method != STANDARD_REJECTION:
-        raise ValueError(
-            f"{ENV_VAR}: speculative decoding with rejection_sample_method="
-            f"{spec.rejection_sample_method!r} is not supported: corelib verifies drafts by "
-            f"standard rejection sampling ({STANDARD_REJECTION!r})")
-    mode = runner.model_config.logprobs_mode
-    if mode not in LOGPROBS_MODES:
-        raise ValueError(f"{ENV_VAR}: logprobs_mode={mode!r} is not supported; corelib "
-                         f"returns {sorted(LOGPROBS_MODES)}")
+    setting corelib cannot honour (``CorelibSampler`` checks them)."""
+    from .sampler import CorelibSampler
     runner.sampler = CorelibSampler(runner, choice)
-    if spec is not None:
+    if runner.speculative_config is not None:
         runner.rejection_sampler = runner.sampler.rejection_sampler
 
 
@@ -178,15 +172,19 @@ def _refuse_v2_runner(module) -> None:
 def _patch_input_processor(module) -> None:
     from vllm.exceptions import VLLMValidationError
 
-    from .params import corelib_params
+    from .params import corelib_params, thinking_markers
 
     def after_process(processor, request):
         params = request.sampling_params
         if backend_choice() is None or params is None:
             return
+        vocab_size = processor.model_config.get_vocab_size()
         try:
-            corelib_params(params, processor.model_config.get_vocab_size(),
-                           custom_processors=runs_custom_processors(processor.model_config))
+            thinking = (None if params.thinking_token_budget is None else
+                        thinking_markers(processor.vllm_config.reasoning_config, vocab_size))
+            corelib_params(params, vocab_size,
+                           custom_processors=runs_custom_processors(processor.model_config),
+                           thinking=thinking)
         except ValueError as exc:
             raise VLLMValidationError(f"corelib sampler ({ENV_VAR}): {exc}") from exc
     _wrap_after(module.InputProcessor, "process_inputs", after_process)
@@ -292,6 +290,17 @@ def _processor_plugins_installed() -> bool:
 
     from vllm.v1.sample.logits_processor import LOGITSPROCS_GROUP
     return bool(entry_points(group=LOGITSPROCS_GROUP))
+
+
+def _patch_proposer(module) -> None:
+    from .speculative import BLOCK_REJECTION
+
+    def probabilities_for_block_verification(proposer, result):
+        spec = proposer.speculative_config
+        if (backend_choice() is not None and spec.rejection_sample_method == BLOCK_REJECTION
+                and spec.draft_sample_method == "probabilistic"):
+            proposer._enable_probabilistic_draft_probs = True
+    _wrap_after(module.SpecDecodeBaseProposer, "__init__", probabilities_for_block_verification)
 
 
 def _patch_spec_decode_validation(module) -> None:

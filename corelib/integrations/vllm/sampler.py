@@ -42,14 +42,15 @@ from ...batch import SamplingBatch
 from ...params import SamplingParams
 from ...sampler import Logprobs, Sampler
 from . import AUTO, ENV_VAR
-from .params import child_offset, corelib_params
+from .params import ThinkingMarkers, child_offset, corelib_params, thinking_markers
 from .processors import ProcessorStages, custom_processors, processor_name
-from .speculative import CorelibRejectionSampler, DraftLayout, SpeculationStats
+from .speculative import CorelibRejectionSampler, DraftLayout, SpeculationStats, verify_method
 
 logger = logging.getLogger(__name__)
 
-# vLLM's logprobs modes corelib computes, and their corelib names.
-LOGPROBS_MODES = {"raw_logprobs": "raw", "processed_logprobs": "processed"}
+# vLLM's logprobs modes and their corelib names.
+LOGPROBS_MODES = {"raw_logprobs": "raw", "processed_logprobs": "processed",
+                  "raw_logits": "raw_logits", "processed_logits": "processed_logits"}
 # Placeholder vLLM writes for a token whose value is not on the host yet (async scheduling).
 PLACEHOLDER_TOKEN = -1
 
@@ -91,10 +92,12 @@ class BatchMirror:
     """A ``SamplingBatch`` kept in the row order of a vLLM ``InputBatch`` (module docstring)."""
 
     def __init__(self, sampler: Sampler, vocab_size: int, logprobs_mode: str,
-                 processors: Optional[ProcessorStages] = None):
+                 processors: Optional[ProcessorStages] = None,
+                 thinking: Optional[ThinkingMarkers] = None):
         self.vocab_size = vocab_size
         self.batch: SamplingBatch = sampler.new_batch(vocab_size, logprobs_mode=logprobs_mode)
         self.processors = processors
+        self.thinking = thinking
         for spec in processors.specs() if processors else ():
             self.batch.use_stage(spec, "vllm")
         # request id -> (vLLM SamplingParams object, prompt length) it was added with
@@ -150,7 +153,8 @@ class BatchMirror:
             raise ValueError(f"request {request_id!r}: repetition_penalty needs the prompt's "
                              f"token ids, but the prompt was given as embeddings")
         params = corelib_params(state.sampling_params, self.vocab_size,
-                                custom_processors=self.processors is not None)
+                                custom_processors=self.processors is not None,
+                                thinking=self.thinking)
         if self.processors:
             self.processors.admit(request_id)
         self.batch.add(request_id, params, prompt_token_ids=state.prompt_token_ids or (),
@@ -185,14 +189,24 @@ class CorelibSampler(VllmSampler):
     """
 
     def __init__(self, runner: Any, choice: str):
+        """Raises ValueError naming the engine setting corelib cannot honour: a logprobs mode,
+        reasoning markers (``params.thinking_markers``), a rejection-sampling method
+        (``speculative.verify_method``), custom logits processors on a traced backend."""
         model_config = runner.model_config
-        super().__init__(logprobs_mode=model_config.logprobs_mode,
+        mode = model_config.logprobs_mode
+        if mode not in LOGPROBS_MODES:
+            raise ValueError(f"{ENV_VAR}: logprobs_mode={mode!r} is not supported; corelib "
+                             f"returns {sorted(LOGPROBS_MODES)}")
+        vocab_size = runner.input_batch.vocab_size
+        thinking = _engine_setting(thinking_markers, runner.vllm_config.reasoning_config, vocab_size)
+        super().__init__(logprobs_mode=mode,
                          use_fp64_gumbel=getattr(model_config, "use_fp64_gumbel", False))
         self.runner = runner
         self.corelib = make_sampler(choice, torch.device(runner.device), model_config.seed)
+        self.verify_method = _engine_setting(verify_method, runner.speculative_config, self.corelib)
         self.processors = self._processor_stages(custom_processors(runner.input_batch.logitsprocs))
-        self.mirror = BatchMirror(self.corelib, runner.input_batch.vocab_size,
-                                  LOGPROBS_MODES[model_config.logprobs_mode], self.processors)
+        self.mirror = BatchMirror(self.corelib, vocab_size, LOGPROBS_MODES[mode], self.processors,
+                                  thinking)
         self.rejection_sampler = CorelibRejectionSampler(self)
         # A backend written before corelib's token_bitmask argument gets vLLM's own in-place
         # masking of the logits instead (``grammar``).
@@ -227,7 +241,9 @@ class CorelibSampler(VllmSampler):
         if self.takes_token_bitmask:
             patched.append("grammar bitmask -> token_bitmask")
         if self.runner.speculative_config is not None:
-            patched.append("rejection_sampler -> corelib verify")
+            patched.append(f"rejection_sampler -> corelib verify (method={self.verify_method!r})")
+        if self.mirror.thinking is not None:
+            patched.append("thinking budget -> corelib step 8b")
         if self.processors:
             patched.append(f"logits processors as corelib stages: {self.processors.names}")
         return {"backend": self.corelib.name, "device": str(self.corelib.device), "patched": patched}
@@ -295,14 +311,21 @@ class CorelibSampler(VllmSampler):
         probs = layout.draft_probs(draft_probs)
         if sampling_metadata is not self.runner.input_batch.sampling_metadata:
             batch = self._profile_batch(ids.shape[0], logits.shape[1])
-            out = self.corelib.verify(layout.logits(logits), batch, ids, probs, mask)
+            out = self._verify(layout.logits(logits), batch, ids, probs, mask)
             return _vllm_output(out.token_ids, out.logprobs)
         batch = self.mirror.sync(self.runner.input_batch, self.runner.requests)
-        out = self.corelib.verify(layout.logits(logits), batch, ids, probs, mask)
+        out = self._verify(layout.logits(logits), batch, ids, probs, mask)
         self._any_flagged(out.valid, batch, out.raise_on_invalid)
         batch.append(out.token_ids)
         self.speculation.record(layout, out.num_emitted)
         return _vllm_output(out.token_ids, out.logprobs)
+
+    def _verify(self, logits, batch, ids, probs, mask):
+        """corelib's verify with the engine's method (a backend written before verify's
+        ``method`` argument is called without it: it verifies by the token rule)."""
+        if self.verify_method == "token":
+            return self.corelib.verify(logits, batch, ids, probs, mask)
+        return self.corelib.verify(logits, batch, ids, probs, mask, method=self.verify_method)
 
     # ------------------------------------------------------------------ structured outputs
     def receive_grammar_bitmask(self, mask: torch.Tensor) -> None:
@@ -356,6 +379,15 @@ def sampler_for(input_batch: Any) -> Optional[CorelibSampler]:
         if sampler.runner.input_batch is input_batch:
             return sampler
     return None
+
+
+def _engine_setting(read, *args):
+    """``read(*args)``, a ValueError it raises prefixed with the variable that chose corelib
+    (the engine fails to start with it)."""
+    try:
+        return read(*args)
+    except ValueError as exc:
+        raise ValueError(f"{ENV_VAR}: {exc}") from None
 
 
 def _vllm_output(token_ids: torch.Tensor, logprobs: Optional[Logprobs]) -> SamplerOutput:

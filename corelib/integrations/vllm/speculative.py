@@ -11,16 +11,46 @@ request asks for logprobs, one logprobs row per (row, slot).
 ``DraftLayout`` maps these onto corelib's ``[rows, K + 1, ...]`` slots and
 ``CorelibRejectionSampler`` is the object the runner calls; corelib's ``verify`` and the batch
 append happen in ``CorelibSampler.verify_drafts``.
+
+vLLM's ``rejection_sample_method`` chooses corelib's verification rule (``verify_method``):
+``"standard"`` is corelib's token rule, ``"block"`` its block verification (rows without draft
+probabilities keep the token rule). ``"synthetic"`` (acceptance at fixed rates, for load
+tests) follows no rule that keeps the target distribution and is refused.
 """
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
 
 NO_DRAFT = -1
+STANDARD_REJECTION, BLOCK_REJECTION = "standard", "block"
+# vLLM's rejection_sample_method -> the method of corelib's verify.
+VERIFY_METHODS = {STANDARD_REJECTION: "token", BLOCK_REJECTION: "block"}
+
+
+def verify_method(speculative_config: Any, sampler: Any) -> str:
+    """The ``method`` of corelib's verify for vLLM's ``speculative_config`` (None: no
+    speculation, "token"). Raises ValueError naming ``rejection_sample_method`` for a method
+    corelib does not implement, and for block verification on a backend whose ``verify``
+    has no ``method`` argument (written before it)."""
+    if speculative_config is None:
+        return VERIFY_METHODS[STANDARD_REJECTION]
+    choice = speculative_config.rejection_sample_method
+    if choice not in VERIFY_METHODS:
+        raise ValueError(
+            f"speculative decoding with rejection_sample_method={choice!r} is not supported: "
+            f"corelib verifies drafts by {sorted(VERIFY_METHODS)} (standard: the token rule, "
+            f"block: block verification)")
+    method = VERIFY_METHODS[choice]
+    if method != "token" and "method" not in inspect.signature(sampler.verify).parameters:
+        raise ValueError(
+            f"rejection_sample_method={choice!r} needs block verification, which corelib "
+            f"backend {sampler.name!r} does not offer (its verify has no method argument)")
+    return method
 
 
 @dataclass

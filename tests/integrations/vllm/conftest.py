@@ -51,6 +51,17 @@ SEEDED = dict(temperature=0.9, top_k=40, top_p=0.95, min_p=0.02)
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3,
          "prompt_lookup_min": 1}
 
+# The backend of the engines that test the third release's features (thinking budgets, the
+# logits modes, any number of logprobs, block verification): the reference backend until the
+# cpu backend implements them; CORELIB_VLLM_NEW_FEATURES=cpu runs those tests on cpu.
+NEW_FEATURES_BACKEND = os.environ.get("CORELIB_VLLM_NEW_FEATURES", "reference")
+# Reasoning markers for the tiny model, which has no reasoning parser: vLLM's ReasoningConfig
+# tokenises them (" by", one token the model writes itself; "</think>", six tokens).
+THINK_START, THINK_END = " by", "</think>"
+# A reasoning parser registered by the suite (``thinking_parser``) ends thinking with
+# THINK_END; the config forces a transition phrase before it.
+THINK_PARSER, THINK_PHRASE_END = "corelib-test-thinking", " OK</think>"
+
 
 @contextlib.contextmanager
 def corelib_vllm(value):
@@ -107,6 +118,31 @@ def run(llm, prompts, params) -> list[list[list[int]]]:
 
 def first(results):
     return [completions[0] for completions in results]
+
+
+class Speculation:
+    """The completions of one generate call and the drafts corelib verified meanwhile."""
+
+    def __init__(self, llm, prompts, params):
+        stats = runner_of(llm).sampler.speculation
+        before = stats.as_dict()
+        self.completions = first(generate(llm, prompts, params))
+        after = stats.as_dict()
+        self.stats = {key: after[key] - before[key] for key in ("verified_rows", "draft_tokens",
+                                                                 "accepted_tokens")}
+        self.by_position = [a - b for a, b in zip(after["accepted_by_position"],
+                                                  before["accepted_by_position"] + [0] * 8)]
+
+    @property
+    def tokens(self) -> list[list[int]]:
+        return [list(c.token_ids) for c in self.completions]
+
+    def vllm_totals(self) -> dict[str, int]:
+        """The same totals from vLLM's per-request metrics (its scheduler's own counts)."""
+        metrics = [c.spec_decode_metrics for c in self.completions]
+        return {"verified_rows": sum(sum(m.histogram) for m in metrics),
+                "draft_tokens": sum(m.num_draft_tokens for m in metrics),
+                "accepted_tokens": sum(j * n for m in metrics for j, n in enumerate(m.histogram))}
 
 
 def hf_generate(model, prompts, params, max_new_tokens=TOKENS, backend="cpu"):
@@ -188,6 +224,109 @@ def draft_llm(model_dir):
 def vllm_llm(model_dir):
     """vLLM with its own sampler: CORELIB_VLLM unset while the engine starts."""
     return make_llm(model_dir, None)
+
+
+def reasoning_config(start: str = THINK_START, end: str = THINK_END):
+    from vllm.config.reasoning import ReasoningConfig
+    return ReasoningConfig(reasoning_start_str=start, reasoning_end_str=end)
+
+
+@pytest.fixture(scope="session")
+def new_llm(model_dir):
+    """NEW_FEATURES_BACKEND with the suite's reasoning markers and every logprob allowed
+    (``max_logprobs=-1``)."""
+    return make_llm(model_dir, NEW_FEATURES_BACKEND, reasoning_config=reasoning_config(),
+                    max_logprobs=-1)
+
+
+@pytest.fixture(scope="session")
+def new_vllm_llm(model_dir):
+    """vLLM's own sampler with the same settings (the oracle for the new features)."""
+    return make_llm(model_dir, None, reasoning_config=reasoning_config(), max_logprobs=-1)
+
+
+@pytest.fixture(scope="session")
+def raw_logits_llm(model_dir):
+    """NEW_FEATURES_BACKEND returning the model's logits (``logprobs_mode="raw_logits"``)."""
+    return make_llm(model_dir, NEW_FEATURES_BACKEND, logprobs_mode="raw_logits", max_logprobs=-1)
+
+
+@pytest.fixture(scope="session")
+def processed_logits_llm(model_dir):
+    """NEW_FEATURES_BACKEND returning the logits of the final distribution
+    (``logprobs_mode="processed_logits"``)."""
+    return make_llm(model_dir, NEW_FEATURES_BACKEND, logprobs_mode="processed_logits",
+                    max_logprobs=-1)
+
+
+@pytest.fixture(scope="session")
+def thinking_parser():
+    """The name of a vLLM reasoning parser whose markers are THINK_START and THINK_END,
+    registered the way vLLM's reasoning-parser plugins register theirs."""
+    from vllm.reasoning.abs_reasoning_parsers import ReasoningParser, ReasoningParserManager
+
+    class ThinkingParser(ReasoningParser):
+        @property
+        def reasoning_start_str(self) -> str:
+            return THINK_START
+
+        @property
+        def reasoning_end_str(self) -> str:
+            return THINK_END
+
+        def is_reasoning_end(self, input_ids) -> bool:
+            return False
+
+        def extract_content_ids(self, input_ids):
+            return list(input_ids)
+
+    ReasoningParserManager.register_module(THINK_PARSER, module=ThinkingParser)
+    return THINK_PARSER
+
+
+def phrase_options(parser: str) -> dict:
+    """The parser's markers, with a transition phrase forced before its end marker."""
+    from vllm.config.reasoning import ReasoningConfig
+    return dict(reasoning_parser=parser,
+                reasoning_config=ReasoningConfig(reasoning_end_str=THINK_PHRASE_END))
+
+
+@pytest.fixture(scope="session")
+def phrase_llm(model_dir, thinking_parser):
+    return make_llm(model_dir, NEW_FEATURES_BACKEND, **phrase_options(thinking_parser))
+
+
+@pytest.fixture(scope="session")
+def phrase_vllm_llm(model_dir, thinking_parser):
+    return make_llm(model_dir, None, **phrase_options(thinking_parser))
+
+
+@pytest.fixture(scope="session")
+def new_ngram_llm(model_dir):
+    """new_llm's settings with ngram speculation (corelib's token rule)."""
+    return make_llm(model_dir, NEW_FEATURES_BACKEND, reasoning_config=reasoning_config(),
+                    max_logprobs=-1, speculative_config=NGRAM,
+                    per_request_spec_decode_metrics="summary")
+
+
+@pytest.fixture(scope="session")
+def block_ngram_llm(model_dir):
+    """ngram speculation with vLLM's rejection_sample_method="block" (corelib's block
+    verification; ngram gives no draft probabilities, so rows keep the token rule)."""
+    return make_llm(model_dir, NEW_FEATURES_BACKEND, per_request_spec_decode_metrics="summary",
+                    speculative_config={**NGRAM, "rejection_sample_method": "block"})
+
+
+@pytest.fixture(scope="session")
+def block_draft_llm(model_dir):
+    """A draft model (the target model itself) drafting by sampling, verified as a block.
+    More rows per step than the other engines: its statistical test sends many requests."""
+    return make_llm(model_dir, NEW_FEATURES_BACKEND, per_request_spec_decode_metrics="summary",
+                    max_num_seqs=64,
+                    speculative_config={"method": "draft_model", "model": str(model_dir),
+                                        "num_speculative_tokens": 3,
+                                        "draft_sample_method": "probabilistic",
+                                        "rejection_sample_method": "block"})
 
 
 @pytest.fixture(scope="session")

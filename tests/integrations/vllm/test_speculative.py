@@ -19,6 +19,7 @@ from conftest import (
     NGRAM,
     PROMPTS,
     SEEDED,
+    Speculation,
     first,
     generate,
     hf_generate,
@@ -31,31 +32,6 @@ LENGTH = 20
 # Prompts whose continuations repeat (ngram finds proposals), and the plain ones; more prompts
 # than max_num_seqs, so requests join and leave while others speculate.
 SPEC_PROMPTS = [[1, 17, 42, 99, 7, 17, 42, 99, 7], [1, 300, 301, 300, 301]] + PROMPTS
-
-
-class Speculation:
-    """The completions of one generate call and the drafts corelib verified meanwhile."""
-
-    def __init__(self, llm, prompts, params):
-        stats = runner_of(llm).sampler.speculation
-        before = stats.as_dict()
-        self.completions = first(generate(llm, prompts, params))
-        after = stats.as_dict()
-        self.stats = {key: after[key] - before[key] for key in ("verified_rows", "draft_tokens",
-                                                                 "accepted_tokens")}
-        self.by_position = [a - b for a, b in zip(after["accepted_by_position"],
-                                                  before["accepted_by_position"] + [0] * 8)]
-
-    @property
-    def tokens(self) -> list[list[int]]:
-        return [list(c.token_ids) for c in self.completions]
-
-    def vllm_totals(self) -> dict[str, int]:
-        """The same totals from vLLM's per-request metrics (its scheduler's own counts)."""
-        metrics = [c.spec_decode_metrics for c in self.completions]
-        return {"verified_rows": sum(sum(m.histogram) for m in metrics),
-                "draft_tokens": sum(m.num_draft_tokens for m in metrics),
-                "accepted_tokens": sum(j * n for m in metrics for j, n in enumerate(m.histogram))}
 
 
 def test_draft_layout_regroups_vllms_flat_tensors():
@@ -140,13 +116,20 @@ def test_logprobs_with_speculation_equal_plain_decoding(ngram_llm, corelib_llm):
 
 
 # ---------------------------------------------------------------------- draft model: probs
-def test_draft_probabilities_reach_the_rejection_sampling(draft_llm, corelib_llm):
+@pytest.mark.parametrize("method, engines", [
+    ("token", ("draft_llm", "corelib_llm")),
+    ("block", ("block_draft_llm", "new_llm")),      # test_block_verification.py
+])
+def test_draft_probabilities_reach_the_verification(method, engines, request):
     """The draft model is the target model, so each draft's probability equals the target's
-    (p = q): corelib's ratio test accepts every draft of random rows. Without the draft
-    probabilities, or with those of another slot or row, a draft would pass only when it
-    equals the slot's own draw. Greedy rows emit the tokens of plain decoding."""
+    (p = q): corelib's ratio test, and its block verification, accept every draft of random
+    rows. Without the draft probabilities, or with those of another slot or row, a draft
+    would pass only when it equals the slot's own draw (about 3% of them). Greedy rows emit
+    the tokens of plain decoding."""
+    draft_llm, plain_llm = (request.getfixturevalue(name) for name in engines)
+    assert runner_of(draft_llm).sampler.verify_method == method
     greedy = vllm_params(temperature=0.0, max_tokens=LENGTH)
-    assert first(run(draft_llm, SPEC_PROMPTS, greedy)) == first(run(corelib_llm, SPEC_PROMPTS, greedy))
+    assert first(run(draft_llm, SPEC_PROMPTS, greedy)) == first(run(plain_llm, SPEC_PROMPTS, greedy))
     params = [vllm_params(temperature=1.0, seed=90 + i, max_tokens=LENGTH)
               for i in range(len(SPEC_PROMPTS))]
     spec = Speculation(draft_llm, SPEC_PROMPTS, params)
