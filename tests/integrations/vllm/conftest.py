@@ -52,9 +52,9 @@ NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3,
          "prompt_lookup_min": 1}
 
 # The backend of the engines that test the third release's features (thinking budgets, the
-# logits modes, any number of logprobs, block verification): the reference backend until the
-# cpu backend implements them; CORELIB_VLLM_NEW_FEATURES=cpu runs those tests on cpu.
-NEW_FEATURES_BACKEND = os.environ.get("CORELIB_VLLM_NEW_FEATURES", "reference")
+# logits modes, any number of logprobs, block verification): cpu, as everywhere else in the
+# suite; CORELIB_VLLM_NEW_FEATURES=reference runs them on the oracle instead.
+NEW_FEATURES_BACKEND = os.environ.get("CORELIB_VLLM_NEW_FEATURES", "cpu")
 # Reasoning markers for the tiny model, which has no reasoning parser: vLLM's ReasoningConfig
 # tokenises them (" by", one token the model writes itself; "</think>", six tokens).
 THINK_START, THINK_END = " by", "</think>"
