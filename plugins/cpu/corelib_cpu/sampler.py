@@ -622,7 +622,8 @@ class CpuSampler(Sampler):
         if not at:
             return
         index = torch.tensor(at, dtype=torch.long)
-        probs = record.weights if len(at) == len(record.rows) else record.weights.index_select(0, index)
+        whole = at == list(range(len(record.rows)))        # every place, in the record's order
+        probs = record.weights if whole else record.weights.index_select(0, index)
         top_p = torch.tensor([record.top_p[j] for j in at], dtype=torch.float32)
         threshold = nucleus_threshold(probs, top_p, self.workspace)
         # a row with a NaN (float32 overflow upstream) is NaN throughout: it keeps nothing

@@ -275,3 +275,17 @@ def test_rows_that_spill_past_their_candidates_after_min_p_draw_from_the_top_k()
         out = cpu.sample(logits, mine)
         assert bool(out.valid.all())
         assert bool(kept[0, out.token_ids].all()), out.token_ids
+
+
+def test_pending_top_p_cuts_resolved_together_keep_each_rows_threshold():
+    """Rows whose top-p cuts share one record but reach apply_cuts out of the record's order
+    (here a min-p row after a plain top-p row) each keep their own nucleus."""
+    logits = torch.tensor([[0.1541, -0.0293, -0.2179, 0.0568, -0.1085, -0.1399, 0.0403, 0.0838],
+                           [-0.0719, -0.0403, -0.0597, 0.0182, -0.0857, 0.1101, -0.1071, 0.0123]])
+
+    def kept(sampler):
+        batch = sampler.new_batch(8)
+        batch.add("a", SamplingParams(top_p=0.5))
+        batch.add("b", SamplingParams(top_p=0.5, min_p=0.5))
+        return torch.isfinite(sampler.processed_logits(logits, batch))
+    assert torch.equal(kept(CpuSampler()), kept(Sampler("cpu")))
