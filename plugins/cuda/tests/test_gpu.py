@@ -54,11 +54,13 @@ def mixed_requests():
     return [("full", SamplingParams(**FULL), [1, 2, 3], None),
             ("full-seeded", SamplingParams(**FULL, seed=5, n=2), [1], None),
             ("greedy", SamplingParams(temperature=0.0, logprobs=2), [], None),
-            ("top-p", SamplingParams(top_p=0.8), [], None),
-            ("plain", SamplingParams(), [], None)]
+            ("top-p", SamplingParams(top_p=0.8, logprobs=40), [], None),
+            ("plain", SamplingParams(), [], None),
+            ("thinking", SamplingParams(seed=7, thinking_budget=1, thinking_start_token_ids=[11],
+                                        thinking_end_token_ids=[12, 13]), [11], None)]
 
 
-@pytest.mark.parametrize("mode", ["raw", "processed"])
+@pytest.mark.parametrize("mode", ["raw", "processed", "raw_logits", "processed_logits"])
 def test_steps_never_sync(sampler, mode):
     batch = build(sampler, mixed_requests(), eos_token_id=9, logprobs_mode=mode)
     logits = torch.randn((len(batch), V), device="cuda", dtype=torch.bfloat16) * 4
@@ -164,17 +166,18 @@ def engine_requests():
                                ("engine-seeded", SamplingParams(**ENGINE, seed=9), [1, 2], None)]
 
 
-@pytest.mark.parametrize("with_probs", [False, True], ids=["match", "ratio"])
-def test_verify_and_append_never_sync(sampler, with_probs):
+@pytest.mark.parametrize("with_probs, method", [(False, "token"), (True, "token"), (True, "block")],
+                         ids=["match", "ratio", "block"])
+def test_verify_and_append_never_sync(sampler, with_probs, method):
     batch = build(sampler, engine_requests(), eos_token_id=9)
     K = 4
     logits, ids, probs, mask = verify_inputs(batch, K)
     probs = probs if with_probs else None
-    batch.append(sampler.verify(logits, batch, ids, probs, token_bitmask=mask).token_ids)   # warm-up
+    batch.append(sampler.verify(logits, batch, ids, probs, token_bitmask=mask, method=method).token_ids)
     torch.cuda.synchronize()
     with no_host_sync("cuda"):
         for _ in range(3):
-            out = sampler.verify(logits, batch, ids, probs, token_bitmask=mask)
+            out = sampler.verify(logits, batch, ids, probs, token_bitmask=mask, method=method)
             batch.append(out.token_ids)
             step = sampler.sample(logits[:, 0], batch, token_bitmask=mask[:, 0])
             batch.append(step.token_ids)

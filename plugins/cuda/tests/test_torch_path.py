@@ -188,15 +188,21 @@ NEW_SAMPLERS = dict(dry_multiplier=0.8, dry_allowed_length=1, dry_sequence_break
                     top_n_sigma=2.0, typical_p=0.9, xtc_probability=0.5, xtc_threshold=0.01,
                     top_k=30)
 
+#: Step 8b: a budget already spent (the end is forced now) and one still counting.
+THINKING = dict(thinking_start_token_ids=[11], thinking_end_token_ids=[12, 13],
+                thinking_forced_token_ids=[14, 12, 13])
 
-@pytest.mark.parametrize("mode", ["raw", "processed"])
+
+@pytest.mark.parametrize("mode", ["raw", "processed", "raw_logits", "processed_logits"])
 def test_a_full_step_reads_nothing_on_the_host(sampler, mode):
     requests = [("full", SamplingParams(**FULL), [1, 2, 3], None),
                 ("seeded", SamplingParams(**FULL, seed=5), [1], [4, 8]),
-                ("greedy", SamplingParams(temperature=0.0, logprobs=2), [], None),
-                ("top_p", SamplingParams(top_p=0.8, n=2), [], None),
+                ("greedy", SamplingParams(temperature=0.0, logprobs=-1), [], None),
+                ("top_p", SamplingParams(top_p=0.8, n=2, logprobs=40), [], None),
                 ("new", SamplingParams(**NEW_SAMPLERS, seed=6), [1, 2, 1, 2], [1]),
-                ("new-unseeded", SamplingParams(**NEW_SAMPLERS), [3, 4, 3], None)]
+                ("new-unseeded", SamplingParams(**NEW_SAMPLERS), [3, 4, 3], None),
+                ("forced", SamplingParams(seed=7, thinking_budget=1, **THINKING), [11, 5], None),
+                ("thinking", SamplingParams(top_p=0.9, thinking_budget=4, **THINKING), [11], [6])]
     batch = build(sampler, requests, eos_token_id=9, logprobs_mode=mode)
     logits = torch.randn(len(batch), V)
     mask = torch.full((len(batch), V // 32), -1, dtype=torch.int32)
@@ -206,7 +212,8 @@ def test_a_full_step_reads_nothing_on_the_host(sampler, mode):
         out = sampler.sample(logits, batch)
         per_request = sampler.sample(logits[: batch.num_requests], batch)
         masked = sampler.sample(logits, batch, token_bitmask=mask)
-    assert out.token_ids.shape == per_request.token_ids.shape == masked.token_ids.shape == (7,)
+    assert out.token_ids.shape == per_request.token_ids.shape == masked.token_ids.shape == (9,)
+    assert out.token_ids[7] == 14                         # the forced phrase begins (step 8b)
 
 
 def test_the_detector_catches_host_reads(sampler):
@@ -327,7 +334,8 @@ def test_verify_state_reads_nothing_on_the_host(sampler):
                                         top_n_sigma=2.0), [1, 2, 3], None),
                 ("seeded", SamplingParams(**FULL, seed=5), [1], [4, 8]),
                 ("greedy", SamplingParams(temperature=0.0, logprobs=2), [], None),
-                ("plain", SamplingParams(n=2), [], None)]
+                ("plain", SamplingParams(n=2), [], None),
+                ("forced", SamplingParams(seed=7, thinking_budget=1, **THINKING), [11, 5], None)]
     batch = build(sampler, requests, eos_token_id=9)
     K = 3
     logits = torch.randn(len(batch), K + 1, V)
@@ -336,13 +344,13 @@ def test_verify_state_reads_nothing_on_the_host(sampler):
     probs = torch.softmax(torch.randn(len(batch), K, V), dim=-1)
     bitmask = torch.full((len(batch), K + 1, V // 32), -1, dtype=torch.int32)
     bitmask[0, 1, :10] = 0
-    for q in (None, probs):
-        checked = sampler.check_drafts(logits, batch, drafts, q)
+    for q, method in ((None, "token"), (probs, "token"), (None, "block"), (probs, "block")):
+        checked = sampler.check_drafts(logits, batch, drafts, q, method=method)
         with no_host_sync():
             s = sampler.speculative_step_state(batch, checked)
             s = sampler.with_bitmask(s, batch, bitmask, slots=K + 1)
             out = sampler.verify_state(logits.view(-1, V), batch, s, checked)
-        assert out.token_ids.shape == (5, K + 1)
+        assert out.token_ids.shape == (6, K + 1)
 
 
 def test_verify_and_append_read_nothing_on_the_host_with_device_tensors():
@@ -355,7 +363,8 @@ def test_verify_and_append_read_nothing_on_the_host_with_device_tensors():
     meta = CudaSampler("meta", use_flashinfer=False)
     requests = [("full", SamplingParams(**dict(FULL, **NEW_SAMPLERS)), [1, 2, 3], None),
                 ("seeded", SamplingParams(**FULL, seed=5, n=2), [1], [[4, 8], [5]]),
-                ("greedy", SamplingParams(temperature=0.0, logprobs=2), [], None)]
+                ("greedy", SamplingParams(temperature=0.0, logprobs=2), [], None),
+                ("thinking", SamplingParams(seed=7, thinking_budget=1, **THINKING), [11, 5], None)]
     K = 4
     for runner in (meta, GraphedSampler(meta, sizes=(4, 8), use_graphs=False)):
         batch = runner.new_batch(V, eos_token_id=9)
@@ -364,20 +373,21 @@ def test_verify_and_append_read_nothing_on_the_host_with_device_tensors():
                 batch.add(rid, params, prompt_token_ids=prompt, output_token_ids=outputs)
             batch.swap_rows(0, 3)
             for with_probs in (False, True):
-                logits = torch.randn(4, K + 1, V, device="meta")
-                drafts = torch.zeros(4, K, dtype=torch.long, device="meta")
-                probs = torch.rand(4, K, V, device="meta") if with_probs else None
-                mask = torch.zeros(4, K + 1, V // 32, dtype=torch.int32, device="meta")
-                out = runner.verify(logits, batch, drafts, probs, token_bitmask=mask)
+                logits = torch.randn(5, K + 1, V, device="meta")
+                drafts = torch.zeros(5, K, dtype=torch.long, device="meta")
+                probs = torch.rand(5, K, V, device="meta") if with_probs else None
+                mask = torch.zeros(5, K + 1, V // 32, dtype=torch.int32, device="meta")
+                out = runner.verify(logits, batch, drafts, probs, token_bitmask=mask,
+                                    method="block" if with_probs else "token")
                 batch.append(out.token_ids)
-                host_mask = torch.full((4, V // 32), -1, dtype=torch.int32)
-                step = runner.sample(torch.randn(4, V, device="meta"), batch, token_bitmask=host_mask)
+                host_mask = torch.full((5, V // 32), -1, dtype=torch.int32)
+                step = runner.sample(torch.randn(5, V, device="meta"), batch, token_bitmask=host_mask)
                 batch.append(step.token_ids)
                 runner.sample(torch.randn(batch.num_requests, V, device="meta"), batch)   # per request
             batch.remove("seeded")
             batch.add("late", SamplingParams(top_p=0.9, repetition_penalty=1.2), prompt_token_ids=[7])
-            runner.step(torch.randn(3, V, device="meta"), batch)
-        assert out.token_ids.shape == (4, K + 1) and out.logprobs.token_ids.shape == (4, K + 1, 6)
+            runner.step(torch.randn(4, V, device="meta"), batch)
+        assert out.token_ids.shape == (5, K + 1) and out.logprobs.token_ids.shape == (5, K + 1, 6)
 
 
 META_UPLOADS_THAT_WAIT = {
