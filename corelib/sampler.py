@@ -159,6 +159,9 @@ class Sampler:
     name = "reference"
     default_device = "cpu"
     batch_class = SamplingBatch
+    #: dtype of block verification's weights and residual masses (``block_verify``); a
+    #: backend without fast float64 (XLA on TPU) sets float32
+    block_dtype = torch.float64
 
     def __init__(self, device: torch.device | str | None = None,
                  generator: Optional[torch.Generator] = None):
@@ -494,36 +497,39 @@ class Sampler:
         row then emits, at slot tau < k, a draw from max(w_tau p_tau - q_tau, 0) renormalised
         (p_tau itself where that is all zero) with step 14's noise at the slot; at tau = k,
         slot k's own draw. A draft at or after a slot without a token is never kept. Sums
-        in float64. Not in place."""
+        in ``block_dtype`` (float64 here). Not in place."""
         B, K = drafts.token_ids.shape
         S, V = K + 1, final.shape[-1]
         p = torch.softmax(final, dim=-1).view(B, S, V)
         q = drafts.probs
         d = drafts.token_ids.clamp(min=0)[..., None]
-        p_d = p[:, :K].gather(2, d)[..., 0].double()
-        q_d = q.gather(2, d)[..., 0].double()
+        dtype = self.block_dtype
+        tiny = torch.finfo(dtype).tiny
+        p_d = p[:, :K].gather(2, d)[..., 0].to(dtype)
+        q_d = q.gather(2, d)[..., 0].to(dtype)
         real = torch.arange(K, device=q.device)[None, :] < drafts.count[:, None]
-        usable = torch.cumprod((real & valid.view(B, S)[:, :K]).to(torch.int32), dim=1).bool()
-        ratio = torch.where(q_d > 0, p_d / q_d.clamp(min=1e-300), torch.where(p_d > 0, float("inf"), 0.0))
-        weights = [torch.ones(B, dtype=torch.float64, device=q.device)]      # w_0 .. w_K
+        # the leading run of usable slots, by a running sum (no cumprod: XLA runs it on the host)
+        usable = torch.cumsum((~(real & valid.view(B, S)[:, :K])).to(torch.int32), dim=1) == 0
+        ratio = torch.where(q_d > 0, p_d / q_d.clamp(min=tiny), torch.where(p_d > 0, float("inf"), 0.0))
+        weights = [torch.ones(B, dtype=dtype, device=q.device)]              # w_0 .. w_K
         for j in range(K):
             grown = torch.where(weights[-1] > 0, weights[-1] * ratio[:, j], 0.0).clamp(max=1.0)
             weights.append(torch.where(usable[:, j], grown, 0.0))
         w = torch.stack(weights, dim=1)                                          # (B, S)
         # residual_j = max(w_j p_j - q_j, 0) at the slots j < K (what a stop at slot j draws)
-        residual = (w[:, :K, None] * p[:, :K].double() - q.double()).clamp(min=0.0)
+        residual = (w[:, :K, None] * p[:, :K].to(dtype) - q.to(dtype)).clamp(min=0.0)
         mass = residual.sum(dim=-1)                                              # (B, K): R_j
         k_usable = usable.sum(dim=1)                                             # (B,)
         i = torch.arange(1, K + 1, device=q.device)[None, :]                      # prefix sizes
         next_mass = torch.cat([mass[:, 1:], torch.zeros_like(mass[:, :1])], dim=1)   # R_i
         denominator = next_mass + 1.0 - w[:, 1:]
-        h = torch.where(denominator > 0, next_mass / denominator.clamp(min=1e-300), 1.0)
+        h = torch.where(denominator > 0, next_mass / denominator.clamp(min=tiny), 1.0)
         h = torch.where(i == k_usable[:, None], w[:, 1:], h)
-        u = self.row_uniforms(s, STREAM_BLOCK).view(B, S)[:, :K].double()
+        u = self.row_uniforms(s, STREAM_BLOCK).view(B, S)[:, :K].to(dtype)
         stands = (u <= h) & usable
         tau = torch.where(stands, i, 0).amax(dim=1)                               # (B,)
         accepted = torch.arange(K, device=q.device)[None, :] < tau[:, None]
-        residual = torch.where(mass[..., None] > 0, residual, p[:, :K].double()).float()
+        residual = torch.where(mass[..., None] > 0, residual, p[:, :K].to(dtype)).float()
         residual_logits = torch.cat([residual.log(), final.view(B, S, V)[:, K:]], dim=1)
         recovered = self.draw(residual_logits.view(B * S, V), s).view(B, S)[:, :K]
         return accepted, recovered

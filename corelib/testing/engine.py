@@ -233,6 +233,23 @@ class EngineConformance:
                                   f"logprob 0; got token {token} (valid {bool(out.valid[0])}), "
                                   f"logprob {logprob}")
 
+    def test_thinking_forced_row_with_nan_logits_is_still_flagged(self, sampler):
+        if self.vocab_size < 256:
+            pytest.skip("the reasoning-budget cases use token ids up to 211")
+        requests = [("nan", SamplingParams(temperature=0.0, thinking_budget=0, **THINK), PROMPT + [200], None),
+                    ("forced", SamplingParams(seed=46, thinking_budget=0, **THINK), PROMPT + [200], None)]
+        logits = self.logits(2, seed=47)
+        logits[0, 9] = float("nan")
+        batch = self.build(sampler, requests)
+        out = sampler.sample(self.on(sampler, logits), batch)
+        valid, ids = out.valid.cpu().tolist(), out.token_ids.cpu().tolist()
+        if valid[0] or ids[0] != -1:
+            violation("thinking", f"{self.describe(batch, 0)} has NaN logits: a forced row is still "
+                                  f"flagged (valid False, token -1), got valid {valid[0]}, token {ids[0]}")
+        if not valid[1] or ids[1] != 201:
+            violation("thinking", f"{self.describe(batch, 1)} must emit the forced end marker 201, "
+                                  f"got token {ids[1]} (valid {valid[1]})")
+
     # ------------------------------------------------------------------ bitmask
     def test_bitmask_kept_set_matches_reference(self, sampler, reference):
         requests = [("plain", SamplingParams(), PROMPT, None),

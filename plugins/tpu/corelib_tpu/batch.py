@@ -18,7 +18,9 @@ same public behaviour with a layout that never changes shape:
 ``max_bad_words`` words of two or more tokens per request, each at most
 ``max_bad_word_length`` tokens (one-token words are unlimited: they go into the additive row);
 ``dry_window`` tokens of history and ``max_dry_breakers`` sequence breakers per row; the custom
-stages the graphs trace (``stages``).
+stages the graphs trace (``stages``); ``max_thinking_marker_length`` tokens per reasoning-budget
+marker (step 8b: start, end and forced sequence); ``num_logprobs`` top logprobs per row (the
+step graphs compute that many whenever a row asks for any).
 """
 
 from __future__ import annotations
@@ -28,9 +30,10 @@ from typing import Optional, Sequence
 
 import torch
 from corelib.batch import SamplingBatch, StepState, _stage_key
+from corelib import thinking
 from corelib.bitmask import bitmask_width
 from corelib.noise import split_seed
-from corelib.params import SamplingParams
+from corelib.params import ALL_LOGPROBS, SamplingParams
 from corelib.stages import StageError, StageInputs, StageSpec, describe_stage
 
 from . import dry, xla
@@ -43,10 +46,11 @@ FLOAT_COLUMNS = ("temperature", "top_p", "min_p", "repetition_penalty", "frequen
                  "xtc_threshold", "xtc_probability")
 NEUTRAL_FLOATS = (1.0, 1.0, 0.0, 1.0, 0.0, 0.0, 0.0, 1.75, 0.0, 1.0, 0.1, 0.0)
 INT_COLUMNS = ("top_k", "seed_lo", "seed_hi", "child", "position", "min_tokens", "seeded",
-               "greedy", "dry_allowed_length", "dry_range", "random_key")
+               "greedy", "dry_allowed_length", "dry_range", "random_key", "thinking_budget")
 _COL = {name: i for i, name in enumerate(FLOAT_COLUMNS + INT_COLUMNS)}
 _POSITION = INT_COLUMNS.index("position")
 _RANDOM_KEY = INT_COLUMNS.index("random_key")
+_THINKING_BUDGET = INT_COLUMNS.index("thinking_budget")
 _INT32_MAX = 2**31 - 1
 
 #: Static graph variants per bucket, chosen on the host from the rows' parameters (only random
@@ -88,7 +92,9 @@ class XlaStepState(StepState):
     Every tensor has ``num_rows`` = the bucket size (times K + 1 in ``verify``) as first
     dimension; padding rows hold neutral values (or stale dense state that no live row reads).
     ``dry_history``, ``dry_match`` and ``dry_since_breaker`` hold DRY's window (``dry``: int32
-    ``[B, H]``, int32 ``[B, H]``, int32 ``[B]``), not the core's layout.
+    ``[B, H]``, int32 ``[B, H]``, int32 ``[B]``), not the core's layout. The reasoning budget's
+    tensors (step 8b) have the core's layout, with the marker width fixed at
+    ``max_thinking_marker_length``.
     """
 
     variant: Variant = Variant()
@@ -108,7 +114,9 @@ class XlaSamplingBatch(SamplingBatch):
 
     Created by ``TpuSampler.new_batch``; ``guard`` is the sampler's compile watch. ``stages``:
     None traces the custom stages the live rows use (a new combination is a new graph), or a
-    tuple of stage names traced in every step (requests may use only those).
+    tuple of stage names traced in every step (requests may use only those). num_logprobs: the
+    most top logprobs a row may ask for (-1, every token, needs it to be at least the
+    vocabulary); max_thinking_marker_length: the longest reasoning-budget marker.
     """
 
     def __init__(self, vocab_size: int, device: torch.device | str = "cpu",
@@ -116,7 +124,8 @@ class XlaSamplingBatch(SamplingBatch):
                  buckets: Optional[Buckets] = None, top_k_candidates: int = 64,
                  max_bad_words: int = 8, max_bad_word_length: int = 8, dry_window: int = 1024,
                  max_dry_breakers: int = 64, stages: Optional[Sequence[str]] = None,
-                 num_logprobs: int = 20, guard: Optional[xla.CompileGuard] = None):
+                 num_logprobs: int = 20, max_thinking_marker_length: int = 8,
+                 guard: Optional[xla.CompileGuard] = None):
         self.buckets = buckets if buckets is not None else Buckets()
         self.top_k_candidates = _positive("top_k_candidates", top_k_candidates)
         self.max_bad_words = _positive("max_bad_words", max_bad_words)
@@ -124,7 +133,11 @@ class XlaSamplingBatch(SamplingBatch):
         self.dry_window = _positive("dry_window", dry_window)
         self.max_dry_breakers = _positive("max_dry_breakers", max_dry_breakers)
         self.fixed_stages = None if stages is None else tuple(stages)
-        self.padded_logprobs = num_logprobs
+        self.max_logprobs = _positive("num_logprobs", num_logprobs)
+        self.max_thinking_marker_length = _positive("max_thinking_marker_length",
+                                                    max_thinking_marker_length)
+        # the N every logprobs graph computes: more than V columns do not exist
+        self.padded_logprobs = min(num_logprobs, vocab_size)
         self.guard = guard if guard is not None else xla.CompileGuard()
         self._state: dict[str, torch.Tensor] = {}
         self._variant: Optional[Variant] = None
@@ -209,8 +222,9 @@ class XlaSamplingBatch(SamplingBatch):
             output_token_ids=None, child_offset: int = 0) -> list[int]:
         """As ``SamplingBatch.add``; also raises ValueError when the request needs more than
         the graphs were sized for (rows past the largest bucket, too many or too long
-        multi-token bad words, too many DRY sequence breakers, a custom stage the sampler's
-        graphs do not trace)."""
+        multi-token bad words, too many DRY sequence breakers, a reasoning-budget marker longer
+        than ``max_thinking_marker_length``, more top logprobs than ``num_logprobs``, a custom
+        stage the sampler's graphs do not trace)."""
         if isinstance(params, SamplingParams):
             self._check_fits(request_id, params)
         return super().add(request_id, params, prompt_token_ids, output_token_ids, child_offset)
@@ -254,7 +268,7 @@ class XlaSamplingBatch(SamplingBatch):
 
         random_keys: int32 ``[num_rows]`` host tensor, the unseeded rows' noise keys for this
         step (the sampler draws them from its generator); zeros when omitted. One
-        host-to-device transfer: the per-row scalars as an int32 ``[B, 23]`` block (floats as
+        host-to-device transfer: the per-row scalars as an int32 ``[B, 24]`` block (floats as
         their bits). Dense state is sliced, not copied.
         """
         B = self._rows_for(num_rows)
@@ -266,7 +280,8 @@ class XlaSamplingBatch(SamplingBatch):
                           random_keys: Optional[torch.Tensor] = None) -> XlaStepState:
         """``verify``'s state: ``num_rows * (K + 1)`` virtual rows, row ``r`` slot ``j`` at
         ``r * (K + 1) + j``, each with the row's state advanced by its first ``j`` drafts
-        (position, penalty counts, recent window, DRY window, custom stages' state).
+        (position, penalty counts, recent window, DRY window, reasoning-budget state, custom
+        stages' state).
 
         draft_token_ids: int64 ``[num_rows, K]`` on the device (-1 = no draft, a suffix; rows
         past the live ones all -1). random_keys: int32 ``[num_rows * (K + 1)]`` host tensor.
@@ -379,6 +394,7 @@ class XlaSamplingBatch(SamplingBatch):
         if rows:
             self._floats[rows] = torch.tensor(NEUTRAL_FLOATS)
             self._ints[rows] = 0
+            self._ints[rows, _THINKING_BUDGET] = thinking.NO_BUDGET
 
     # ------------------------------------------------------------------ internals: state
     def _rows_for(self, num_rows: Optional[int]) -> int:
@@ -388,7 +404,7 @@ class XlaSamplingBatch(SamplingBatch):
         return B
 
     def _host_table(self, B: int, random_keys: Optional[torch.Tensor]) -> torch.Tensor:
-        """int32 ``[B, 23]``: the per-row scalars, floats as their bits."""
+        """int32 ``[B, 24]``: the per-row scalars, floats as their bits."""
         self._ints[:B, _RANDOM_KEY] = 0 if random_keys is None else random_keys
         return torch.cat([self._floats[:B].view(torch.int32), self._ints[:B]], dim=1)
 
@@ -418,6 +434,8 @@ class XlaSamplingBatch(SamplingBatch):
             static_add=dense["static_add"], stop_mask=dense["stop_mask"],
             dry_history=dense["dry_history"], dry_match=dense["dry_match"],
             dry_since_breaker=dense["dry_since"], dry_breakers=dense["dry_breakers"],
+            thinking_budget=col("thinking_budget"), thinking_count=dense["thinking_count"],
+            thinking_markers=dense["thinking_markers"], thinking_match=dense["thinking_match"],
             stages=self._stage_inputs(dense),
             variant=variant, live_rows=len(self._row_keys), logprobs_asked=asked,
             **flags_for(variant, asked, self.padded_logprobs),
@@ -448,7 +466,8 @@ class XlaSamplingBatch(SamplingBatch):
                       columns: list[tuple[torch.Tensor, torch.Tensor]]) -> list[str]:
         """Advance row state ``t`` (name -> tensor ``[n, ...]``; entries replaced, not written
         in place) by one id per column, in order: custom stages' state first (so a failing
-        update changes nothing), then the recent window and DRY's window; ``output_counts`` is
+        update changes nothing), then the recent window, DRY's window and the reasoning
+        budget's marker matches and count (``corelib.thinking.advance``); ``output_counts`` is
         the caller's (a scatter of all columns at once, or compares in ``verify``). Returns
         the names of the entries it replaced."""
         staged = self._advanced_stage_state(t, columns)
@@ -460,15 +479,20 @@ class XlaSamplingBatch(SamplingBatch):
             t["recent"] = torch.where(advance[:, None], shifted, recent)
             t["dry_history"], t["dry_match"], t["dry_since"] = dry.advance(
                 t["dry_history"], t["dry_match"], t["dry_since"], t["dry_breakers"], safe, counted)
+            t["thinking_match"], t["thinking_count"] = thinking.advance(
+                t["thinking_markers"], t["thinking_match"], t["thinking_count"], safe, counted)
         t.update(staged)
-        return ["recent", "dry_history", "dry_match", "dry_since", *staged]
+        return ["recent", "dry_history", "dry_match", "dry_since", "thinking_match",
+                "thinking_count", *staged]
 
     # ------------------------------------------------------------------ internals: rows
     def _allocate(self) -> None:
         C, V, dev = self.capacity, self.vocab_size, self.device
         W, P, H = self.max_bad_words, self._prefix_width, self.dry_window
+        L = self.max_thinking_marker_length
         self._floats = torch.tensor(NEUTRAL_FLOATS, dtype=torch.float32).repeat(C, 1)
         self._ints = torch.zeros((C, len(INT_COLUMNS)), dtype=torch.int32)
+        self._ints[:, _THINKING_BUDGET] = thinking.NO_BUDGET
         self._state = {
             "static_add": torch.zeros((C, V), dtype=torch.float32, device=dev),
             "prompt_mask": torch.zeros((C, V), dtype=torch.bool, device=dev),
@@ -482,6 +506,9 @@ class XlaSamplingBatch(SamplingBatch):
             "dry_match": torch.zeros((C, H), dtype=torch.int32, device=dev),
             "dry_since": torch.zeros(C, dtype=torch.int32, device=dev),
             "dry_breakers": torch.full((C, self.max_dry_breakers), -1, dtype=torch.int32, device=dev),
+            "thinking_markers": torch.full((C, 3, L), -1, dtype=torch.long, device=dev),
+            "thinking_match": torch.zeros((C, 3, L), dtype=torch.bool, device=dev),
+            "thinking_count": torch.full((C,), thinking.NOT_THINKING, dtype=torch.int32, device=dev),
         }
         with self.guard.watch("allocating a batch"):
             xla.launch(list(self._state.values()))
@@ -526,6 +553,24 @@ class XlaSamplingBatch(SamplingBatch):
             raise ValueError(
                 f"request {request_id!r}: dry_sequence_breakers holds {breakers} token ids; the "
                 f"tpu backend was created with max_dry_breakers={self.max_dry_breakers}")
+        if params.uses_thinking_budget:
+            L = self.max_thinking_marker_length
+            for name, marker in (("thinking_start_token_ids", params.thinking_start_token_ids),
+                                 ("thinking_end_token_ids", params.thinking_end_token_ids),
+                                 ("thinking_forced_token_ids", params.forced_thinking_ids)):
+                if len(marker) > L:
+                    raise ValueError(
+                        f"request {request_id!r}: {name} holds {len(marker)} tokens; the tpu "
+                        f"backend was created with max_thinking_marker_length={L}")
+        if params.logprobs is not None:
+            asked = self.vocab_size if params.logprobs == ALL_LOGPROBS else params.logprobs
+            if asked > self.max_logprobs:
+                every = " (-1 asks for every token of the vocabulary)" if params.logprobs == ALL_LOGPROBS else ""
+                raise ValueError(
+                    f"request {request_id!r}: logprobs={params.logprobs} asks for {asked} top "
+                    f"logprobs{every}; the tpu backend was created with max_logprobs="
+                    f"{self.max_logprobs} (its graphs have fixed shapes: create it with "
+                    f"TpuSampler(max_logprobs=...) to allow more)")
         if self.fixed_stages is not None:
             for name in params.stage_args:
                 if name not in self.fixed_stages:
@@ -535,7 +580,7 @@ class XlaSamplingBatch(SamplingBatch):
 
     def _request_rows(self, params: SamplingParams, prompt: list[int]) -> dict[str, torch.Tensor]:
         """Host ``[1, ...]`` rows shared by a request's children: additive row, prompt mask,
-        stop mask, bad-word tables, DRY's breakers."""
+        stop mask, bad-word tables, DRY's breakers, the reasoning budget's markers."""
         V, W, P = self.vocab_size, self.max_bad_words, self._prefix_width
         add = torch.zeros(V, dtype=torch.float32)
         if params.allowed_token_ids is not None:
@@ -563,14 +608,21 @@ class XlaSamplingBatch(SamplingBatch):
         if params.uses_dry:
             stops = sorted(set(params.dry_sequence_breakers))
             breakers[: len(stops)] = torch.tensor(stops, dtype=torch.int32)
+        L = self.max_thinking_marker_length
+        markers = torch.full((3, L), -1, dtype=torch.long)
+        if params.uses_thinking_budget:
+            markers = thinking.marker_table(params.thinking_start_token_ids,
+                                            params.thinking_end_token_ids,
+                                            params.forced_thinking_ids, L)
         rows = dict(static_add=add, prompt_mask=prompt_mask, stop_mask=stop, bad_prefix=prefix,
-                    bad_last=last, bad_valid=valid, dry_breakers=breakers)
+                    bad_last=last, bad_valid=valid, dry_breakers=breakers, thinking_markers=markers)
         return {name: t[None] for name, t in rows.items()}
 
     def _child_rows(self, params: SamplingParams, prompt: list[int], outputs: list[int],
                     stages: dict) -> dict[str, torch.Tensor]:
         """Host ``[1, ...]`` rows of one child: output counts, recent-token window, DRY's
-        window, and every allocated custom stage's switch, arguments and state."""
+        window, the reasoning budget's matches and count (``corelib.thinking.replay`` of its
+        history), and every allocated custom stage's switch, arguments and state."""
         V, P, H = self.vocab_size, self._prefix_width, self.dry_window
         counts = torch.bincount(torch.tensor(outputs, dtype=torch.long), minlength=V).to(torch.int32)
         recent = torch.full((P,), -1, dtype=torch.long)
@@ -579,8 +631,18 @@ class XlaSamplingBatch(SamplingBatch):
             recent[P - len(tail):] = torch.tensor(tail, dtype=torch.long)
         tokens = prompt + outputs if params.uses_dry else []
         history, match, since = dry.initial_window(tokens, params.dry_sequence_breakers, H)
+        L = self.max_thinking_marker_length
+        think_match = torch.zeros((3, L), dtype=torch.bool)
+        think_count = thinking.NOT_THINKING
+        if params.uses_thinking_budget:
+            bits, think_count = thinking.replay(prompt + outputs, params.thinking_start_token_ids,
+                                                params.thinking_end_token_ids,
+                                                params.forced_thinking_ids)
+            think_match = thinking.bits_tensor(bits, L)
         rows = dict(output_counts=counts, recent=recent, dry_history=history, dry_match=match,
-                    dry_since=torch.tensor(min(since, _INT32_MAX), dtype=torch.int32))
+                    dry_since=torch.tensor(min(since, _INT32_MAX), dtype=torch.int32),
+                    thinking_match=think_match,
+                    thinking_count=torch.tensor(min(think_count, _INT32_MAX), dtype=torch.int32))
         rows.update(self._stage_rows(prompt, outputs, stages))
         return {name: t[None] for name, t in rows.items()}
 
@@ -643,8 +705,10 @@ class XlaSamplingBatch(SamplingBatch):
         return self._cached[key]
 
     def _asked_logprobs(self) -> Optional[int]:
+        """The batch's real N: the largest ``logprobs`` of a row (V for -1), None if none asks."""
         if self._asked is None:
-            asked = [p.logprobs for p in self._row_params if p.logprobs is not None]
+            asked = [self.vocab_size if p.logprobs == ALL_LOGPROBS else p.logprobs
+                     for p in self._row_params if p.logprobs is not None]
             self._asked = (max(asked) if asked else None,)
         return self._asked[0]
 
@@ -684,7 +748,8 @@ def flags_for(variant: Variant, asked: Optional[int], padded_logprobs: int) -> d
     runs (neutral values make it an identity for rows that do not use it). ``any_bias`` is
     False because the bias is part of the additive row of step 3; ``any_bitmask`` and
     ``any_dry`` are True because the mask is always an input (all -1 without one) and DRY is
-    in every graph (multiplier 0 = off). ``any_greedy`` is True only when
+    in every graph (multiplier 0 = off); so is the reasoning budget (``any_thinking``: budget
+    -1 = off), whose step 8b is one pass over the logits. ``any_greedy`` is True only when
     every row is greedy: otherwise greedy rows, whose filter parameters are neutral, get their
     argmax from the draw (``TpuSampler.draw``)."""
     path = variant.path
@@ -697,6 +762,7 @@ def flags_for(variant: Variant, asked: Optional[int], padded_logprobs: int) -> d
         any_min_p=random and path != "candidates",
         any_temperature=random, any_penalties=True, any_allowed=True, any_bias=False,
         any_min_tokens=True, any_bad_words=True, any_bitmask=True, any_dry=True,
+        any_thinking=True,
         any_top_n_sigma=filters, any_typical_p=filters, any_xtc=filters,
         num_logprobs=None if asked is None else padded_logprobs,
     )
@@ -761,9 +827,12 @@ def _int_values(params: SamplingParams, child: int, position: int, vocab_size: i
     seed_lo, seed_hi = split_seed(params.seed) if params.seed is not None else (0, 0)
     # Past int32, these mean the same as 2**31 - 1: a position or history never reaches either.
     min_tokens = min(params.min_tokens, _INT32_MAX)
+    budget = (thinking.NO_BUDGET if params.thinking_budget is None
+              else min(params.thinking_budget, _INT32_MAX))
     return [_top_k(params, vocab_size), seed_lo, seed_hi, child, position, min_tokens,
             int(params.seed is not None), int(params.is_greedy),
-            min(params.dry_allowed_length, _INT32_MAX), min(params.dry_range, _INT32_MAX), 0]
+            min(params.dry_allowed_length, _INT32_MAX), min(params.dry_range, _INT32_MAX), 0,
+            budget]
 
 
 def _positive(name: str, value: int) -> int:

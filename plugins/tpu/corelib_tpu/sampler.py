@@ -26,6 +26,7 @@ from corelib.params import MAX_LOGPROBS, SamplingParams
 from corelib.sampler import (
     INVALID_TOKEN,
     NEG_INF,
+    VERIFY_METHODS,
     Drafts,
     Logprobs,
     Sampler,
@@ -62,6 +63,7 @@ class WarmupReport:
     paths: tuple[str, ...]
     variants: int = 0              # static variants per (bucket, K)
     speculative_k: tuple[int, ...] = ()
+    cache_hits: int = 0            # graphs loaded from the persistent compile cache instead
 
 
 class TpuSampler(Sampler):
@@ -73,15 +75,26 @@ class TpuSampler(Sampler):
     speculative_k: the draft counts K ``verify`` is compiled for by ``warmup`` (another K runs
     in the next larger one; above the largest raises); empty (the default): each K gets its
     own graphs when first used, none at warm-up. dry_window: tokens of history DRY sees per row;
-    max_dry_breakers: sequence breakers per request. stages: None traces the custom stages the
+    max_dry_breakers: sequence breakers per request. max_logprobs: the most top logprobs a
+    request may ask for (every logprobs graph computes that many; -1, every token, needs at
+    least the vocabulary); above it ``add`` raises ValueError. max_thinking_marker_length: the
+    longest reasoning-budget marker (start, end or forced sequence, step 8b) a request may
+    use. stages: None traces the custom stages the
     rows use, or a tuple of stage names traced in every step (fixed graphs: requests may
     switch them on and off without compiling). strict: after ``warmup()``, raise
     ``RecompilationError`` if any operation compiles a graph. generator: a CPU
-    ``torch.Generator`` for unseeded rows' noise keys.
+    ``torch.Generator`` for unseeded rows' noise keys. compile_cache: torch-xla's persistent
+    compile cache (``xla.compile_cache``): a directory, True for the default one under the
+    user's cache, None (the default) for the ``CORELIB_TPU_COMPILE_CACHE`` environment
+    variable (unset: off), False for off; it must be switched on before the process's first
+    XLA computation. ``compile_cache_dir`` says which directory is in use (None: none).
     """
 
     name = "tpu"
     batch_class = XlaSamplingBatch
+    # TPUs have no fast float64; block verification's sums over the vocabulary hold in float32
+    # to well within the suite's statistical tolerance
+    block_dtype = torch.float32
 
     def __init__(self, device: torch.device | str | None = None,
                  generator: Optional[torch.Generator] = None, *,
@@ -89,11 +102,14 @@ class TpuSampler(Sampler):
                  top_k_candidates: int = 64, max_bad_words: int = 8,
                  max_bad_word_length: int = 8,
                  speculative_k: Iterable[int] = (), dry_window: int = 1024,
-                 max_dry_breakers: int = 64, stages: Optional[Sequence[str]] = None,
-                 strict: bool = False):
+                 max_dry_breakers: int = 64, max_logprobs: int = MAX_LOGPROBS,
+                 max_thinking_marker_length: int = 8, stages: Optional[Sequence[str]] = None,
+                 strict: bool = False, compile_cache=None):
         if generator is not None and generator.device.type != "cpu":
             raise TypeError(f"generator must be a CPU torch.Generator (it draws the noise keys on "
                             f"the host), got one on {generator.device}")
+        on_xla = device is None or xla.is_xla(device)
+        self.compile_cache_dir = xla.compile_cache(compile_cache) if on_xla else None
         super().__init__(device if device is not None else xla.default_device(), generator)
         self.buckets = buckets if isinstance(buckets, Buckets) else Buckets(buckets, max_rows)
         self.top_k_candidates = top_k_candidates
@@ -102,11 +118,14 @@ class TpuSampler(Sampler):
         self.speculative_k = _speculative_k(speculative_k)
         self.dry_window = dry_window
         self.max_dry_breakers = max_dry_breakers
+        self.max_logprobs = max_logprobs
+        self.max_thinking_marker_length = max_thinking_marker_length
         self.stages = None if stages is None else tuple(stages)
         self.guard = xla.CompileGuard(strict)
         self._host_generator = generator if generator is not None else _entropy_generator()
         self._forced: Optional[Variant] = None
         self._noise_cache: Optional[tuple] = None
+        self._finite_pending: Optional[torch.Tensor] = None
 
     @property
     def strict(self) -> bool:
@@ -124,7 +143,8 @@ class TpuSampler(Sampler):
             top_k_candidates=self.top_k_candidates, max_bad_words=self.max_bad_words,
             max_bad_word_length=self.max_bad_word_length, dry_window=self.dry_window,
             max_dry_breakers=self.max_dry_breakers, stages=self.stages,
-            num_logprobs=MAX_LOGPROBS, guard=self.guard)
+            num_logprobs=self.max_logprobs,
+            max_thinking_marker_length=self.max_thinking_marker_length, guard=self.guard)
 
     def sample(self, logits: torch.Tensor, batch: SamplingBatch,
                token_bitmask: Optional[torch.Tensor] = None) -> SamplerOutput:
@@ -156,9 +176,10 @@ class TpuSampler(Sampler):
 
     def verify(self, logits: torch.Tensor, batch: SamplingBatch, draft_token_ids: torch.Tensor,
                draft_probs: Optional[torch.Tensor] = None,
-               token_bitmask: Optional[torch.Tensor] = None) -> VerifyOutput:
+               token_bitmask: Optional[torch.Tensor] = None, method: str = "token") -> VerifyOutput:
         """``Sampler.verify`` with K + 1 slots per row in one graph per (bucket, K, variant,
-        draft probabilities given or not), then one transfer; returns CPU tensors.
+        draft probabilities given or not, and with them ``method``), then one transfer;
+        returns CPU tensors.
 
         logits ``[rows, K + 1, V]`` on the device (any float dtype); draft_token_ids int
         ``[rows, K]``, draft_probs float ``[rows, K, V]`` and token_bitmask int32
@@ -167,8 +188,10 @@ class TpuSampler(Sampler):
         ``speculative_k`` configured, K must not exceed its largest; a K between them runs in
         the next configured one (its extra slots hold no draft and are cut from the result).
         K = 0 is ``sample``. Draft ids on the device are not read back: out-of-range ones flag their
-        row, as in the core.
+        row, as in the core. method: "token" or "block" (``Sampler.verify``).
         """
+        if method not in VERIFY_METHODS:
+            raise ValueError(f"verify: method must be one of {VERIFY_METHODS}, got {method!r}")
         self._check_batch(batch)
         n, S, V = self._check_verify_logits(logits, batch)
         K = S - 1
@@ -185,9 +208,10 @@ class TpuSampler(Sampler):
         xla.launch([logits])
         x, draft_ids, q, mask = self._padded_verify_inputs(logits, batch, ids, probs, token_bitmask,
                                                            bucket, graph_k)
+        given = f"given, method {method}" if q is not None else "none"
         with self.guard.watch(f"verify (bucket {bucket}, K {graph_k}, {batch.variant()}, "
-                              f"draft_probs {'given' if q is not None else 'none'})"):
-            out = self._verify_padded(x, batch, draft_ids, q, mask)
+                              f"draft_probs {given})"):
+            out = self._verify_padded(x, batch, draft_ids, q, mask, method)
             packed = _pack_verify(out)
             xla.launch([packed])
             host = packed.cpu()                                  # the one transfer of the step
@@ -214,7 +238,7 @@ class TpuSampler(Sampler):
                logits_dtypes: Sequence[torch.dtype] = (torch.float32,),
                per_request_logits: bool = False, processed_logits: bool = False,
                unpadded_verify: bool = False, device_bitmask: bool = False,
-               filters: bool = True) -> WarmupReport:
+               filters: bool = True, block_verify: bool = False) -> WarmupReport:
         """Compile every graph serving can need for this vocabulary, then arm strict mode.
 
         Per bucket: the step for each static variant (``variants()``), the verify step for
@@ -225,6 +249,7 @@ class TpuSampler(Sampler):
         every ``m`` up to the bucket; ``processed_logits`` adds the ``processed_logits`` graphs
         (tests and debugging); ``filters=False`` leaves out the variants with the filters 10a-13b
         (a deployment whose requests never use top-n-sigma, typical-p or XTC);
+        ``block_verify`` adds the verify graphs of ``method="block"`` (with draft probabilities);
         ``unpadded_verify`` adds the padding graphs of ``verify``'s
         device inputs (logits in each dtype, draft ids, float32 draft probabilities) for every
         row count that is not a bucket (without it, pass them padded to ``batch.bucket()``
@@ -232,7 +257,7 @@ class TpuSampler(Sampler):
         bitmasks on the device (host masks need none). Uses a scratch batch of the same shapes
         (graphs depend on shapes, not contents).
         """
-        start, t0 = xla.compile_count(), time.perf_counter()
+        start, hits, t0 = xla.compile_count(), xla.persistent_cache_hits(), time.perf_counter()
         scratch = self.new_batch(vocab_size, logprobs_mode=logprobs_mode)
         spec_k = self.speculative_k
         scratch.warm_state_graphs(slots=(1, *(k + 1 for k in spec_k)))
@@ -250,9 +275,11 @@ class TpuSampler(Sampler):
                 ids = torch.full((bucket, K), -1, dtype=torch.long).to(self.device)
                 q = self._zeros((bucket, K, V), torch.float32)
                 mask = scratch.padded_bitmask(None, bucket, K + 1)
-                for variant, probs in itertools.product(variants, (None, q)):
+                judged = [(None, "token"), (q, "token")] + ([(q, "block")] if block_verify else [])
+                for variant, (probs, method) in itertools.product(variants, judged):
                     with self._forcing(variant):
-                        xla.launch([_pack_verify(self._verify_padded(xs, scratch, ids, probs, mask))])
+                        out = self._verify_padded(xs, scratch, ids, probs, mask, method)
+                        xla.launch([_pack_verify(out)])
         self._warm_padding(vocab_size, logprobs_mode, logits_dtypes, per_request_logits,
                            unpadded_verify, device_bitmask, spec_k)
         if self.device.type == "xla":
@@ -261,7 +288,8 @@ class TpuSampler(Sampler):
         self.guard.armed = True
         return WarmupReport(graphs=xla.compile_count() - start,
                             seconds=time.perf_counter() - t0, buckets=tuple(self.buckets),
-                            paths=PATHS, variants=len(variants), speculative_k=spec_k)
+                            paths=PATHS, variants=len(variants), speculative_k=spec_k,
+                            cache_hits=xla.persistent_cache_hits() - hits)
 
     def variants(self, batch: Optional[XlaSamplingBatch] = None, filters: bool = True) -> list[Variant]:
         """Every static variant a step of this sampler can need (``Variant``): each path, with
@@ -280,14 +308,15 @@ class TpuSampler(Sampler):
         """The bucket's state, with fresh noise keys for unseeded rows from this sampler's
         generator: ``logits`` arrive padded, so their row count is the bucket."""
         B = logits.shape[0]
-        return self._forced_variant(batch.step_state(B, random_keys=self._random_keys(B)))
+        return self._forced_variant(batch.step_state(B, random_keys=self._random_keys(B)), batch)
 
     def speculative_step_state(self, batch: SamplingBatch, drafts: Drafts) -> XlaStepState:
         """``batch.speculative_state`` for the drafts' (padded) rows, with fresh noise keys for
         every slot of the unseeded rows."""
         B, K = drafts.token_ids.shape
         keys = self._random_keys(B * (K + 1))
-        return self._forced_variant(batch.speculative_state(drafts.token_ids, B, random_keys=keys))
+        return self._forced_variant(batch.speculative_state(drafts.token_ids, B, random_keys=keys),
+                                    batch)
 
     def with_bitmask(self, s: XlaStepState, batch: SamplingBatch,
                      token_bitmask: Optional[torch.Tensor], slots: Optional[int] = None) -> XlaStepState:
@@ -311,18 +340,26 @@ class TpuSampler(Sampler):
         return logits
 
     def finite_rows(self, x: torch.Tensor) -> torch.Tensor:
-        """All True: the NaN/+inf check is folded into ``any_token_left``, which runs after
-        steps 3-5. Those steps only add (0 or -inf), so NaN and +inf survive them (+inf
-        under a -inf mask becomes NaN) and one reduction answers both questions."""
-        return torch.ones(x.shape[0], dtype=torch.bool, device=x.device)
+        """bool ``[B]``: rows free of NaN and +inf, answered by ``any_token_left``'s reduction,
+        which runs after steps 3-5 (they only add 0 or -inf, so NaN and +inf survive them; +inf
+        under a -inf mask becomes NaN): the tensor returned here is written there, before the
+        template reads it. Kept apart from the rows left because step 8b counts a forced row
+        as having a token left, never as finite."""
+        self._finite_pending = torch.ones(x.shape[0], dtype=torch.bool, device=x.device)
+        return self._finite_pending
 
     def any_token_left(self, x: torch.Tensor) -> torch.Tensor:
         """bool ``[B]``: rows with no NaN or +inf and at least one token above -inf, from one
         int8 max over a per-token code (2 = NaN/+inf, 1 = live, 0 = -inf): XLA's float max
-        neither propagates NaN nor returns -inf for an all -inf row."""
+        neither propagates NaN nor returns -inf for an all -inf row. Also writes
+        ``finite_rows``'s answer (code max below 2)."""
         bad = torch.isnan(x) | (x == float("inf"))
         code = torch.where(bad, 2, (x > NEG_INF).to(torch.int8)).to(torch.int8)
-        return code.max(dim=-1).values == 1          # 2: NaN/+inf, 0: all -inf
+        top = code.max(dim=-1).values
+        if self._finite_pending is not None:
+            self._finite_pending.copy_(top != 2)
+            self._finite_pending = None
+        return top == 1          # 2: NaN/+inf, 0: all -inf
 
     def apply_allowed_ids(self, x: torch.Tensor, s: XlaStepState) -> torch.Tensor:
         """Steps 3, 4 (one-token bad words) and 6 as one add: ``x + static_add`` with
@@ -351,7 +388,7 @@ class TpuSampler(Sampler):
 
     def apply_min_tokens(self, x: torch.Tensor, s: XlaStepState) -> torch.Tensor:
         """Step 5: while ``position < min_tokens``, tokens in ``stop_mask`` (bool ``[B, V]``:
-        stop ids and eos; all False = off) -> -inf, by adding -inf (see ``finite_rows``).
+        stop ids and eos; all False = off) -> -inf, by adding -inf (see ``any_token_left``).
         Not in place."""
         pending = (s.position < s.min_tokens)[:, None]                     # (B, 1)
         return x + torch.where(s.stop_mask & pending, NEG_INF, 0.0)
@@ -365,6 +402,14 @@ class TpuSampler(Sampler):
                                         s.dry_multiplier, s.dry_base, s.dry_allowed_length,
                                         s.dry_range)
         return dry.apply(x, tokens, penalty)
+
+    def apply_thinking_budget(self, x: torch.Tensor, forced: torch.Tensor) -> torch.Tensor:
+        """Step 8b as in the core (a forced row, ``forced`` int64 ``[B]`` >= 0, keeps only its
+        forced token, with logit 0; -1 = not forced: x float32 ``[B, V]`` as it is), against
+        the cached vocabulary iota (``xla.iota``: no upload per step). Not in place."""
+        vocab = xla.iota(x.shape[-1], torch.int64, x.device)
+        only = torch.where(vocab == forced[:, None], 0.0, NEG_INF)
+        return torch.where((forced >= 0)[:, None], only, x)
 
     def argmax(self, x: torch.Tensor) -> torch.Tensor:
         """Step 9: int64 ``[B]``, the lowest id among each row's maxima."""
@@ -484,13 +529,14 @@ class TpuSampler(Sampler):
 
     # ------------------------------------------------------------------ internals: verify
     def _verify_padded(self, x: torch.Tensor, batch: XlaSamplingBatch, draft_ids: torch.Tensor,
-                       probs: Optional[torch.Tensor], mask: torch.Tensor) -> VerifyOutput:
+                       probs: Optional[torch.Tensor], mask: torch.Tensor,
+                       method: str = "token") -> VerifyOutput:
         """The verify graph's contents: ``Sampler.verify_state`` on padded inputs (x float32
         ``[B, K+1, V]``, draft_ids int64 ``[B, K]``, probs float32 ``[B, K, V]`` or None, mask
-        int32 ``[B, K+1, W]``). The slots are flattened inside the graph, so the caller's
-        tensors, padded or not, are its inputs as they are."""
+        int32 ``[B, K+1, W]``, ``method`` as in ``verify``). The slots are flattened inside the
+        graph, so the caller's tensors, padded or not, are its inputs as they are."""
         B, S, V = x.shape
-        drafts = _device_drafts(draft_ids, probs, V)
+        drafts = _device_drafts(draft_ids, probs, V, method)
         s = self.speculative_step_state(batch, drafts)
         s = dataclasses.replace(s, token_bitmask=mask.reshape(B * S, -1), any_bitmask=True)
         return self.verify_state(x.reshape(B * S, V), batch, s, drafts)
@@ -668,16 +714,16 @@ class TpuSampler(Sampler):
         return torch.where(s.seeded, noise.row_keys(s.seed_lo, s.seed_hi, s.child, s.position),
                            s.random_key)
 
-    def _forced_variant(self, s: XlaStepState) -> XlaStepState:
+    def _forced_variant(self, s: XlaStepState, batch: XlaSamplingBatch) -> XlaStepState:
         if self._forced is None:
             return s
         variant = self._forced
         if variant.stages != tuple(spec.name for spec, _, _ in s.stages):
             raise RuntimeError(f"warm-up forced {variant} on a batch tracing stages "
                                f"{[spec.name for spec, _, _ in s.stages]}")
-        asked = MAX_LOGPROBS if variant.logprobs else None
+        asked = batch.padded_logprobs if variant.logprobs else None
         return dataclasses.replace(s, variant=variant, logprobs_asked=asked,
-                                   **flags_for(variant, asked, MAX_LOGPROBS))
+                                   **flags_for(variant, asked, batch.padded_logprobs))
 
     @contextmanager
     def _forcing(self, variant: Variant):
@@ -689,7 +735,8 @@ class TpuSampler(Sampler):
             self._forced = None
 
 
-def _device_drafts(ids: torch.Tensor, probs: Optional[torch.Tensor], V: int) -> Drafts:
+def _device_drafts(ids: torch.Tensor, probs: Optional[torch.Tensor], V: int,
+                   method: str = "token") -> Drafts:
     """``Drafts`` of padded device inputs, as ``Sampler.check_drafts`` builds them: each row's
     real drafts (the leading ids >= 0), and whether the row is usable (ids in range, -1 only as
     a suffix, probabilities of real drafts finite and >= 0)."""
@@ -700,7 +747,7 @@ def _device_drafts(ids: torch.Tensor, probs: Optional[torch.Tensor], V: int) -> 
         real = xla.iota(ids.shape[1], torch.long, ids.device) < count[:, None]
         sane = (torch.isfinite(probs) & (probs >= 0)).all(dim=-1) | ~real
         usable = usable & sane.all(dim=1)
-    return Drafts(ids, count, probs, usable)
+    return Drafts(ids, count, probs, usable, method)
 
 
 def leading_count(mask: torch.Tensor) -> torch.Tensor:

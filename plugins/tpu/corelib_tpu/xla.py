@@ -6,9 +6,11 @@ executes eagerly, which is how its logic is tested without torch-xla.
 
 from __future__ import annotations
 
+import os
 import sys
 from contextlib import contextmanager
-from typing import Sequence
+from pathlib import Path
+from typing import Optional, Sequence
 
 import torch
 
@@ -81,6 +83,59 @@ def iota(n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
 
 
 _IOTAS: dict = {}
+
+
+#: Environment variable naming the persistent compile cache's directory (``compile_cache``).
+CACHE_ENV = "CORELIB_TPU_COMPILE_CACHE"
+
+
+def default_cache_dir() -> Path:
+    """Where ``compile_cache(True)`` keeps compiled graphs: ``$XDG_CACHE_HOME/corelib/xla``
+    (``~/.cache/corelib/xla`` without it), one folder per torch-xla version, since a graph
+    compiled by one version is not loaded by another."""
+    import torch_xla
+    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return base / "corelib" / "xla" / f"torch_xla-{torch_xla.__version__}"
+
+
+def compile_cache(path: "str | os.PathLike | bool | None" = None, readonly: bool = False) -> Optional[Path]:
+    """Switch on torch-xla's persistent compile cache for this process, so that a later
+    process compiling the same graphs loads them from disk instead (``torch_xla.runtime.
+    initialize_cache``). path: a directory, True for ``default_cache_dir()``, None for the
+    ``CORELIB_TPU_COMPILE_CACHE`` environment variable (unset or empty: off), False for off
+    (both return None).
+    readonly: load from the cache without adding to it (workers sharing one directory).
+
+    Must come before this process's first XLA computation, as torch-xla requires; a later
+    call with the directory already in use returns it, one with another directory raises
+    RuntimeError. Returns the directory in use."""
+    if path is None:
+        path = os.environ.get(CACHE_ENV) or None
+    if path is None or path is False:
+        return None
+    import torch_xla
+    import torch_xla.runtime as xr
+    directory = default_cache_dir() if path is True else Path(path).expanduser()
+    current = os.environ.get("XLA_PERSISTENT_CACHE_PATH")
+    if torch_xla._XLAC._xla_computation_cache_is_initialized():
+        if current and Path(current) == directory:
+            return directory
+        raise RuntimeError(
+            f"compile_cache({str(directory)!r}): this process already ran XLA computations "
+            f"{'with the cache in ' + repr(current) if current else 'without a persistent cache'}; "
+            f"switch it on before the first one (create the TpuSampler with compile_cache=..., "
+            f"or set {CACHE_ENV} before starting)")
+    directory.mkdir(parents=True, exist_ok=True)
+    xr.initialize_cache(str(directory), readonly=readonly)
+    return directory
+
+
+def persistent_cache_hits() -> int:
+    """Graphs loaded from the persistent compile cache so far in this process."""
+    if "torch_xla" not in sys.modules:
+        return 0
+    import torch_xla.debug.metrics as met
+    return int(met.counter_value("PersistentCacheHit") or 0)
 
 
 def compile_count() -> int:

@@ -25,6 +25,10 @@ OPTIONS = [
     dict(dry_multiplier=1.2, dry_allowed_length=1, dry_sequence_breakers=[5]),
     dict(top_n_sigma=1.5, typical_p=0.8), dict(xtc_probability=1.0, xtc_threshold=0.05),
     dict(stage_args={"ban-repeats": {"times": 1}}), dict(stage_args={"floor-prob": {"prob": 0.02}}),
+    # step 8b: a budget of 1 or 2 after the start marker [10, 11] forces [12, 13]
+    dict(thinking_budget=1, thinking_start_token_ids=[10, 11], thinking_end_token_ids=[13],
+         thinking_forced_token_ids=[12, 13]),
+    dict(seed=3, thinking_budget=2, thinking_start_token_ids=[10], thinking_end_token_ids=[13]),
 ]
 
 
@@ -37,6 +41,8 @@ def _churn(sampler: Sampler, reference: Sampler, steps: int, seed: int):
         if len(mine) < 12 and rng.random() < 0.7:
             params = SamplingParams(**rng.choice(OPTIONS))
             prompt = [rng.randrange(V) for _ in range(rng.randrange(4))]
+            if params.uses_thinking_budget and rng.random() < 0.7:
+                prompt += params.thinking_start_token_ids        # the prompt opens a section
             outputs = [[rng.randrange(1, V) for _ in range(rng.randrange(3))] for _ in range(params.n)]
             outputs = outputs[0] if params.n == 1 else outputs
             for batch in (mine, ref):
@@ -139,6 +145,26 @@ def test_limits_raise_naming_the_request():
         batch.add("long", SamplingParams(bad_words=[[1, 2, 3, 4]]))
     batch.add("ok", SamplingParams(bad_words=[[1], [2], [3], [1, 2], [2, 3, 4]]))   # 1-token words are free
     assert len(batch) == 1
+
+
+def test_marker_and_logprobs_limits_raise_at_add_naming_them():
+    sampler = TpuSampler("cpu", buckets=(4,), max_thinking_marker_length=3, max_logprobs=30)
+    batch = sampler.new_batch(V)
+    think = dict(thinking_budget=4, thinking_start_token_ids=[1], thinking_end_token_ids=[2])
+    with pytest.raises(ValueError, match=r"'phrase'.*thinking_forced_token_ids holds 4 tokens.*"
+                                         r"max_thinking_marker_length=3"):
+        batch.add("phrase", SamplingParams(**think, thinking_forced_token_ids=[5, 6, 7, 2]))
+    with pytest.raises(ValueError, match=r"'start'.*thinking_start_token_ids holds 4 tokens"):
+        batch.add("start", SamplingParams(**dict(think, thinking_start_token_ids=[1, 1, 1, 1])))
+    with pytest.raises(ValueError, match=r"'many'.*logprobs=31.*max_logprobs=30"):
+        batch.add("many", SamplingParams(logprobs=31))
+    with pytest.raises(ValueError, match=r"'all'.*logprobs=-1 asks for 64 .*every token.*max_logprobs=30"):
+        batch.add("all", SamplingParams(logprobs=-1))
+    assert len(batch) == 0
+    batch.add("ok", SamplingParams(**think, thinking_forced_token_ids=[5, 6, 2], logprobs=30))
+    every = TpuSampler("cpu", buckets=(4,), max_logprobs=V).new_batch(V)
+    every.add("all", SamplingParams(logprobs=-1))
+    assert every.step_state(4).num_logprobs == V
 
 
 def test_append_checks_host_ids_and_counts_device_ids():

@@ -86,7 +86,7 @@ def warm():
 def warm_verify():
     """The ``verify`` sampler (bucket 8, K = 2), warmed with every input layout."""
     sampler = _sampler(buckets=(8,), strict=True)
-    report = sampler.warmup(V, unpadded_verify=True, device_bitmask=True)
+    report = sampler.warmup(V, unpadded_verify=True, device_bitmask=True, block_verify=True)
     return sampler, report
 
 
@@ -120,7 +120,9 @@ def _random_params(rng: random.Random) -> dict:
                               dict(bad_words=[[7, 8], [9]]), dict(min_tokens=2, stop_token_ids=[2]),
                               dict(dry_multiplier=0.8, dry_allowed_length=1, dry_sequence_breakers=[4]),
                               dict(stage_args={"ban-repeats": {"times": 1}}),
-                              dict(stage_args={"floor-prob": {"prob": 0.01}})]))
+                              dict(stage_args={"floor-prob": {"prob": 0.01}}),
+                              dict(thinking_budget=rng.randrange(3), thinking_start_token_ids=[3],
+                                   thinking_end_token_ids=[9, 10], thinking_forced_token_ids=[8, 9, 10])]))
     return params
 
 
@@ -151,7 +153,8 @@ def _verify_step(sampler, batch, rng: random.Random, step: int):
         drafts, probs = drafts.to(xla_device()), probs.to(xla_device())
     mask = None if padded else _mask(n, rng, slots=K + 1)
     out = sampler.verify(_logits(rows, step, slots=K + 1), batch, drafts,
-                         probs if rng.random() < 0.5 else None, token_bitmask=mask)
+                         probs if rng.random() < 0.5 else None, token_bitmask=mask,
+                         method=rng.choice(["token", "block"]))
     assert out.token_ids.shape == (n, K + 1)
     return out.token_ids
 
@@ -218,15 +221,18 @@ def test_strict_mode_raises_on_an_unwarmed_shape(warm):
 
 
 def test_a_step_reads_back_one_tensor_and_never_falls_back_to_the_host():
-    """sample and verify each cost one device-to-host transfer (``TransferFromDeviceTime``), and
-    no operation of theirs runs on the host (torch-xla counts such fallbacks as ``aten::*``:
+    """sample and verify (by the token rule and as a block, with reasoning budgets) each cost
+    one device-to-host transfer (``TransferFromDeviceTime``), and no operation of theirs runs
+    on the host (torch-xla counts such fallbacks as ``aten::*``:
     ``cumprod`` is one in torch-xla 2.9)."""
     import torch_xla.debug.metrics as met
     sampler = _sampler()
     batch = sampler.new_batch(V)
     for i in range(3):
         batch.add(f"r{i}", SamplingParams(seed=i, logprobs=2, top_k=5, typical_p=0.9, xtc_probability=0.5,
-                                          dry_multiplier=1.0, stage_args={"ban-repeats": {"times": 1}}))
+                                          dry_multiplier=1.0, stage_args={"ban-repeats": {"times": 1}},
+                                          thinking_budget=i, thinking_start_token_ids=[7],
+                                          thinking_end_token_ids=[8]), prompt_token_ids=[7])
     logits, slots = _logits(3, 0), _logits(3, 1, slots=K + 1)
     drafts = torch.tensor([[1, 2], [3, -1], [5, 6]]).to(xla_device())
     probs = torch.full((3, K, V), 1.0 / V).to(xla_device())
@@ -235,7 +241,8 @@ def test_a_step_reads_back_one_tensor_and_never_falls_back_to_the_host():
     def fallbacks():
         return {n: met.counter_value(n) for n in met.counter_names() if n.startswith("aten::")}
     for call in (lambda: sampler.sample(logits, batch, words[:, 0]),
-                 lambda: sampler.verify(slots, batch, drafts, probs, words.to(xla_device()))):
+                 lambda: sampler.verify(slots, batch, drafts, probs, words.to(xla_device())),
+                 lambda: sampler.verify(slots, batch, drafts, probs, method="block")):
         call()                                                   # compiles
         before, host_ops = met.metric_data("TransferFromDeviceTime")[0], fallbacks()
         call()
@@ -246,13 +253,15 @@ def test_a_step_reads_back_one_tensor_and_never_falls_back_to_the_host():
 def test_verify_graphs_one_per_variant_and_draft_probs(warm_verify):
     _, report = warm_verify
     assert report.speculative_k == (K,) and report.variants == 18
-    # the bucket's 18 step graphs, 36 verify graphs, append graphs for 1 and K + 1 ids
-    assert report.graphs >= 18 + 36 + 2
+    # the bucket's 18 step graphs, 36 verify graphs of the token rule (draft probabilities
+    # given or not), 18 of block verification, append graphs for 1 and K + 1 ids
+    assert report.graphs >= 18 + 36 + 18 + 2
 
 
 def test_nothing_compiles_after_warmup_while_verifying(warm_verify):
     """Verification steps between plain ones: drafts (fewer than K in some rows), draft
-    probabilities given or not, on the host or the device, inputs with the live rows or padded
+    probabilities given or not (by the token rule or as a block), on the host or the device,
+    reasoning budgets that force tokens at some slots, inputs with the live rows or padded
     to the bucket, acceptance counts that differ per row and step, token bitmasks per slot,
     the same parameter churn as above, rows swapped and removed: nothing compiles."""
     sampler, _ = warm_verify
@@ -288,9 +297,10 @@ def _step_graphs_hlo(sampler: TpuSampler, bucket: int, vocab: int):
         with sampler._forcing(variant):
             yield f"sample {variant}", torch_xla._XLAC._get_xla_tensors_hlo(
                 [_pack(Sampler.sample(sampler, x, batch))])
-            for q in (None, probs):
-                out = _pack_verify(sampler._verify_padded(xs, batch, ids, q, mask))
-                yield f"verify {variant} probs={q is not None}", torch_xla._XLAC._get_xla_tensors_hlo([out])
+            for q, method in ((None, "token"), (probs, "token"), (probs, "block")):
+                out = _pack_verify(sampler._verify_padded(xs, batch, ids, q, mask, method))
+                yield (f"verify {variant} probs={q is not None} method={method}",
+                       torch_xla._XLAC._get_xla_tensors_hlo([out]))
 
 
 def test_no_vocabulary_wide_sort_and_only_two_small_scatters():

@@ -17,6 +17,8 @@ from tpu_support import needs_xla, xla_device
 BUCKETS = (8, 16, 32, 64, 128, 256, 1024)
 VERIFY_ROWS = 1024
 DRY_WINDOW = 64
+#: The suite asks for 40 top logprobs and for every token (-1): the whole vocabulary (256).
+MAX_LOGPROBS = 256
 
 
 @needs_xla
@@ -29,7 +31,8 @@ class TestConformanceOnXla(ConformanceSuite):
     verify_rows = VERIFY_ROWS
 
     def make_sampler(self):
-        return TpuSampler(xla_device(), buckets=BUCKETS, dry_window=DRY_WINDOW)
+        return TpuSampler(xla_device(), buckets=BUCKETS, dry_window=DRY_WINDOW,
+                          max_logprobs=MAX_LOGPROBS)
 
 
 class TestTracedCodeOnCpu(ConformanceSuite):
@@ -41,4 +44,5 @@ class TestTracedCodeOnCpu(ConformanceSuite):
     verify_rows = VERIFY_ROWS
 
     def make_sampler(self):
-        return TpuSampler("cpu", buckets=BUCKETS, dry_window=DRY_WINDOW)
+        return TpuSampler("cpu", buckets=BUCKETS, dry_window=DRY_WINDOW,
+                          max_logprobs=MAX_LOGPROBS)
