@@ -197,10 +197,11 @@ def bench_one(name, params, scale, rows, vocab, reps, tpu, cpu_python, device):
 
 
 VERIFY_CONFIGS = {
-    # name: (parameters, with draft probabilities)
-    "top-k 50 + top-p 0.9, draft probs": (dict(top_k=50, top_p=0.9), True),
-    "top-k 50 + top-p 0.9, no draft probs": (dict(top_k=50, top_p=0.9), False),
-    "greedy": (dict(temperature=0.0), False),
+    # name: (parameters, with draft probabilities, verify method)
+    "top-k 50 + top-p 0.9, draft probs": (dict(top_k=50, top_p=0.9), True, "token"),
+    "top-k 50 + top-p 0.9, draft probs, block": (dict(top_k=50, top_p=0.9), True, "block"),
+    "top-k 50 + top-p 0.9, no draft probs": (dict(top_k=50, top_p=0.9), False, "token"),
+    "greedy": (dict(temperature=0.0), False, "token"),
 }
 
 
@@ -226,7 +227,7 @@ def ratio(times: dict, slow: str, fast: str, column: int = 3) -> float:
     return statistics.median(s / f for s, f in zip(times[slow][column], times[fast][column]))
 
 
-def bench_verify(name, params, with_probs, rows, K, vocab, reps, device):
+def bench_verify(name, params, with_probs, method, rows, K, vocab, reps, device):
     from corelib_tpu.sampler import TpuSampler
     import torch_xla
     S = K + 1
@@ -247,7 +248,7 @@ def bench_verify(name, params, with_probs, rows, K, vocab, reps, device):
     uniforms = torch.rand((rows * S,), generator=gen).to(device)
     torch_xla.sync()
     times = interleaved({
-        "tpu": lambda: tpu.verify(logits, batch, drafts, q).token_ids.tolist(),
+        "tpu": lambda: tpu.verify(logits, batch, drafts, q, method=method).token_ids.tolist(),
         "sort": lambda: sort_based_verify(logits, temperature, top_k, top_p, keys, uniforms, drafts,
                                           q).cpu().tolist(),
     }, reps)
@@ -363,8 +364,8 @@ def main():
 
     if "verify" in args.suites:
         results = []
-        for name, (params, with_probs) in VERIFY_CONFIGS.items():
-            results.append(bench_verify(name, params, with_probs, args.verify_rows, args.k,
+        for name, (params, with_probs, method) in VERIFY_CONFIGS.items():
+            results.append(bench_verify(name, params, with_probs, method, args.verify_rows, args.k,
                                         args.vocab, args.reps, device))
             print(f"# verify {name}: ratio {results[-1]['ratio']:.1f} (CPU time "
                   f"{results[-1]['cpu_ratio']:.1f})", flush=True)

@@ -3,14 +3,17 @@
 Runs in the vLLM venv (``bash scripts/test.sh`` or ``ensure_vllm_venv`` in scripts/lib.sh):
 
     .venv-vllm/bin/python benchmarks/vllm_throughput.py [--requests 32] [--tokens 64]
-        [--vocab 512] [--repeats 5] [--speculative] [--csv out.csv]
+        [--vocab 512] [--repeats 5] [--speculative] [--seeding both] [--workloads ...]
+        [--csv out.csv]
 
 Both engines run in this process on the same tiny random Llama (tests/integrations/vllm/
 tiny_llama.py), with the same settings; only the sampler differs (``CORELIB_VLLM=cpu`` or
 unset while the engine starts). Each repeat submits ``--requests`` requests at once
 (max_num_seqs = requests) that each generate ``--tokens`` tokens, alternating the two
-engines so machine noise hits both alike. Reported: generated tokens per second (median),
-the ratio corelib / vLLM, and the sampler's share of an engine step. Throughput is the batch
+engines so machine noise hits both alike. Every workload runs seeded (request i has seed i)
+and unseeded (``--seeding``). Reported: generated tokens per second (median), the ratio
+corelib / vLLM of the step rate and of whole ``generate()`` calls, and the sampler's time and
+share of an engine step. Throughput is the batch
 size over the median time of the steps in which all requests decode (``execute_model``
 through ``sample_tokens`` on the model runner); the sampler's ``forward`` is timed inside the
 same steps. Medians, because other processes on a shared machine make wall-clock totals
@@ -43,9 +46,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 WORKLOADS = {
+    "greedy": dict(temperature=0.0),
     "random": dict(temperature=1.0),
-    "top-k/top-p": dict(temperature=0.8, top_k=50, top_p=0.95),
-    "penalties": dict(temperature=0.8, top_p=0.95, repetition_penalty=1.1,
+    "top-k/top-p": dict(temperature=1.0, top_k=50, top_p=0.95),
+    "top-p": dict(temperature=1.0, top_p=0.9),
+    "min-p": dict(temperature=1.0, min_p=0.05),
+    "penalties": dict(temperature=1.0, top_p=0.9, repetition_penalty=1.1,
                       frequency_penalty=0.2, presence_penalty=0.2),
 }
 
@@ -55,7 +61,7 @@ WORKLOADS = {
 SPECULATIVE_WORKLOADS = {
     "greedy": dict(temperature=0.0),
     "random": dict(temperature=1.0),
-    "top-p": dict(temperature=0.8, top_p=0.95),
+    "top-p": dict(temperature=1.0, top_p=0.9),
 }
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3,
          "prompt_lookup_min": 1}
@@ -190,6 +196,9 @@ def main(argv=None) -> int:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--speculative", action="store_true",
                         help="both engines speculate with ngram drafts (3 per step)")
+    parser.add_argument("--seeding", choices=["both", "seeded", "unseeded"], default="both")
+    parser.add_argument("--workloads", nargs="+", default=None,
+                        help="a subset of the workloads (default: all)")
     parser.add_argument("--csv", type=Path)
     args = parser.parse_args(argv)
 
@@ -220,8 +229,13 @@ def main(argv=None) -> int:
                                                         for j in range(8 + i % 8)])
                    for i in range(args.requests)]
     rows = []
-    for workload, options in (SPECULATIVE_WORKLOADS if args.speculative else WORKLOADS).items():
-        params = [SamplingParams(max_tokens=args.tokens, ignore_eos=True, seed=i, **options)
+    seedings = ("seeded", "unseeded") if args.seeding == "both" else (args.seeding,)
+    workloads = SPECULATIVE_WORKLOADS if args.speculative else WORKLOADS
+    chosen = [(name, seeding) for name in (args.workloads or workloads) for seeding in seedings]
+    for workload, seeding in chosen:
+        options = workloads[workload]
+        params = [SamplingParams(max_tokens=args.tokens, ignore_eos=True,
+                                 seed=i if seeding == "seeded" else None, **options)
                   for i in range(args.requests)]
         results = {name: [] for name in engines}
         for name, (llm, timer) in engines.items():   # warm-up
@@ -232,19 +246,21 @@ def main(argv=None) -> int:
         medians = {name: {key: statistics.median(r[key] for r in runs) for key in runs[0]}
                    for name, runs in results.items()}
         for name, m in medians.items():
-            rows.append(dict(workload=workload, sampler=name, vocab=args.vocab,
+            rows.append(dict(workload=workload, seeding=seeding, sampler=name, vocab=args.vocab,
                              requests=args.requests, tokens=args.tokens, **m,
-                             ratio=m["tokens_per_s"] / medians["vllm"]["tokens_per_s"]))
+                             ratio=m["tokens_per_s"] / medians["vllm"]["tokens_per_s"],
+                             wall_ratio=m["wall_tokens_per_s"] / medians["vllm"]["wall_tokens_per_s"]))
     print(f"vLLM CPU engine, tiny Llama (vocab {args.vocab}), {args.requests} concurrent requests x "
           f"{args.tokens} tokens, {torch.get_num_threads()} torch thread(s), median of {args.repeats}"
           + (", ngram speculation (3 drafts)" if args.speculative else ""))
-    print(f"{'workload':<12} {'sampler':<12} {'tokens/s':>9} {'vs vLLM':>8} {'step ms':>8} "
-          f"{'sampler ms':>11} {'share':>6} {'wall tokens/s':>14}"
+    print(f"{'workload':<12} {'seeding':<9} {'sampler':<12} {'tokens/s':>9} {'vs vLLM':>8} "
+          f"{'step ms':>8} {'sampler ms':>11} {'share':>6} {'wall tokens/s':>14} {'wall vs vLLM':>13}"
           + (f" {'accepted':>9} {'repeats':>8}" if args.speculative else ""))
     for r in rows:
-        print(f"{r['workload']:<12} {r['sampler']:<12} {r['tokens_per_s']:>9.0f} {r['ratio']:>8.2f} "
-              f"{r['step_ms']:>8.2f} {r['sampler_ms']:>11.3f} {100 * r['sampler_share']:>5.1f}% "
-              f"{r['wall_tokens_per_s']:>14.0f}"
+        print(f"{r['workload']:<12} {r['seeding']:<9} {r['sampler']:<12} {r['tokens_per_s']:>9.0f} "
+              f"{r['ratio']:>8.2f} {r['step_ms']:>8.2f} {r['sampler_ms']:>11.3f} "
+              f"{100 * r['sampler_share']:>5.1f}% {r['wall_tokens_per_s']:>14.0f} "
+              f"{r['wall_ratio']:>13.2f}"
               + (f" {100 * r['acceptance']:>8.1f}% {100 * r['repeats']:>7.1f}%"
                  if args.speculative else ""))
     if args.csv:
