@@ -102,19 +102,40 @@ class BatchMirror:
             self.batch.use_stage(spec, "vllm")
         # request id -> (vLLM SamplingParams object, prompt length) it was added with
         self._added: dict[str, tuple[Any, int]] = {}
+        self._synced_order: list[str] = []     # vLLM's row order after the last sync (a copy)
         self.moves = {"added": 0, "removed": 0, "swapped": 0}   # for tests and benchmarks
 
     def sync(self, input_batch: Any, requests: dict[str, Any]) -> SamplingBatch:
         """Bring the batch to ``input_batch``'s rows (``requests``: the runner's
         ``CachedRequestState`` per request id). Returns the batch."""
-        order = list(input_batch.req_ids)
+        order = input_batch.req_ids
         outputs = input_batch.req_output_token_ids
+        if self._unchanged(order, outputs, requests):
+            return self.batch
+        order, self._synced_order = list(order), []     # no steady state until this sync ends
         self._drop_stale(input_batch.req_id_to_index, outputs, requests)
         for row, request_id in enumerate(order):
             if request_id not in self._added:
                 self._add(request_id, requests[request_id], outputs[row])
         self._follow(order)
+        self._synced_order = order
         return self.batch
+
+    def _unchanged(self, order: list[str], outputs: list, requests: dict[str, Any]) -> bool:
+        """The steady state, checked without building anything per row: the same requests in
+        the same rows as after the last sync, each with the state it was added with and as
+        many generated tokens as vLLM holds (``_matches`` for every row)."""
+        if order != self._synced_order:
+            return False
+        if self.batch.generated_counts() != [len(ids) for ids in outputs[:len(order)]]:
+            return False
+        added = self._added
+        for request_id in order:
+            state = requests[request_id]
+            params, prompt_length = added[request_id]
+            if state.sampling_params is not params or state.num_prompt_tokens != prompt_length:
+                return False
+        return True
 
     def _drop_stale(self, rows_now: dict[str, int], outputs: list, requests: dict[str, Any]) -> None:
         """Remove the requests that left vLLM's batch or whose state differs from vLLM's, in

@@ -114,6 +114,25 @@ def test_a_discarded_token_re_adds_only_that_request():
     assert moves["removed"] == 1 and moves["added"] == 1
 
 
+def test_steady_steps_change_nothing_and_a_changed_request_is_taken_again():
+    """Steps where vLLM's batch only decodes leave the mirror's rows alone (its fast path);
+    a request whose state vLLM replaced under the same id is removed and added again."""
+    engine = Engine()
+    ids = [engine.new_request(presence_penalty=0.5) for _ in range(5)]
+    engine.step(add=ids)
+    for _ in range(3):
+        engine.decode()
+        assert engine.step() == {"added": 0, "removed": 0, "swapped": 0}
+    old = engine.requests[ids[3]]
+    engine.requests[ids[3]] = CachedRequestState(
+        req_id=ids[3], prompt_token_ids=old.prompt_token_ids, mm_features=[],
+        sampling_params=VllmParams(temperature=0.5, seed=77), generator=None,
+        block_ids=old.block_ids, num_computed_tokens=0, output_token_ids=old.output_token_ids)
+    moves = engine.step()             # check() finds every row in vLLM's order and state
+    assert moves["added"] == 1 and moves["removed"] == 1
+    assert int(engine.mirror.batch.step_state().seed_lo[3]) == split_seed(77)[0]
+
+
 def test_resumed_request_continues_from_its_output_tokens():
     engine = Engine()
     rid = engine.new_request(outputs=[7, 8, 9], presence_penalty=1.0)
