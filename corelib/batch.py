@@ -9,6 +9,7 @@ instead of re-reading histories.
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass, field
 from typing import Iterable, Optional, Sequence
 
@@ -214,6 +215,11 @@ class SamplingBatch:
         self._engine_stages: dict[str, tuple[StageSpec, Optional[str]]] = {}   # use_stage
         self._stale_generated = False                 # device appends of [rows, K+1] ids
         self._history_bound = 0                       # upper bound of DRY rows' history length
+        # The first rows of every tensor and the step state over them, for one row count:
+        # kept until a request joins, leaves or moves, or a tensor is replaced (``_forget_views``)
+        self._views: Optional[tuple[int, dict, dict]] = None
+        self._template: Optional[StepState] = None
+        self._all_true: Optional[torch.Tensor] = None
         self._ensure_capacity(_MIN_CAPACITY)
 
     # ------------------------------------------------------------------ public views
@@ -342,6 +348,7 @@ class SamplingBatch:
             self._write_rows(rows, params, prompt, outputs, child_offset)
         except BaseException:
             self._tensors, self._capacity = saved_tensors, saved_capacity
+            self._forget_views()
             self._reset_rows(rows)
             raise
 
@@ -417,46 +424,70 @@ class SamplingBatch:
         and is treated as -1. If a custom stage's state update fails, ``StageError`` is raised
         and nothing changes.
         """
-        ids = self.check_token_ids(token_ids)
+        ids, every = self._checked_ids(token_ids)
         n = ids.shape[0]
         if n == 0:
             return
-        steps = (ids >= 0).view(n, -1).sum(dim=1).tolist() if ids.device.type == "cpu" else None
+        # The host mirror of the positions: on the CPU the positions themselves are read back
+        # when it is needed (``_refresh_generated``: no wait), so append leaves it stale
+        counted_here = ids.device.type == "cpu" and self.device.type != "cpu"
+        steps = (ids >= 0).view(n, -1).sum(dim=1).tolist() if counted_here else None
         ids = upload(ids, self.device, torch.long)
-        if ids.dim() == 1:
+        if every:       # host ids, all in [0, V): every row takes its token
+            columns = [(ids, self._every_row(n))]
+        elif ids.dim() == 1:
             live = (ids >= 0) & (ids < self.vocab_size)
             columns = [(ids, live)]
         else:
             live = torch.cumprod((ids >= 0).to(torch.int32), dim=1).to(torch.bool)
             columns = [(ids[:, j], live[:, j]) for j in range(ids.shape[1])]
         self._ensure_history_room(len(columns))
-        t = {name: tensor[:n] for name, tensor in self._tensors.items()}
-        self._advance(t, columns)
+        t, _ = self._row_views(n)
+        self._advance(t, columns, one_per_row=ids.dim() == 1, every=every)
+        self._appended(columns, every)
         if steps is None:
-            self._stale_generated = True     # counting would wait on the device
+            self._stale_generated = True     # read back from the positions when needed
         elif not self._stale_generated:
-            for i, count in enumerate(steps):
-                self._generated[i] += count
+            self._generated = list(map(operator.add, self._generated, steps))
+
+    def _appended(self, columns: list[tuple[torch.Tensor, torch.Tensor]], every: bool) -> None:
+        """Called by ``append`` once the ids are checked and the batch's own state advanced:
+        ``columns`` as in ``_advance`` (int64 ids on the batch's device, -1 or out of range
+        where their bool ``advance`` is False), ``every``: one column whose ids are all in
+        range. A subclass with per-row state of its own updates it here."""
 
     def _advance(self, t: dict[str, torch.Tensor],
-                 columns: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+                 columns: list[tuple[torch.Tensor, torch.Tensor]], one_per_row: bool = False,
+                 every: bool = False) -> None:
         """Advance row state ``t`` (name -> tensor ``[n, ...]``, updated in place) by one token
         per column: ``columns`` holds (int64 ids ``[n]``, bool advance ``[n]``) pairs, applied in
         order. A row advances its position where ``advance`` holds; in-range ids are counted,
         enter the recent window and the DRY history, and update custom stages' state. Custom
-        stages run first, on new tensors, so a failing one leaves ``t`` unchanged."""
+        stages run first, on new tensors, so a failing one leaves ``t`` unchanged.
+        ``one_per_row``: ``columns`` is append's one column, whose ``advance`` is exactly its
+        ids in range; ``every``: and that is every row (all True)."""
         staged = self._advanced_stage_state(t, columns)
         for ids, advance in columns:
-            self._advance_builtin(t, ids, advance)
+            self._advance_builtin(t, ids, advance, advance if one_per_row else None, every)
         for name, value in staged.items():
             t[name].copy_(value)
 
     def _advance_builtin(self, t: dict[str, torch.Tensor], ids: torch.Tensor,
-                         advance: torch.Tensor) -> None:
-        in_range = (ids >= 0) & (ids < self.vocab_size)
-        counted = in_range & advance
-        safe = torch.where(in_range, ids, torch.zeros_like(ids))
-        t["position"] += advance.to(torch.int32)
+                         advance: torch.Tensor, in_range: Optional[torch.Tensor] = None,
+                         every: bool = False) -> None:
+        """``in_range``: ``(ids >= 0) & (ids < V)`` when the caller has it and it implies
+        ``advance`` (append's one id per row); ``every``: it holds on every row."""
+        if in_range is None:
+            in_range = (ids >= 0) & (ids < self.vocab_size)
+            counted = in_range & advance
+        else:
+            counted = in_range
+        if every:
+            safe = ids
+            t["position"] += 1
+        else:
+            safe = torch.where(in_range, ids, torch.zeros_like(ids))
+            t["position"] += advance.to(torch.int32)
         if "output_counts" in t:
             t["output_counts"].scatter_add_(1, safe[:, None], counted[:, None].to(torch.int32))
         if "recent" in t and t["recent"].shape[1] > 0:
@@ -505,6 +536,18 @@ class SamplingBatch:
         outside ``[0, vocab_size)`` raise when the ids are on the host (a list or a CPU
         tensor), since checking device ids would wait on the device. Returns them as a tensor
         (not copied to the batch's device)."""
+        return self._checked_ids(token_ids)[0]
+
+    def _every_row(self, n: int) -> torch.Tensor:
+        """bool ``[n]`` all True on the batch's device (made once per row count; read only)."""
+        every = self._all_true
+        if every is None or every.shape[0] != n:
+            every = self._all_true = torch.ones(n, dtype=torch.bool, device=self.device)
+        return every
+
+    def _checked_ids(self, token_ids) -> tuple[torch.Tensor, bool]:
+        """``check_token_ids``, and whether the ids are one per row, on the host and all in
+        ``[0, vocab_size)`` (no flagged row: every row takes its token)."""
         n = len(self._row_keys)
         try:
             ids = torch.as_tensor(token_ids)
@@ -522,8 +565,12 @@ class SamplingBatch:
         if ids.dim() == 2:
             if n and ids.device.type == "cpu":
                 self._check_emitted(ids)
-            return ids
+            return ids, False
         if n and ids.device.type == "cpu":
+            low, high = torch.aminmax(ids)          # one pass; the row is found only on failure
+            low, high = int(low), int(high)
+            if low >= INVALID_TOKEN and high < self.vocab_size:
+                return ids, low >= 0
             bad = ((ids < INVALID_TOKEN) | (ids >= self.vocab_size)).nonzero()
             if bad.numel():
                 row = int(bad[0, 0])
@@ -532,7 +579,7 @@ class SamplingBatch:
                     f"{self._row_keys[row][0]!r}) is out of range for vocab_size={self.vocab_size} "
                     f"(-1, a flagged row's id, means no token this step)"
                 )
-        return ids
+        return ids, False
 
     def _check_emitted(self, ids: torch.Tensor) -> None:
         """Host ``[rows, K+1]`` ids: in range, with -1 only as trailing padding."""
@@ -550,8 +597,7 @@ class SamplingBatch:
 
     def _refresh_generated(self) -> None:
         if self._stale_generated:
-            position = self._tensors["position"][: len(self._row_keys)].tolist()
-            self._generated = [int(p) for p in position]
+            self._generated = self._tensors["position"][: len(self._row_keys)].tolist()
             self._stale_generated = False
 
     # ------------------------------------------------------------------ step state
@@ -564,8 +610,39 @@ class SamplingBatch:
         n = len(self._row_keys) if num_rows is None else num_rows
         if n > self._capacity:
             self._ensure_capacity(n)
-        t = {name: tensor[:n] for name, tensor in self._tensors.items()}
-        return self._state_of(t, n)
+        template = self._template
+        if template is None or template.num_rows != n:
+            template = self._template = self._new_step_state(n)
+        # A new object each step (a backend may set attributes on it), sharing the template's
+        # tensors (views of the batch's, which the steps update in place); only the flag that
+        # moves with the positions is computed again.
+        s = object.__new__(type(template))
+        s.__dict__.update(template.__dict__)
+        s.any_min_tokens = self._min_tokens_pending()
+        return s
+
+    def _new_step_state(self, n: int) -> StepState:
+        """The step state of the first ``n`` rows, which ``step_state`` keeps (and copies for
+        each step) until a request joins, leaves or moves, or a tensor is replaced. A subclass
+        with state of its own extends it here, and calls ``_forget_views`` when it replaces a
+        tensor the state holds a view of."""
+        t, fields = self._row_views(n)
+        return self._state_of(t, n, fields)
+
+    def _row_views(self, n: int) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        """(name -> the first ``n`` rows of every per-row tensor, the StepState fields among
+        them): views, kept until a tensor is replaced or the batch's requests change."""
+        views = self._views
+        if views is None or views[0] != n:
+            t = {name: tensor[:n] for name, tensor in self._tensors.items()}
+            fields = {name: v for name, v in t.items() if name in _STATE_FIELDS}
+            views = self._views = (n, t, fields)
+        return views[1], views[2]
+
+    def _forget_views(self) -> None:
+        """Drop the kept views and step state (a tensor was replaced, or the rows changed)."""
+        self._views = None
+        self._template = None
 
     def speculative_state(self, draft_token_ids: torch.Tensor,
                           num_rows: Optional[int] = None) -> StepState:
@@ -593,22 +670,19 @@ class SamplingBatch:
         self._advance(t, columns)
         return self._state_of(t, n * S)
 
-    def _state_of(self, t: dict[str, torch.Tensor], num_rows: int) -> StepState:
-        """A StepState over the row tensors ``t`` (the batch's rows, or expanded copies)."""
+    def _state_of(self, t: dict[str, torch.Tensor], num_rows: int,
+                  fields: Optional[dict[str, torch.Tensor]] = None) -> StepState:
+        """A StepState over the row tensors ``t`` (the batch's rows, or expanded copies;
+        ``fields``: the StepState fields among them, when the caller has them)."""
         if self._flags is None:
             self._flags = self._compute_flags()
-        if self._stale_generated:   # positions only grow: a request that was pending may not be
-            min_tokens_pending = bool(self._min_token_rows())
-        else:
-            min_tokens_pending = any(
-                self._generated[row] < self._row_params[row].min_tokens for row in self._min_token_rows()
-            )
-        fields = {name: tensor for name, tensor in t.items() if name in _STATE_FIELDS}
+        if fields is None:
+            fields = {name: tensor for name, tensor in t.items() if name in _STATE_FIELDS}
         return StepState(
             num_rows=num_rows,
             vocab_size=self.vocab_size,
             logprobs_mode=self.logprobs_mode,
-            any_min_tokens=min_tokens_pending,
+            any_min_tokens=self._min_tokens_pending(),
             stages=self._stage_inputs(t),
             **self._flags,
             **fields,
@@ -688,6 +762,18 @@ class SamplingBatch:
             num_logprobs=max(logprobs) if logprobs else None,
         )
 
+    def _min_tokens_pending(self) -> bool:
+        """Whether a row with min_tokens has generated fewer tokens than that (step 5 runs)."""
+        rows = self._min_token_rows()
+        if not rows:
+            return False
+        if self._stale_generated:
+            if self.device.type != "cpu":
+                return True     # positions only grow: a request that was pending may not be
+            self._refresh_generated()
+        generated, params = self._generated, self._row_params
+        return any(generated[row] < params[row].min_tokens for row in rows)
+
     def _min_token_rows(self) -> list[int]:
         if self._min_rows is None:
             self._min_rows = [r for r, p in enumerate(self._row_params) if p.min_tokens > 0]
@@ -745,6 +831,7 @@ class SamplingBatch:
 
     # ------------------------------------------------------------------ internals
     def _changed(self) -> None:
+        self._forget_views()
         self._request_index = None
         self._flags = None
         self._min_rows = None
@@ -807,11 +894,13 @@ class SamplingBatch:
         if old is not None:
             fresh[: old.shape[0]] = old
         self._tensors[name] = fresh
+        self._forget_views()
 
     def _new_optional(self, name: str, width: int, dtype: torch.dtype, *extra: int) -> torch.Tensor:
         tensor = torch.full((self._capacity, width, *extra), self._neutral[name],
                             dtype=dtype, device=self.device)
         self._tensors[name] = tensor
+        self._forget_views()
         return tensor
 
     def _widen(self, name: str, width: int, dim: int = 1) -> None:
@@ -829,6 +918,7 @@ class SamplingBatch:
         else:
             fresh.narrow(dim, 0, old.shape[dim]).copy_(old)
         self._tensors[name] = fresh
+        self._forget_views()
 
     def _allocate_optional_state(self, params: SamplingParams, prompt: list[int],
                                  outputs: list[list[int]]) -> None:
@@ -906,6 +996,7 @@ class SamplingBatch:
         for name, (dtype, neutral, shape) in tensors.items():
             self._neutral[name] = neutral
             self._tensors[name] = torch.full((self._capacity, *shape), neutral, dtype=dtype, device=self.device)
+        self._forget_views()
 
     def _ensure_history_room(self, tokens: int) -> None:
         """Widen the DRY history so every row can take ``tokens`` more (host bound, no sync)."""

@@ -51,22 +51,25 @@ def with_slots(s: StepState, ids: torch.Tensor, counts: torch.Tensor, length: to
 
 
 def count_into_slots(ids: torch.Tensor, counts: torch.Tensor, length: torch.Tensor,
-                     tokens: torch.Tensor, live: torch.Tensor) -> None:
+                     tokens: torch.Tensor, live: torch.Tensor, width: Optional[int] = None) -> int:
     """One token per row into slots, in place: bump the token's slot, or open the next free
-    slot for it (the caller leaves room). ids int64 [n, S], counts int32 [n, S], length int64
-    [n], tokens int64 [n], live bool [n] (False: the row is left as it is)."""
-    width = int(length.max()) if length.numel() else 0
-    real = torch.arange(width)[None, :] < length[:, None]                   # (n, width)
+    slot for it (the caller leaves room: ``length < S`` on every row). ids int64 [n, S],
+    counts int32 [n, S], length int64 [n], tokens int64 [n], live bool [n] (False: the row is
+    left as it is); ``width``: a bound >= ``length.max()`` when the caller knows one. Returns
+    the new ``length.max()`` (0 for no rows)."""
+    if not length.numel():
+        return 0
+    width = int(length.max()) if width is None else width
+    real = torch.arange(width) < length[:, None]                            # (n, width)
     hit = (ids[:, :width] == tokens[:, None]) & real & live[:, None]
-    counts[:, :width] += hit.to(torch.int32)
+    counts[:, :width].add_(hit)
     new = live & ~hit.any(dim=1)
-    if not bool(new.any()):
-        return
-    rows = new.nonzero().flatten()
-    at = length[rows]
-    ids[rows, at] = tokens[rows]
-    counts[rows, at] = 1
-    length[rows] += 1
+    # every row writes its first free slot: the token where it is new, else what is there
+    at = length[:, None]
+    ids.scatter_(1, at, torch.where(new[:, None], tokens[:, None], ids.gather(1, at)))
+    counts.scatter_(1, at, torch.where(new[:, None], 1, counts.gather(1, at)))
+    length += new
+    return int(length.max())
 
 
 class CpuBatch(SamplingBatch):
@@ -80,6 +83,7 @@ class CpuBatch(SamplingBatch):
         self._slot_len = torch.zeros(_MIN_ROWS, dtype=torch.long)
         self._slot_rows = torch.zeros(_MIN_ROWS, dtype=torch.bool)   # row uses penalties
         self._penalty_requests = 0
+        self._slot_width = 0        # >= every row's slot_len (see _count_tokens)
         self._plans: dict = {}
 
     # ------------------------------------------------------------------ sampler's view
@@ -104,12 +108,14 @@ class CpuBatch(SamplingBatch):
         return (self._slot_ids[:num_rows], self._slot_counts[:num_rows],
                 self._slot_len[:num_rows])
 
-    def step_state(self, num_rows: Optional[int] = None) -> StepState:
-        """The core's step state, with the rows' penalty slots when some row uses penalties."""
-        s = super().step_state(num_rows)
+    def _new_step_state(self, n: int) -> StepState:
+        """The core's step state, with the rows' penalty slots when some row uses penalties
+        (kept by the core with its views; ``_ensure_rows`` and ``_ensure_slots`` drop it when
+        they replace the slots)."""
         if not self.has_penalty_slots:
-            return s
-        return with_slots(s, *self.penalty_slots(s.num_rows))
+            return super()._new_step_state(n)
+        slots = self.penalty_slots(n)
+        return with_slots(super()._new_step_state(n), *slots)
 
     def speculative_state(self, draft_token_ids: torch.Tensor, num_rows: Optional[int] = None,
                           *, slots_only: bool = False) -> StepState:
@@ -170,20 +176,17 @@ class CpuBatch(SamplingBatch):
         if uses_penalties:
             self._penalty_requests -= 1
 
-    def append(self, token_ids) -> None:
-        super().append(token_ids)   # validates the ids and updates the core's state
+    def _appended(self, columns: list, every: bool) -> None:
+        """``append``'s tokens into the slots, once the core has checked them and advanced its
+        own state (``SamplingBatch._appended``): one column per token of a row, where its
+        ``advance`` holds (-1, a flagged row or padding, counts nothing)."""
         n = self.num_rows
         if n == 0 or not self.has_penalty_slots:
             return
-        ids = torch.as_tensor(token_ids).to("cpu", torch.long)
         # Slots grow only when a penalty row is written: rows added after it may lie past them.
         self._ensure_rows(n)
-        if ids.dim() == 1:     # -1: a flagged row, no token this step
-            self._count_tokens(ids.clamp(min=0), (ids >= 0) & (ids < self.vocab_size), n)
-            return
-        live = torch.cumprod((ids >= 0).to(torch.int32), dim=1).to(torch.bool)   # -1 padding
-        for j in range(ids.shape[1]):
-            self._count_tokens(ids[:, j].clamp(min=0), live[:, j], n)
+        for ids, advance in columns:
+            self._count_tokens(ids if every else ids.clamp(min=0), None if every else advance, n)
 
     # ------------------------------------------------------------------ internals
     def _move_rows(self, src: list[int], dst: list[int]) -> None:
@@ -196,12 +199,15 @@ class CpuBatch(SamplingBatch):
         for t in (self._slot_ids, self._slot_counts, self._slot_len, self._slot_rows):
             t.index_copy_(0, dst, t.index_select(0, src))
 
-    def _count_tokens(self, ids: torch.Tensor, live: torch.Tensor, n: int) -> None:
-        """One generated token per row (where ``live``): bump its slot, or open a slot for a
-        new token."""
-        self._ensure_slots(int(self._slot_len[:n].max()) + 1)
-        count_into_slots(self._slot_ids[:n], self._slot_counts[:n], self._slot_len[:n], ids,
-                         live & self._slot_rows[:n])
+    def _count_tokens(self, ids: torch.Tensor, live: Optional[torch.Tensor], n: int) -> None:
+        """One generated token per row (where ``live``; None: every row): bump its slot, or
+        open a slot for a new token. ``_slot_width`` bounds the rows' slot counts on the
+        host (exact after each count; rows that leave may only lower the true maximum)."""
+        self._ensure_slots(self._slot_width + 1)
+        uses = self._slot_rows[:n]
+        self._slot_width = count_into_slots(self._slot_ids[:n], self._slot_counts[:n],
+                                            self._slot_len[:n], ids,
+                                            uses if live is None else live & uses, self._slot_width)
 
     def _write_slots(self, row: int, prompt: list[int], output: list[int]) -> None:
         counts = Counter(output)
@@ -216,6 +222,7 @@ class CpuBatch(SamplingBatch):
             self._slot_counts[row, :L] = torch.tensor([counts.get(t, 0) for t in tokens], dtype=torch.int32)
         self._slot_len[row] = L
         self._slot_rows[row] = True
+        self._slot_width = max(self._slot_width, L)
 
     def _ensure_rows(self, rows: int) -> None:
         have = self._slot_ids.shape[0]
@@ -226,6 +233,7 @@ class CpuBatch(SamplingBatch):
         self._slot_counts = torch.cat([self._slot_counts, self._slot_counts.new_zeros((grow, self._slot_counts.shape[1]))])
         self._slot_len = torch.cat([self._slot_len, self._slot_len.new_zeros(grow)])
         self._slot_rows = torch.cat([self._slot_rows, self._slot_rows.new_zeros(grow)])
+        self._forget_views()
 
     def _ensure_slots(self, width: int) -> None:
         have = self._slot_ids.shape[1]
@@ -235,6 +243,7 @@ class CpuBatch(SamplingBatch):
         rows = self._slot_ids.shape[0]
         self._slot_ids = torch.cat([self._slot_ids, self._slot_ids.new_zeros((rows, grow))], dim=1)
         self._slot_counts = torch.cat([self._slot_counts, self._slot_counts.new_zeros((rows, grow))], dim=1)
+        self._forget_views()
 
 
 def _as_list(ids) -> list[int]:

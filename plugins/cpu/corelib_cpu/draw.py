@@ -4,7 +4,8 @@
   contract's noise for the candidates' ids, so the winner is the reference's token (every
   token outside the candidates is -inf there and cannot win).
 - Whole rows, unseeded: one uniform per row through the inverse CDF, located with per-block
-  sums of the row's weights (the last filter's probabilities, or ``exp(x - max)``).
+  sums of the row's weights (the last filter's probabilities, or ``exp(x - max)``); a small
+  vocabulary (``SMALL_VOCAB``) searches one cumulative sum of every weight instead.
 - Whole rows, seeded: the reference's race ``argmax(x + noise)``. The 23-bit hash bounds the
   noise (:data:`NOISE_SPREAD`), so a token whose logit lies more than that spread below the
   row's best cannot win: groups of tokens entirely below it are skipped, and the noise is
@@ -37,6 +38,9 @@ _EXTREMES = gumbel_from_uniform(torch.tensor([0.5, 2.0**23 - 0.5]) / 2.0**23).to
 NOISE_SPREAD = (_EXTREMES[1] - _EXTREMES[0]) + 1e-3
 # Relative slack on the pruning bound: far above float32 rounding of the scores and the cut.
 _PRUNE_SLACK = 2.0 ** -16
+#: Seeded whole rows of a smaller vocabulary race over every token without looking for the
+#: groups that can win (at most 7 groups: skipping half of them saves less than the search).
+PRUNE_MIN_VOCAB = 8 * GROUP
 
 
 # ---------------------------------------------------------------------- candidate rows
@@ -74,18 +78,21 @@ def draw_seeded_rows(x: torch.Tensor, keys: torch.Tensor, offsets: Optional[torc
     half of the groups of ``GROUP`` tokens can hold the winner race over those groups only
     (see the module docstring); the others over every token."""
     n, V = x.shape
-    maxima = group_maxima(x)
-    top = maxima.amax(dim=-1, keepdim=True)
-    cut = top - NOISE_SPREAD - (top.abs() + NOISE_SPREAD) * _PRUNE_SLACK
-    live = maxima >= cut                                                  # (n, groups)
-    most = int(live.sum(dim=-1).max())
-    if 0 < most <= maxima.shape[1] // 2:
-        return race_live_groups(x, keys, live, most, kept)
+    if V >= PRUNE_MIN_VOCAB:    # below it, the search for live groups costs more than it saves
+        maxima = group_maxima(x)
+        top = maxima.amax(dim=-1, keepdim=True)
+        cut = top - NOISE_SPREAD - (top.abs() + NOISE_SPREAD) * _PRUNE_SLACK
+        live = maxima >= cut                                              # (n, groups)
+        most = int(live.sum(dim=-1).max())
+        if 0 < most <= maxima.shape[1] // 2:
+            return race_live_groups(x, keys, live, most, kept)
     if offsets is None:
         offsets = token_offsets(torch.arange(V))
     rows = max(1, chunk_elements // V)
-    ids = torch.empty(n, dtype=torch.long)
-    best = torch.empty(n)
+    one_chunk = 0 < n <= rows
+    if not one_chunk:
+        ids = torch.empty(n, dtype=torch.long)
+        best = torch.empty(n)
     for r0 in range(0, n, rows):
         r1 = min(r0 + rows, n)
         shape = (r1 - r0, V)
@@ -99,6 +106,8 @@ def draw_seeded_rows(x: torch.Tensor, keys: torch.Tensor, offsets: Optional[torc
             mask = torch.sign(kept[r0:r1], out=scratch[0].view(torch.float32)).sub_(0.5)
             torch.minimum(scores, torch.copysign(_INF, mask, out=mask), out=scores)
         winner = first_argmax(scores)
+        if one_chunk:                                   # one chunk: its results are the rows'
+            return winner, is_finite(scores.gather(1, winner[:, None])[:, 0])
         ids[r0:r1], best[r0:r1] = winner, scores.gather(1, winner[:, None])[:, 0]
     return ids, is_finite(best)
 
@@ -161,7 +170,7 @@ def draw_by_inverse_cdf(x: torch.Tensor, generator: Optional[torch.Generator],
     return draw_from_weights(exp_weights(x, out), generator)
 
 
-def draw_from_weights(weights: torch.Tensor, generator: Optional[torch.Generator]):
+def draw_from_weights(weights: torch.Tensor, generator: Optional[torch.Generator], workspace=None):
     """One token per row with probability proportional to weights float32 [n, V] (>= 0).
 
     The weights are summed per block of ``CDF_BLOCK`` tokens; a uniform picks a block by the
@@ -169,8 +178,15 @@ def draw_from_weights(weights: torch.Tensor, generator: Optional[torch.Generator
     below each total, so the first cumulative sum above a target always grows there: only
     tokens with positive weight can be returned. Returns ``(token ids int64 [n], ok bool
     [n])``: ok is False for a row whose total weight is not a positive finite number (NaN
-    from float32 overflow upstream); its id is then arbitrary and the caller must flag it."""
+    from float32 overflow upstream); its id is then arbitrary and the caller must flag it.
+
+    A vocabulary of at most ``SMALL_VOCAB`` tokens is searched in one level (the cumulative
+    sum of every weight, float64): the same uniform and rule, in a third of the operator
+    calls, which is what a step costs at such sizes (``workspace`` lends its float64 buffer:
+    a fresh one of a large batch costs more in page faults than the sum itself)."""
     n, V = weights.shape
+    if V <= SMALL_VOCAB:
+        return _draw_one_level(weights, generator, workspace)
     blocks = block_sums(weights)                                           # (n, nb) float64
     cum = blocks.cumsum(dim=-1)
     total = cum[:, -1:]
@@ -190,6 +206,21 @@ def draw_from_weights(weights: torch.Tensor, generator: Optional[torch.Generator
     return (cols.gather(1, offset))[:, 0].clamp_(max=V - 1), ok
 
 
+def _draw_one_level(weights: torch.Tensor, generator: Optional[torch.Generator], workspace=None):
+    """``draw_from_weights`` for a small vocabulary: one searchsorted over the float64
+    cumulative sum of the row's weights, the target kept strictly below the total."""
+    n, V = weights.shape
+    cum = torch.cumsum(weights, dim=-1, dtype=torch.float64,
+                       out=_take(workspace, "cdf", (n, V), torch.float64))          # (n, V)
+    total = cum[:, -1:]
+    ok = ((total > 0) & (total < _INF64))[:, 0]                 # False for NaN
+    target = torch.minimum(torch.rand((n, 1), dtype=torch.float64, generator=generator) * total,
+                           torch.nextafter(total, _ZERO64))
+    return torch.searchsorted(cum, target, right=True)[:, 0].clamp_(max=V - 1), ok
+
+
+#: Vocabularies up to this size draw with one level of search (``draw_from_weights``).
+SMALL_VOCAB = 4 * CDF_BLOCK
 _ZERO64 = torch.zeros((), dtype=torch.float64)
 _INF64 = torch.tensor(float("inf"), dtype=torch.float64)
 _CDF_COLUMNS = torch.arange(CDF_BLOCK)[None, :]

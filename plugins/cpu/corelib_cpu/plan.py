@@ -54,6 +54,10 @@ class BlockPlan:
         self.any_greedy, self.all_greedy = any(self.greedy), all(self.greedy)
         random = [i for i, g in enumerate(self.greedy) if not g]
         self.random_rows = random
+        # the rows with and without a seed, of the block and of its random rows
+        self.seeded_rows = [i for i, seeded in enumerate(self.seeded) if seeded]
+        self.random_seeded = [i for i in random if self.seeded[i]]
+        self.random_unseeded = [i for i in random if not self.seeded[i]]
         self.any_seeded = any(self.seeded)
         self.any_unseeded = any(not self.seeded[i] for i in random)
         top_k, whole = set(self.top_k_rows), set(self.min_p_rows) | set(self.top_n_sigma_rows)

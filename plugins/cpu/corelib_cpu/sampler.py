@@ -429,17 +429,19 @@ class CpuSampler(Sampler):
         width = int(length.max())
         if width == 0:
             return x
-        real = torch.arange(width)[None, :] < length[:, None]                   # (n, width)
-        rows, slots = real.nonzero(as_tuple=True)
-        flat = rows * xx.shape[1] + ids[:, :width][rows, slots]
-        xf = xx.view(-1)
-        v = xf[flat]
-        r = s.repetition_penalty[rows]
-        v = torch.where(v > 0, v / r, v * r)                                    # step 7
-        c = counts[:, :width][rows, slots].to(torch.float32)
-        occurred = (c > 0).to(torch.float32)
+        # Rows' free slots read and write their first slot again, with its own new value (or,
+        # in a row without slots, the logit as it is): duplicates of a scatter then agree, and
+        # the step needs no list of the real slots.
+        real = torch.arange(width) < length[:, None]                            # (n, width)
+        idx = torch.where(real, ids[:, :width], ids[:, :1])
+        c = torch.where(real, counts[:, :width], counts[:, :1]).to(torch.float32)
+        v = xx.gather(1, idx)
+        r = s.repetition_penalty[:, None]
+        p = torch.where(v > 0, v / r, v * r)                                    # step 7
         # Same expression, in the same order, as the reference's dense step 8.
-        xf[flat] = v - s.frequency_penalty[rows] * c - s.presence_penalty[rows] * occurred
+        occurred = (c > 0).to(torch.float32)
+        new = p - s.frequency_penalty[:, None] * c - s.presence_penalty[:, None] * occurred
+        xx.scatter_(1, idx, torch.where(length[:, None] > 0, new, v))
         return x
 
     def apply_dry(self, x: Block, s: StepState) -> Block:
@@ -550,8 +552,11 @@ class CpuSampler(Sampler):
         if bp.top_k_rows:
             self.top_k_rows(x, bp.top_k_rows)                                   # step 12
         if bp.top_p_rows:                                                       # step 13
-            candidate_rows = x.candidate_rows
-            whole = [i for i in bp.top_p_rows if i not in candidate_rows]
+            if x.cand is not None and len(x.cand.rows) == bp.n:     # every row a candidate row
+                whole = []
+            else:
+                candidate_rows = x.candidate_rows
+                whole = [i for i in bp.top_p_rows if i not in candidate_rows]
             if len(whole) < len(bp.top_p_rows):
                 self.top_p_candidate_rows(x.cand, bp.top_p, x.x.shape[1])
             if whole:
@@ -634,6 +639,8 @@ class CpuSampler(Sampler):
         """Mask x where the cut of the given rows drops tokens (-inf), for stages that read
         x itself. A positive cut keeps exactly the tokens with positive weight; a cut of 0
         keeps every token; a NaN cut none."""
+        if not blk.cuts:
+            return
         pending = [row for row in rows if row in blk.cuts and row not in blk.masked]
         if not pending:
             return
@@ -763,17 +770,22 @@ class CpuSampler(Sampler):
             pos = self.race_candidates(cand, bp, s.keys)
             x.drawn_finite = is_finite(cand.values.gather(1, pos)[:, 0])
             return cand.ids.gather(1, pos)[:, 0]
+        undrawn = s.undrawn
+        if candidate_rows or undrawn:
+            whole = [i for i in bp.random_rows if i not in candidate_rows and i not in undrawn]
+        else:
+            whole = bp.random_rows
+        if len(whole) == n:
+            # every row drawn from its weights or raced: ``ok`` (a positive finite total, a
+            # finite winning score) already says that the token's logit is finite
+            ids, x.drawn_finite = self.draw_whole(x, whole, s.keys)
+            return ids
         tokens = torch.zeros(n, dtype=torch.long)
         ok = None
-        undrawn = s.undrawn
-        whole = [i for i in bp.random_rows if i not in candidate_rows and i not in undrawn]
         if whole:
             ids, ok = self.draw_whole(x, whole, s.keys)
-            if len(whole) == n:
-                tokens = ids
-            else:
-                tokens[bp.index(whole)] = ids
-                ok = torch.ones(n, dtype=torch.bool).index_put_((bp.index(whole),), ok)
+            tokens[bp.index(whole)] = ids
+            ok = torch.ones(n, dtype=torch.bool).index_put_((bp.index(whole),), ok)
         finite = self.finite_at(x.x, tokens)
         for r0, r1 in runs(sorted(row for row in undrawn if row not in candidate_rows)):
             finite[r0:r1] = is_finite(x.x[r0:r1].amax(dim=1))
@@ -804,7 +816,10 @@ class CpuSampler(Sampler):
     def race_candidates(self, cand: Candidates, bp: BlockPlan, keys: Optional[torch.Tensor]) -> torch.Tensor:
         """int64 [nc, 1]: each candidate row's winning column (seeded rows: the contract's
         noise for the candidates' ids; the others: this sampler's generator)."""
-        seeded = [i for i, row in enumerate(cand.rows) if bp.seeded[row]]
+        if len(cand.rows) == bp.n:          # every row of the block: its places are its rows
+            seeded = bp.seeded_rows
+        else:
+            seeded = [i for i, row in enumerate(cand.rows) if bp.seeded[row]]
         if not seeded:
             return race_unseeded_candidates(cand.values, self.generator)
         row_keys = keys[cand.index]
@@ -820,8 +835,11 @@ class CpuSampler(Sampler):
         rows by the contract's race over their final logits, the others by the inverse CDF
         over their kept probabilities or exp(x - max)."""
         bp = blk.plan
-        seeded = [row for row in rows if bp.seeded[row]]
-        unseeded = [row for row in rows if not bp.seeded[row]]
+        if rows is bp.random_rows:
+            seeded, unseeded = bp.random_seeded, bp.random_unseeded
+        else:
+            seeded = [row for row in rows if bp.seeded[row]]
+            unseeded = [row for row in rows if not bp.seeded[row]]
         if not seeded:
             return self.draw_unseeded_whole(blk, unseeded)
         if not unseeded:
@@ -840,7 +858,7 @@ class CpuSampler(Sampler):
         record, at = self.common_cut(blk, rows)
         if record is not None and record.pending(at) == at:
             return self.draw_in_nucleus(record, at)
-        return draw_from_weights(self.weights_of(blk, rows), self.generator)
+        return draw_from_weights(self.weights_of(blk, rows), self.generator, self.workspace)
 
     def draw_in_nucleus(self, record: Cut, at: list):
         """Unseeded draws from pending top-p cuts (places ``at`` of ``record``) without their
@@ -850,20 +868,21 @@ class CpuSampler(Sampler):
         A row's acceptance rate is its nucleus mass, >= top_p."""
         probs = rows_of(record.weights, at)
         top_p = torch.tensor([record.top_p[j] for j in at], dtype=torch.float32)
-        ids, ok = draw_from_weights(probs, self.generator)
+        ids, ok = draw_from_weights(probs, self.generator, self.workspace)
         settled = nucleus_contains(probs, ids, top_p) | ~ok
         for _ in range(self.NUCLEUS_TRIES - 1):
             if bool(settled.all()):
                 return ids, ok
             redo = (~settled).nonzero()[:, 0]
-            again, again_ok = draw_from_weights(probs[redo], self.generator)
+            again, again_ok = draw_from_weights(probs[redo], self.generator, self.workspace)
             ids[redo], ok[redo] = again, again_ok
             settled[redo] = nucleus_contains(probs[redo], again, top_p[redo]) | ~again_ok
         if not bool(settled.all()):
             redo = (~settled).nonzero()[:, 0]
             places = [at[j] for j in redo.tolist()]
             self.resolve(record, places)
-            ids[redo], ok[redo] = draw_from_weights(rows_of(record.weights, places), self.generator)
+            ids[redo], ok[redo] = draw_from_weights(rows_of(record.weights, places), self.generator,
+                                                   self.workspace)
         return ids, ok
 
     def draw_seeded_whole(self, blk: Block, rows: list, keys: torch.Tensor):
@@ -877,7 +896,7 @@ class CpuSampler(Sampler):
         if record is None:
             self.apply_cuts(blk, rows)
         x = pick_rows(blk.x, rows, bp)
-        row_keys = keys[bp.index(rows)]
+        row_keys = pick_rows(keys, rows, bp)
         if record is None:
             return self.race_rows(x, row_keys)
         if record.pending(at) != at:
@@ -901,6 +920,8 @@ class CpuSampler(Sampler):
     @staticmethod
     def common_cut(blk: Block, rows: list):
         """(the Cut every given row belongs to and the rows' places in it), or (None, None)."""
+        if not blk.cuts:
+            return None, None
         cuts = [blk.cuts.get(row) for row in rows]
         first = cuts[0]
         if first is None or any(c is None or c[0] is not first[0] for c in cuts):
@@ -921,8 +942,8 @@ class CpuSampler(Sampler):
         if record is not None:
             self.resolve(record, at)
             return rows_of(record.weights, at)
-        cuts = [blk.cuts.get(row) for row in rows]
-        if all(c is None for c in cuts):
+        cuts = [blk.cuts.get(row) for row in rows] if blk.cuts else None
+        if cuts is None or all(c is None for c in cuts):
             x = pick_rows(blk.x, rows, blk.plan)
             top = None if blk.top is None else pick_rows(blk.top, rows, blk.plan)
             return exp_weights(x, self.workspace.take(buffer, tuple(x.shape)), top, self.sparse(blk))
@@ -1054,7 +1075,8 @@ class CpuSampler(Sampler):
         V = logprobs.shape[-1]
         safe = token_ids.clamp(min=0)[:, None]
         sampled = logprobs.gather(1, safe)                                  # (n, 1)
-        ranks = count_at_least(logprobs, sampled)
+        ranks = count_at_least(logprobs, sampled,
+                               self.workspace.take("ranks", tuple(logprobs.shape)))
         ids, values = [safe], [sampled]
         available = min(num_logprobs, V)
         if available > 0:
