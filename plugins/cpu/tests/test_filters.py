@@ -127,14 +127,17 @@ def test_typical_p_keeps_the_references_set_without_sorting(monkeypatch):
 
 
 def test_typical_p_sets_reaching_tiny_probabilities_take_the_sort(monkeypatch):
-    # 10 likely tokens and 100,000 of probability ~8e-11: with typical_p = 0.999999 the set
-    # ends among the tiny ones, whose float64 running sums may round: the reference's sort
+    # 1,000,000 tokens of probability ~8e-11 (log p < -20), then 10 likely ones, which hold
+    # 0.999924 of the mass, so with typical_p = 0.99999 the set ends among the tiny ones,
+    # whose float64 running sums may round: the reference's sort. (The likely tokens come
+    # last: ahead of the tiny ones, a float32 log-softmax may add the tiny ones to a partial
+    # sum of 10 and lose them, depending on the CPU's vector width, and the premise fails.)
     sorts = []
     original = filters._typical_by_sort
     monkeypatch.setattr(filters, "_typical_by_sort", lambda *a: sorts.append(1) or original(*a))
-    x = torch.full((1, 100010), -21.0)
-    x[0, :10] = 0.0
-    typical_p = torch.tensor([0.999999])
+    x = torch.full((1, 1_000_010), -21.0)
+    x[0, -10:] = 0.0
+    typical_p = torch.tensor([0.99999])
     got = filters.typical_rows_(x.clone(), typical_p, Workspace())
     assert torch.equal(torch.isfinite(got), torch.isfinite(typical_reference(x, typical_p)))
     assert sorts
