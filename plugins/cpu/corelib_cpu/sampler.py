@@ -890,7 +890,8 @@ class CpuSampler(Sampler):
         final logits. Rows with a pending top-p cut race over the whole row first: when the
         winner is in the nucleus it also wins among the kept tokens (the lowest id of the
         best score over a superset); the others resolve their cut and race over the kept
-        tokens, with the cut's weights as the mask (x itself stays unmasked)."""
+        tokens, with the cut's weights as the mask (x itself stays unmasked). Rows whose cuts
+        are all known race over x masked by them."""
         bp = blk.plan
         record, at = self.common_cut(blk, rows)
         if record is None:
@@ -899,6 +900,12 @@ class CpuSampler(Sampler):
         row_keys = pick_rows(keys, rows, bp)
         if record is None:
             return self.race_rows(x, row_keys)
+        if not record.pending(at):
+            # every cut is known (min-p rows, resolved top-p ones): x masked by them lets the
+            # race skip the groups the cut emptied; the kept tokens and their scores are those
+            # of the race with the weights as its mask
+            self.apply_cuts(blk, rows)
+            return self.race_rows(pick_rows(blk.x, rows, bp), row_keys)
         if record.pending(at) != at:
             self.resolve(record, at)
             return self.race_rows(x, row_keys, rows_of(record.weights, at))
