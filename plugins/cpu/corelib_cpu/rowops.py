@@ -50,9 +50,6 @@ def top_values(x: torch.Tensor, width: int, maxima: Optional[torch.Tensor] = Non
         values, ids = torch.topk(x, min(width, V), dim=-1)
         return values, ids, torch.full((n,), float("-inf"))
     maxima = group_maxima(x) if maxima is None else maxima
-    if maxima.shape[1] <= width:
-        values, ids = torch.topk(x, min(width, V), dim=-1)
-        return values, ids, torch.full((n,), float("-inf"))
     group_top, groups = torch.topk(maxima, width, dim=-1)                  # (n, width)
     cols = group_columns(groups, V)
     picked = x.gather(1, cols)

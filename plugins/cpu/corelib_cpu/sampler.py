@@ -887,28 +887,19 @@ class CpuSampler(Sampler):
 
     def draw_seeded_whole(self, blk: Block, rows: list, keys: torch.Tensor):
         """(int64 [m] ids, bool [m] ok) for seeded whole rows: the reference's race over their
-        final logits. Rows with a pending top-p cut race over the whole row first: when the
-        winner is in the nucleus it also wins among the kept tokens (the lowest id of the
-        best score over a superset); the others resolve their cut and race over the kept
-        tokens, with the cut's weights as the mask (x itself stays unmasked). Rows whose cuts
-        are all known race over x masked by them."""
+        final logits. Rows whose top-p cuts are all pending race over the whole row first:
+        when the winner is in the nucleus it also wins among the kept tokens (the lowest id
+        of the best score over a superset); the others resolve their cut and race over the
+        kept tokens, with the cut's weights as the mask. Every other row races over x masked
+        by its cuts (``apply_cuts`` resolves those still pending), so the race skips the
+        groups the cuts emptied."""
         bp = blk.plan
         record, at = self.common_cut(blk, rows)
-        if record is None:
-            self.apply_cuts(blk, rows)
-        x = pick_rows(blk.x, rows, bp)
         row_keys = pick_rows(keys, rows, bp)
-        if record is None:
-            return self.race_rows(x, row_keys)
-        if not record.pending(at):
-            # every cut is known (min-p rows, resolved top-p ones): x masked by them lets the
-            # race skip the groups the cut emptied; the kept tokens and their scores are those
-            # of the race with the weights as its mask
+        if record is None or record.pending(at) != at:
             self.apply_cuts(blk, rows)
             return self.race_rows(pick_rows(blk.x, rows, bp), row_keys)
-        if record.pending(at) != at:
-            self.resolve(record, at)
-            return self.race_rows(x, row_keys, rows_of(record.weights, at))
+        x = pick_rows(blk.x, rows, bp)
         ids, ok = self.race_rows(x, row_keys)
         top_p = torch.tensor([record.top_p[j] for j in at], dtype=torch.float32)
         settled = nucleus_contains(rows_of(record.weights, at), ids, top_p)
