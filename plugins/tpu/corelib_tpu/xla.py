@@ -132,18 +132,20 @@ def compile_cache(path: "str | os.PathLike | bool | None" = None, readonly: bool
 
 def persistent_cache_hits() -> int:
     """Graphs loaded from the persistent compile cache so far in this process."""
-    if "torch_xla" not in sys.modules:
-        return 0
-    import torch_xla.debug.metrics as met
-    return int(met.counter_value("PersistentCacheHit") or 0)
+    return _counter("PersistentCacheHit")
 
 
 def compile_count() -> int:
     """Graphs compiled so far in this process (0 when torch-xla is not loaded)."""
+    return _counter(COMPILE_COUNTER)
+
+
+def _counter(name: str) -> int:
+    """torch-xla's counter ``name`` (0 when torch-xla is not loaded or it never counted)."""
     if "torch_xla" not in sys.modules:
         return 0
     import torch_xla.debug.metrics as met
-    return int(met.counter_value(COMPILE_COUNTER) or 0)
+    return int(met.counter_value(name) or 0)
 
 
 class CompileGuard:
