@@ -46,21 +46,26 @@ FLOAT_COLUMNS = ("temperature", "top_p", "min_p", "repetition_penalty", "frequen
                  "xtc_threshold", "xtc_probability")
 NEUTRAL_FLOATS = (1.0, 1.0, 0.0, 1.0, 0.0, 0.0, 0.0, 1.75, 0.0, 1.0, 0.1, 0.0)
 INT_COLUMNS = ("top_k", "seed_lo", "seed_hi", "child", "position", "min_tokens", "seeded",
-               "greedy", "dry_allowed_length", "dry_range", "random_key", "thinking_budget")
+               "greedy", "dry_allowed_length", "dry_range", "random_key", "thinking_budget",
+               "route", "logprobs_on")
 _COL = {name: i for i, name in enumerate(FLOAT_COLUMNS + INT_COLUMNS)}
 _POSITION = INT_COLUMNS.index("position")
 _RANDOM_KEY = INT_COLUMNS.index("random_key")
 _THINKING_BUDGET = INT_COLUMNS.index("thinking_budget")
+_ROUTE = INT_COLUMNS.index("route")
+_LOGPROBS_ON = INT_COLUMNS.index("logprobs_on")
 _INT32_MAX = 2**31 - 1
 
-#: Static graph variants per bucket, chosen on the host from the rows' parameters (only random
-#: rows count; greedy rows skip steps 10-13b):
-#: greedy = every row greedy (no filter, no draw); plain = no row uses top-k or top-p;
-#: candidates = every top-k fits the candidate set and every top-p row has such a top-k
-#: (steps 11-13 from one small topk); nucleus = some row uses top-p without top-k (top-p by
-#: bisection over the vocabulary); exhaustive = some top-k exceeds the candidate set (top-k by
-#: bisection too).
+#: The methods of steps 11-13, chosen on the host from the rows' parameters (only random rows
+#: count; greedy rows skip steps 10-13b): greedy = every row greedy (no filter, no draw; a
+#: graph of its own, ``Variant.random`` False); plain = no row uses top-k or top-p; candidates =
+#: every top-k fits the candidate set and every top-p row has such a top-k (steps 11-13 from
+#: one small topk); nucleus = some row uses top-p without top-k (top-p by bisection over the
+#: vocabulary); exhaustive = some top-k exceeds the candidate set (top-k by bisection too).
 PATHS = ("greedy", "plain", "candidates", "nucleus", "exhaustive")
+#: The paths of a random graph: its ``route`` column picks one inside the graph (an XLA
+#: conditional, ``xla.switch``), so one compiled graph serves them all.
+ROUTES = PATHS[1:]
 
 #: ``append`` marks rows (or slots) that do not advance with this id: their state is left as
 #: it is (a flagged row's -1 becomes this). -1 advances the position without counting a
@@ -72,17 +77,20 @@ NOT_LIVE = -2
 class Variant:
     """What a step graph is compiled for besides its shapes (bucket, vocabulary, K).
 
-    path: steps 11-13's method (``PATHS``); logprobs: some row asks for logprobs; filters: some
-    random row uses top-n-sigma (10a), typical-p (13a) or XTC (13b) (always False on the greedy
-    path, which skips them); stages: the custom stages the graph traces, in registration order.
-    A stage a variant leaves out is not traced at all. DRY (8a) is in every graph: it costs a
-    few percent of a step (``docs/benchmarks-tpu.md``) and a variant would double the graphs.
+    random: some row samples (steps 10-14 traced; False: every row greedy, argmax only);
+    logprobs: some row asks for logprobs (step 15 traced); stages: the custom stages the graph
+    traces, in registration order (a stage a variant leaves out is not traced at all);
+    folded: verify's one variant, where step 15 and the noise run inside conditionals on the
+    step's ``logprobs_on`` column and on "some row is random", so one graph per (bucket, K)
+    serves every batch. Everything else a random graph holds is chosen inside it: the path
+    of steps 11-13 by the ``route`` column (``ROUTES``), and steps 8a, 10a, 11, 13a and 13b
+    each run only when some row uses them (``xla.cond``).
     """
 
-    path: str = "plain"
+    random: bool = True
     logprobs: bool = False
-    filters: bool = False
     stages: tuple[str, ...] = ()
+    folded: bool = False
 
 
 @dataclass
@@ -103,10 +111,8 @@ class XlaStepState(StepState):
     random_key: Optional[torch.Tensor] = None   # int32 [B]: unseeded rows' noise keys this step
     live_rows: int = 0                          # rows before the padding
     logprobs_asked: Optional[int] = None        # the batch's real N (num_logprobs is padded)
-
-    @property
-    def path(self) -> str:
-        return self.variant.path
+    route: Optional[torch.Tensor] = None        # int32 [B]: the index in ROUTES, every row alike
+    logprobs_on: Optional[torch.Tensor] = None  # bool [B]: some row asks for logprobs (alike)
 
 
 class XlaSamplingBatch(SamplingBatch):
@@ -141,6 +147,7 @@ class XlaSamplingBatch(SamplingBatch):
         self.guard = guard if guard is not None else xla.CompileGuard()
         self._state: dict[str, torch.Tensor] = {}
         self._variant: Optional[Variant] = None
+        self._path: Optional[str] = None
         self._asked: Optional[tuple[Optional[int]]] = None
         self._sources: dict[tuple[int, bool], torch.Tensor] = {}
         self._cached: dict[tuple, torch.Tensor] = {}
@@ -162,16 +169,16 @@ class XlaSamplingBatch(SamplingBatch):
         """The static graph variant the current rows need (``Variant``)."""
         if self._variant is None:
             params = self._row_params
-            path = choose_path(params, self.top_k_candidates, self.vocab_size)
             self._variant = Variant(
-                path=path, logprobs=self._asked_logprobs() is not None,
-                filters=path != "greedy" and uses_filters(params),
+                random=self.path() != "greedy", logprobs=self._asked_logprobs() is not None,
                 stages=tuple(spec.name for spec, _ in self._stages_in_use()))
         return self._variant
 
     def path(self) -> str:
         """The path of steps 11-13 the current rows need (see ``PATHS``)."""
-        return self.variant().path
+        if self._path is None:
+            self._path = choose_path(self._row_params, self.top_k_candidates, self.vocab_size)
+        return self._path
 
     def row_sources(self, bucket: int, per_request: bool) -> torch.Tensor:
         """int64 ``[bucket]`` host tensor: the logits row each batch row reads (its own row, or
@@ -268,7 +275,7 @@ class XlaSamplingBatch(SamplingBatch):
 
         random_keys: int32 ``[num_rows]`` host tensor, the unseeded rows' noise keys for this
         step (the sampler draws them from its generator); zeros when omitted. One
-        host-to-device transfer: the per-row scalars as an int32 ``[B, 24]`` block (floats as
+        host-to-device transfer: the per-row scalars as an int32 ``[B, 26]`` block (floats as
         their bits). Dense state is sliced, not copied.
         """
         B = self._rows_for(num_rows)
@@ -334,6 +341,7 @@ class XlaSamplingBatch(SamplingBatch):
     def _changed(self) -> None:
         super()._changed()
         self._variant = None
+        self._path = None
         self._asked = None
         self._sources = {}
 
@@ -404,8 +412,12 @@ class XlaSamplingBatch(SamplingBatch):
         return B
 
     def _host_table(self, B: int, random_keys: Optional[torch.Tensor]) -> torch.Tensor:
-        """int32 ``[B, 24]``: the per-row scalars, floats as their bits."""
+        """int32 ``[B, 26]``: the per-row scalars, floats as their bits, and the batch's
+        route and logprobs switch in every row."""
         self._ints[:B, _RANDOM_KEY] = 0 if random_keys is None else random_keys
+        path = self.path() if self._row_keys else "greedy"
+        self._ints[:B, _ROUTE] = ROUTES.index(path) if path in ROUTES else 0
+        self._ints[:B, _LOGPROBS_ON] = int(self._asked_logprobs() is not None)
         return torch.cat([self._floats[:B].view(torch.int32), self._ints[:B]], dim=1)
 
     def _upload_table(self, host: torch.Tensor) -> torch.Tensor:
@@ -419,7 +431,7 @@ class XlaSamplingBatch(SamplingBatch):
         position = col("position") if position is None else position
         asked = self._asked_logprobs()
         variant = self.variant() if self._row_keys else Variant(
-            path="greedy", stages=tuple(spec.name for spec, _ in self._stages_in_use()))
+            random=False, stages=tuple(spec.name for spec, _ in self._stages_in_use()))
         dense = dict(dense, position=position)
         return XlaStepState(
             num_rows=B, vocab_size=self.vocab_size, logprobs_mode=self.logprobs_mode,
@@ -438,6 +450,7 @@ class XlaSamplingBatch(SamplingBatch):
             thinking_markers=dense["thinking_markers"], thinking_match=dense["thinking_match"],
             stages=self._stage_inputs(dense),
             variant=variant, live_rows=len(self._row_keys), logprobs_asked=asked,
+            route=col("route"), logprobs_on=col("logprobs_on") != 0,
             **flags_for(variant, asked, self.padded_logprobs),
         )
 
@@ -731,12 +744,6 @@ def choose_path(row_params: Sequence[SamplingParams], candidates: int,
     return "nucleus"
 
 
-def uses_filters(row_params: Sequence[SamplingParams]) -> bool:
-    """Whether some random row uses top-n-sigma, typical-p or XTC (greedy rows skip 10a-13b)."""
-    return any(not p.is_greedy and (p.top_n_sigma > 0.0 or p.typical_p < 1.0 or p.uses_xtc)
-               for p in row_params)
-
-
 def _top_k(params: SamplingParams, vocab_size: int) -> int:
     """The top-k a row runs with: 0 (off) for greedy rows and for k >= the vocabulary."""
     k = params.effective_top_k
@@ -745,25 +752,23 @@ def _top_k(params: SamplingParams, vocab_size: int) -> int:
 
 def flags_for(variant: Variant, asked: Optional[int], padded_logprobs: int) -> dict:
     """The core template's stage flags for a static variant: every stage the variant traces
-    runs (neutral values make it an identity for rows that do not use it). ``any_bias`` is
+    runs (neutral values make it an identity for rows that do not use it; a random graph holds
+    every filter, each inside a conditional that runs it only when some row uses it, see
+    ``TpuSampler``). ``any_bias`` is
     False because the bias is part of the additive row of step 3; ``any_bitmask`` and
     ``any_dry`` are True because the mask is always an input (all -1 without one) and DRY is
     in every graph (multiplier 0 = off); so is the reasoning budget (``any_thinking``: budget
     -1 = off), whose step 8b is one pass over the logits. ``any_greedy`` is True only when
     every row is greedy: otherwise greedy rows, whose filter parameters are neutral, get their
     argmax from the draw (``TpuSampler.draw``)."""
-    path = variant.path
-    random = path != "greedy"
-    filtering = path not in ("greedy", "plain")
-    filters = variant.filters and random
+    random = variant.random
     return dict(
         any_greedy=not random, all_greedy=not random, any_random=random, any_seeded=random,
-        any_unseeded=random, any_top_k=filtering, any_top_p=filtering,
-        any_min_p=random and path != "candidates",
+        any_unseeded=random, any_top_k=random, any_top_p=random, any_min_p=random,
         any_temperature=random, any_penalties=True, any_allowed=True, any_bias=False,
         any_min_tokens=True, any_bad_words=True, any_bitmask=True, any_dry=True,
         any_thinking=True,
-        any_top_n_sigma=filters, any_typical_p=filters, any_xtc=filters,
+        any_top_n_sigma=random, any_typical_p=random, any_xtc=random,
         num_logprobs=None if asked is None else padded_logprobs,
     )
 
@@ -832,7 +837,7 @@ def _int_values(params: SamplingParams, child: int, position: int, vocab_size: i
     return [_top_k(params, vocab_size), seed_lo, seed_hi, child, position, min_tokens,
             int(params.seed is not None), int(params.is_greedy),
             min(params.dry_allowed_length, _INT32_MAX), min(params.dry_range, _INT32_MAX), 0,
-            budget]
+            budget, 0, 0]      # random_key, route and logprobs_on are written at each step
 
 
 def _positive(name: str, value: int) -> int:

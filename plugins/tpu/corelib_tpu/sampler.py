@@ -2,8 +2,10 @@
 
 One step is at most two graphs, both compiled once: a small one that pads the caller's logits
 to the batch's bucket (skipped when they arrive padded as float32), and the step itself, chosen
-by (bucket, ``Variant``); ``verify`` adds K + 1 slots per row and picks K from a configured
-set. ``docs/tpu.md`` counts the graphs. The stage order is the core's: ``Sampler.sample`` and
+by (bucket, ``Variant``: greedy or random, logprobs or not); ``verify`` adds K + 1 slots per
+row, picks K from a configured set and has one variant. A random graph holds every path of
+steps 11-13 and every filter inside XLA conditionals (``xla.cond``), so a step runs only what
+its rows use. ``docs/tpu.md`` counts the graphs. The stage order is the core's: ``Sampler.sample`` and
 ``Sampler.verify_state`` run here unchanged, on the padded logits, with the stages below
 overridden where the reference is not traced-friendly (a sort, per-token scatters, ``argmax``
 that XLA:CPU does not vectorise, ``torch.rand``) or where the layout differs (dense additive
@@ -14,7 +16,6 @@ CPU tensors.
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import time
 from contextlib import contextmanager
 from typing import Iterable, Optional, Sequence
@@ -26,6 +27,7 @@ from corelib.params import MAX_LOGPROBS, SamplingParams
 from corelib.sampler import (
     INVALID_TOKEN,
     NEG_INF,
+    RAW_MODES,
     VERIFY_METHODS,
     Drafts,
     Logprobs,
@@ -42,7 +44,7 @@ from corelib.sampler import (
 from corelib import noise
 
 from . import bitmask, dry, filters, thresholds, xla
-from .batch import PATHS, Variant, XlaSamplingBatch, XlaStepState, flags_for
+from .batch import PATHS, ROUTES, Variant, XlaSamplingBatch, XlaStepState, flags_for
 from .buckets import Buckets
 from .xla import RecompilationError
 
@@ -61,9 +63,11 @@ class WarmupReport:
     seconds: float
     buckets: tuple[int, ...]
     paths: tuple[str, ...]
-    variants: int = 0              # static variants per (bucket, K)
+    variants: int = 0              # static variants of the sample step per bucket
     speculative_k: tuple[int, ...] = ()
     cache_hits: int = 0            # graphs loaded from the persistent compile cache instead
+    #: graphs compiled for each ("sample", bucket) and ("verify", bucket, K) step
+    step_graphs: dict = dataclasses.field(default_factory=dict)
 
 
 class TpuSampler(Sampler):
@@ -177,8 +181,8 @@ class TpuSampler(Sampler):
     def verify(self, logits: torch.Tensor, batch: SamplingBatch, draft_token_ids: torch.Tensor,
                draft_probs: Optional[torch.Tensor] = None,
                token_bitmask: Optional[torch.Tensor] = None, method: str = "token") -> VerifyOutput:
-        """``Sampler.verify`` with K + 1 slots per row in one graph per (bucket, K, variant,
-        draft probabilities given or not, and with them ``method``), then one transfer;
+        """``Sampler.verify`` with K + 1 slots per row in one graph per (bucket, K, draft
+        probabilities given or not, and with them ``method``), then one transfer;
         returns CPU tensors.
 
         logits ``[rows, K + 1, V]`` on the device (any float dtype); draft_token_ids int
@@ -209,7 +213,7 @@ class TpuSampler(Sampler):
         x, draft_ids, q, mask = self._padded_verify_inputs(logits, batch, ids, probs, token_bitmask,
                                                            bucket, graph_k)
         given = f"given, method {method}" if q is not None else "none"
-        with self.guard.watch(f"verify (bucket {bucket}, K {graph_k}, {batch.variant()}, "
+        with self.guard.watch(f"verify (bucket {bucket}, K {graph_k}, "
                               f"draft_probs {given})"):
             out = self._verify_padded(x, batch, draft_ids, q, mask, method)
             packed = _pack_verify(out)
@@ -238,18 +242,17 @@ class TpuSampler(Sampler):
                logits_dtypes: Sequence[torch.dtype] = (torch.float32,),
                per_request_logits: bool = False, processed_logits: bool = False,
                unpadded_verify: bool = False, device_bitmask: bool = False,
-               filters: bool = True, block_verify: bool = False) -> WarmupReport:
+               block_verify: bool = False) -> WarmupReport:
         """Compile every graph serving can need for this vocabulary, then arm strict mode.
 
-        Per bucket: the step for each static variant (``variants()``), the verify step for
-        each K of ``speculative_k``, variant and draft probabilities (given or not), the
+        Per bucket: the step for each static variant (``variants()``: 4), the verify step for
+        each K of ``speculative_k`` and draft probabilities (given or not: its one folded
+        variant serves every batch), the
         append graphs (one id per row, and K + 1), and the padding graphs of the logits for
         every row count in the bucket and each of ``logits_dtypes``; once: the row write and
         move graphs. ``per_request_logits`` adds padding from ``[m, V]`` per-request logits for
         every ``m`` up to the bucket; ``processed_logits`` adds the ``processed_logits`` graphs
-        (tests and debugging); ``filters=False`` leaves out the variants with the filters 10a-13b
-        (a deployment whose requests never use top-n-sigma, typical-p or XTC);
-        ``block_verify`` adds the verify graphs of ``method="block"`` (with draft probabilities);
+        (tests and debugging); ``block_verify`` adds the verify graphs of ``method="block"`` (with draft probabilities);
         ``unpadded_verify`` adds the padding graphs of ``verify``'s
         device inputs (logits in each dtype, draft ids, float32 draft probabilities) for every
         row count that is not a bucket (without it, pass them padded to ``batch.bucket()``
@@ -262,12 +265,21 @@ class TpuSampler(Sampler):
         spec_k = self.speculative_k
         scratch.warm_state_graphs(slots=(1, *(k + 1 for k in spec_k)))
         V = vocab_size
-        variants = self.variants(scratch, filters)
+        variants = self.variants(scratch)
+        step_graphs: dict = {}
+
+        @contextmanager
+        def counted(*graph):
+            before = xla.compile_count()
+            yield
+            step_graphs[graph] = step_graphs.get(graph, 0) + xla.compile_count() - before
+
         for bucket in self.buckets:
             x = self._zeros((bucket, V), torch.float32)
             for variant in variants:
                 with self._forcing(variant):
-                    xla.launch([_pack(Sampler.sample(self, x, scratch))])
+                    with counted("sample", bucket):
+                        xla.launch([_pack(Sampler.sample(self, x, scratch))])
                     if processed_logits:
                         xla.launch([Sampler.processed_logits(self, x, scratch)])
             for K in spec_k:
@@ -276,8 +288,8 @@ class TpuSampler(Sampler):
                 q = self._zeros((bucket, K, V), torch.float32)
                 mask = scratch.padded_bitmask(None, bucket, K + 1)
                 judged = [(None, "token"), (q, "token")] + ([(q, "block")] if block_verify else [])
-                for variant, (probs, method) in itertools.product(variants, judged):
-                    with self._forcing(variant):
+                for probs, method in judged:
+                    with counted("verify", bucket, K):
                         out = self._verify_padded(xs, scratch, ids, probs, mask, method)
                         xla.launch([_pack_verify(out)])
         self._warm_padding(vocab_size, logprobs_mode, logits_dtypes, per_request_logits,
@@ -289,34 +301,35 @@ class TpuSampler(Sampler):
         return WarmupReport(graphs=xla.compile_count() - start,
                             seconds=time.perf_counter() - t0, buckets=tuple(self.buckets),
                             paths=PATHS, variants=len(variants), speculative_k=spec_k,
-                            cache_hits=xla.persistent_cache_hits() - hits)
+                            cache_hits=xla.persistent_cache_hits() - hits,
+                            step_graphs=step_graphs)
 
-    def variants(self, batch: Optional[XlaSamplingBatch] = None, filters: bool = True) -> list[Variant]:
-        """Every static variant a step of this sampler can need (``Variant``): each path, with
-        and without logprobs and (on random paths) the filters 10a-13b, tracing the custom
-        stages of ``stages`` (none without it: those graphs compile when rows first use a
-        stage). ``filters=False`` leaves out the variants with the filters."""
+    def variants(self, batch: Optional[XlaSamplingBatch] = None) -> list[Variant]:
+        """Every static variant a ``sample`` step of this sampler can need (``Variant``):
+        greedy or random, with and without logprobs, tracing the custom stages of ``stages``
+        (none without it: those graphs compile when rows first use a stage)."""
         if batch is None:
             batch = self.new_batch(1)
         stages = tuple(spec.name for spec, _ in batch._stages_in_use()) if self.stages is not None else ()
-        return [Variant(path, logprobs, with_filters, stages)
-                for path in PATHS for logprobs in (False, True)
-                for with_filters in ((False, True) if filters and path != "greedy" else (False,))]
+        return [Variant(random, logprobs, stages) for random in (False, True)
+                for logprobs in (False, True)]
 
     # ------------------------------------------------------------------ template parts
     def step_state(self, logits: torch.Tensor, batch: SamplingBatch) -> XlaStepState:
         """The bucket's state, with fresh noise keys for unseeded rows from this sampler's
         generator: ``logits`` arrive padded, so their row count is the bucket."""
         B = logits.shape[0]
-        return self._forced_variant(batch.step_state(B, random_keys=self._random_keys(B)), batch)
+        return self._with_variant(batch.step_state(B, random_keys=self._random_keys(B)), batch,
+                                  self._forced)
 
     def speculative_step_state(self, batch: SamplingBatch, drafts: Drafts) -> XlaStepState:
         """``batch.speculative_state`` for the drafts' (padded) rows, with fresh noise keys for
-        every slot of the unseeded rows."""
+        every slot of the unseeded rows, in verify's one folded variant (``Variant.folded``)."""
         B, K = drafts.token_ids.shape
         keys = self._random_keys(B * (K + 1))
-        return self._forced_variant(batch.speculative_state(drafts.token_ids, B, random_keys=keys),
-                                    batch)
+        s = batch.speculative_state(drafts.token_ids, B, random_keys=keys)
+        return self._with_variant(s, batch, Variant(random=True, logprobs=True,
+                                                    stages=s.variant.stages, folded=True))
 
     def with_bitmask(self, s: XlaStepState, batch: SamplingBatch,
                      token_bitmask: Optional[torch.Tensor], slots: Optional[int] = None) -> XlaStepState:
@@ -397,11 +410,14 @@ class TpuSampler(Sampler):
         """Step 8a, DRY, over each row's window of the last ``dry_window`` tokens (``dry``):
         penalties from the window's repeat lengths (O(B H)), then one scatter-min of the
         ``B H`` penalised logits into x (``dry.apply``). dry_multiplier float32 ``[B]``, 0 =
-        off. Not in place."""
-        tokens, penalty = dry.penalties(s.dry_history, s.dry_match, s.dry_since_breaker,
-                                        s.dry_multiplier, s.dry_base, s.dry_allowed_length,
-                                        s.dry_range)
-        return dry.apply(x, tokens, penalty)
+        off; runs only when some row uses it (``xla.cond``). Not in place."""
+        def run(x, history, match, since, multiplier, base, allowed_length, window):
+            tokens, penalty = dry.penalties(history, match, since, multiplier, base,
+                                            allowed_length, window)
+            return dry.apply(x, tokens, penalty)
+        return xla.cond((s.dry_multiplier > 0).any(), run, _unchanged,
+                        [x, s.dry_history, s.dry_match, s.dry_since_breaker, s.dry_multiplier,
+                         s.dry_base, s.dry_allowed_length, s.dry_range], "dry")
 
     def apply_thinking_budget(self, x: torch.Tensor, forced: torch.Tensor) -> torch.Tensor:
         """Step 8b as in the core (a forced row, ``forced`` int64 ``[B]`` >= 0, keeps only its
@@ -416,41 +432,54 @@ class TpuSampler(Sampler):
         return thresholds.first_argmax(x)
 
     def apply_top_n_sigma(self, x: torch.Tensor, s: XlaStepState) -> torch.Tensor:
-        """Step 10a (``filters.top_n_sigma_filter``): top_n_sigma float32 ``[B]``, 0 = off.
-        Not in place."""
-        return filters.top_n_sigma_filter(x, s.top_n_sigma)
+        """Step 10a (``filters.top_n_sigma_filter``): top_n_sigma float32 ``[B]``, 0 = off;
+        runs only when some row uses it. Not in place."""
+        return xla.cond((s.top_n_sigma > 0).any(), filters.top_n_sigma_filter, _unchanged,
+                        [x, s.top_n_sigma], "top_n_sigma")
 
     def apply_min_p(self, x: torch.Tensor, s: XlaStepState) -> torch.Tensor:
-        """Step 11 (``thresholds.min_p_filter``): min_p float32 ``[B]``, 0 = off. The
-        candidate path runs it inside ``apply_top_k_top_p`` instead, from the row max its
-        topk already has (``flags_for`` turns this call off there). Not in place."""
-        return thresholds.min_p_filter(x, s.min_p)
+        """Step 11 (``thresholds.min_p_filter``): min_p float32 ``[B]``, 0 = off; runs only
+        when some row uses it and the route is not the candidate path, which runs it inside
+        ``apply_top_k_top_p`` from the row max its topk already has. Not in place."""
+        needed = (s.min_p > 0).any() & (s.route[0] != ROUTES.index("candidates"))
+        return xla.cond(needed, thresholds.min_p_filter, _unchanged, [x, s.min_p], "min_p")
 
     def apply_top_k_top_p(self, x: torch.Tensor, s: XlaStepState) -> torch.Tensor:
-        """Steps 12-13 without a sort, by path (``PATHS``): from the candidate set alone
-        (which also runs step 11 there), top-k from the candidates and top-p by bisection, or
-        both by bisection (``thresholds``). top_k int32 ``[B]`` (0 = off), top_p float32
-        ``[B]`` (1 = off). Not in place."""
-        if s.path == "candidates":
-            return thresholds.top_k_top_p_candidates(x, s.top_k, s.top_p, s.min_p,
-                                                     self.top_k_candidates)
-        if s.path == "nucleus":
-            x = thresholds.top_k_by_candidates(x, s.top_k, self.top_k_candidates)
-        else:
-            x = thresholds.top_k_by_bisection(x, s.top_k)
-        return thresholds.top_p_by_bisection(x, s.top_p)
+        """Steps 12-13 without a sort, by the step's route (``ROUTES``, one branch of an
+        ``xla.switch``): none (plain), from the candidate set alone (which also runs step 11
+        there), top-k from the candidates and top-p by bisection, or both by bisection
+        (``thresholds``). top_k int32 ``[B]`` (0 = off), top_p float32 ``[B]`` (1 = off),
+        route int32 ``[B]`` (the batch's, in every row). Not in place."""
+        candidates = self.top_k_candidates
+
+        def from_candidates(x, top_k, top_p, min_p):
+            return thresholds.top_k_top_p_candidates(x, top_k, top_p, min_p, candidates)
+
+        def nucleus(x, top_k, top_p, min_p):
+            x = thresholds.top_k_by_candidates(x, top_k, candidates)
+            return thresholds.top_p_by_bisection(x, top_p)
+
+        def exhaustive(x, top_k, top_p, min_p):
+            return thresholds.top_p_by_bisection(thresholds.top_k_by_bisection(x, top_k), top_p)
+
+        routes = {"plain": _unchanged, "candidates": from_candidates, "nucleus": nucleus,
+                  "exhaustive": exhaustive}
+        return xla.switch(s.route[0], [routes[name] for name in ROUTES],
+                          [x, s.top_k, s.top_p, s.min_p], ("top_k_top_p", candidates))
 
     def apply_typical_p(self, x: torch.Tensor, s: XlaStepState) -> torch.Tensor:
         """Step 13a by bisection over the scores, no sort (``filters.typical_p_by_bisection``):
-        typical_p float32 ``[B]``, 1 = off. Not in place."""
-        return filters.typical_p_by_bisection(x, s.typical_p)
+        typical_p float32 ``[B]``, 1 = off; runs only when some row uses it. Not in place."""
+        return xla.cond((s.typical_p < 1).any(), filters.typical_p_by_bisection, _unchanged,
+                        [x, s.typical_p], "typical_p")
 
     def apply_xtc(self, x: torch.Tensor, s: XlaStepState) -> torch.Tensor:
         """Step 13b (``filters.xtc_filter``), the coin from the XTC stream of ``row_uniforms``:
-        xtc_probability float32 ``[B]`` (0 = off), xtc_threshold float32 ``[B]``. Not in
-        place."""
+        xtc_probability float32 ``[B]`` (0 = off), xtc_threshold float32 ``[B]``; runs only
+        when some row's coin came up. Not in place."""
         coin = self.row_uniforms(s, noise.STREAM_XTC) < s.xtc_probability
-        return filters.xtc_filter(x, s.xtc_threshold, coin)
+        return xla.cond(coin.any(), filters.xtc_filter, lambda x, threshold, coin: x,
+                        [x, s.xtc_threshold, coin], "xtc")
 
     def draw(self, x: torch.Tensor, s: XlaStepState) -> torch.Tensor:
         """Step 14 (and step 9 for greedy rows): int64 ``[B]``, ``argmax(x + gumbel)`` over the
@@ -500,6 +529,31 @@ class TpuSampler(Sampler):
         noise_at_stop = self._row_noise(s, V).index_select(0, at_stop)
         recovered = thresholds.first_argmax(target + noise_at_stop)             # (B,)
         return passed, recovered[:, None].expand(B, K)
+
+    def step_logprobs(self, raw: Optional[torch.Tensor], x: torch.Tensor, final: torch.Tensor,
+                      token_ids: torch.Tensor, s: XlaStepState) -> Optional[Logprobs]:
+        """Step 15 as in the core; in a folded graph (``Variant.folded``) inside a conditional
+        on the step's ``logprobs_on``, so a batch that asks for none skips it (the results
+        are then zeros, which the host does not read)."""
+        if s.num_logprobs is None or not s.variant.folded:
+            return super().step_logprobs(raw, x, final, token_ids, s)
+        n, mode = s.num_logprobs, s.logprobs_mode
+        plain = dataclasses.replace(s, variant=dataclasses.replace(s.variant, folded=False))
+
+        def gathered(source, ids):
+            # the core's step 15, with the source as its raw and as its final logits
+            lp = Sampler.step_logprobs(self, source, source, source, ids, plain)
+            return lp.token_ids, lp.logprobs, lp.ranks
+
+        def skipped(source, ids):
+            B = ids.shape[0]
+            return (torch.zeros((B, n + 1), dtype=torch.long, device=ids.device),
+                    torch.zeros((B, n + 1), dtype=torch.float32, device=ids.device),
+                    torch.zeros((B,), dtype=torch.long, device=ids.device))
+
+        source = raw if mode in RAW_MODES else final
+        return Logprobs(*xla.cond(s.logprobs_on[0], gathered, skipped, [source, token_ids],
+                                  ("logprobs", n, mode)))
 
     def top_logprobs(self, logprobs: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Step 15's top-N from ``thresholds.top_entries`` (float32 [B, n] values, int64 [B, n]
@@ -698,13 +752,22 @@ class TpuSampler(Sampler):
 
     def _row_noise(self, s: XlaStepState, V: int) -> torch.Tensor:
         """float32 ``[B, V]``: each row's Gumbel noise (0 for greedy rows), made once per step
-        state and reused by every draw of that step (``draw``, ``rejection_sample``)."""
+        state and reused by every draw of that step (``draw``, ``rejection_sample``). In a
+        folded graph (``Variant.folded``), whose rows may all be greedy, it is made only when
+        some row is random."""
         cached = self._noise_cache
         if cached is None or cached[0] is not s.random_key or cached[1] is not s.greedy:
-            vocab = xla.iota(V, torch.int32, s.random_key.device)
-            gumbel = noise.seeded_gumbel(self._noise_keys(s)[:, None], vocab)
-            row_noise = torch.where(s.greedy[:, None], 0.0, gumbel)
-            self._noise_cache = cached = (s.random_key, s.greedy, row_noise)
+            def row_noise(keys, greedy):
+                vocab = xla.iota(V, torch.int32, keys.device)
+                return torch.where(greedy[:, None], 0.0, noise.seeded_gumbel(keys[:, None], vocab))
+
+            def silent(keys, greedy):
+                return torch.zeros((keys.shape[0], V), dtype=torch.float32, device=keys.device)
+
+            operands = [self._noise_keys(s), s.greedy]
+            made = (xla.cond((~s.greedy).any(), row_noise, silent, operands, ("noise", V))
+                    if s.variant.folded else row_noise(*operands))
+            self._noise_cache = cached = (s.random_key, s.greedy, made)
         return cached[2]
 
     @staticmethod
@@ -714,16 +777,21 @@ class TpuSampler(Sampler):
         return torch.where(s.seeded, noise.row_keys(s.seed_lo, s.seed_hi, s.child, s.position),
                            s.random_key)
 
-    def _forced_variant(self, s: XlaStepState, batch: XlaSamplingBatch) -> XlaStepState:
-        if self._forced is None:
+    def _with_variant(self, s: XlaStepState, batch: XlaSamplingBatch,
+                      variant: Optional[Variant]) -> XlaStepState:
+        """``s`` traced as ``variant`` (None: as it is): warm-up forces each variant on its
+        scratch batch, and verify runs every batch in its folded one."""
+        if variant is None or variant == s.variant:
             return s
-        variant = self._forced
         if variant.stages != tuple(spec.name for spec, _, _ in s.stages):
-            raise RuntimeError(f"warm-up forced {variant} on a batch tracing stages "
+            raise RuntimeError(f"{variant} forced on a batch tracing stages "
                                f"{[spec.name for spec, _, _ in s.stages]}")
         asked = batch.padded_logprobs if variant.logprobs else None
+        if variant.folded:       # the batch's own N: step 15 runs in the graph when it asks
+            asked = s.logprobs_asked
         return dataclasses.replace(s, variant=variant, logprobs_asked=asked,
-                                   **flags_for(variant, asked, batch.padded_logprobs))
+                                   **flags_for(variant, batch.padded_logprobs if variant.logprobs
+                                               else None, batch.padded_logprobs))
 
     @contextmanager
     def _forcing(self, variant: Variant):
@@ -733,6 +801,11 @@ class TpuSampler(Sampler):
             yield
         finally:
             self._forced = None
+
+
+def _unchanged(x: torch.Tensor, *rest: torch.Tensor) -> torch.Tensor:
+    """The branch of a conditional stage that no row uses: its logits as they are."""
+    return x
 
 
 def _device_drafts(ids: torch.Tensor, probs: Optional[torch.Tensor], V: int,

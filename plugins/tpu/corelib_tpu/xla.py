@@ -10,7 +10,7 @@ import os
 import sys
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Callable, Hashable, Optional, Sequence
 
 import torch
 
@@ -83,6 +83,117 @@ def iota(n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
 
 
 _IOTAS: dict = {}
+
+
+def cond(pred: torch.Tensor, true_fn: Callable[..., Branch], false_fn: Callable[..., Branch],
+         operands: Sequence[torch.Tensor], key: Hashable) -> Branch:
+    """``true_fn(*operands)`` where the bool 0-d ``pred`` holds, else ``false_fn(*operands)``:
+    both return a tensor, or a tuple of tensors of the same shapes and dtypes.
+
+    On XLA this is one ``Conditional`` inside the lazy graph: both branches are compiled with
+    the graph, only the taken one runs, and the predicate is never read on the host (torch's
+    ``cond`` is, in torch-xla 2.9's lazy mode). Each branch is traced once per (``key``,
+    operand shapes and dtypes) and reused, so ``key`` must name everything besides the
+    operands that the branches depend on (Python values baked into them). A branch may read
+    the operands, Python scalars, and cached iotas (``iota``); it must not read any other
+    tensor, since a reused trace would keep reading its first value (one of more than 0
+    dimensions raises ValueError). Off XLA the predicate is read and the branch runs eagerly.
+    """
+    if pred.device.type != "xla":
+        return (true_fn if bool(pred) else false_fn)(*operands)
+    import torch_xla
+    import torch_xla.core.xla_builder as xb
+    # torch-xla may hold a tensor in a wider XLA type than its torch dtype (its int32 hash
+    # arithmetic runs in s64): the computation converts, so the held type is part of the key.
+    cache_key = (key, tuple((tuple(t.shape), t.dtype, xb.tensor_shape(t).dtype) for t in operands))
+    entry = _CONDS.get(cache_key)
+    if entry is None:
+        entry = _CONDS[cache_key] = _build_cond(true_fn, false_fn, operands, key)
+    computation, inputs, single = entry
+    args = [pred] + [operands[i] if isinstance(i, int) else i for i in inputs]
+    outs = torch_xla._XLAC._xla_user_computation("xla::corelib_cond", args, computation)
+    return outs[0] if single else tuple(outs)
+
+
+def switch(index: torch.Tensor, branches: Sequence[Callable[..., Branch]],
+           operands: Sequence[torch.Tensor], key: Hashable) -> Branch:
+    """``branches[index](*operands)`` for an int 0-d ``index`` (out of range: the last
+    branch), as nested ``cond``s: one graph, only the chosen branch runs."""
+    if len(branches) == 1:
+        return branches[0](*operands)
+    first = lambda i, *ops: branches[0](*ops)                                      # noqa: E731
+    rest = lambda i, *ops: switch(i - 1, branches[1:], ops, key)                    # noqa: E731
+    return cond(index == 0, first, rest, [index, *operands], (key, len(branches)))
+
+
+Branch = "torch.Tensor | tuple[torch.Tensor, ...]"
+_CONDS: dict = {}
+
+
+def _build_cond(true_fn, false_fn, operands: Sequence[torch.Tensor], key: Hashable) -> tuple:
+    """The ``Conditional`` computation of ``cond``, and the tensors to pass it after the
+    predicate: operand indices, or captured scalars and iotas."""
+    import torch_xla
+    import torch_xla.core.xla_builder as xb
+    t_comp, t_inputs, t_outs = _trace_branch(true_fn, operands, key)
+    f_comp, f_inputs, f_outs = _trace_branch(false_fn, operands, key)
+    if t_outs != f_outs:
+        raise ValueError(f"cond {key!r}: the branches return different shapes or dtypes: "
+                         f"{t_outs} and {f_outs}")
+    builder = xb.create_builder("corelib_cond")
+    pred = xb.mkparam(builder, 0, xb.Shape.create(xb.Type.PRED, []))
+    params = []
+    for j, i in enumerate(t_inputs + f_inputs):
+        tensor = operands[i] if isinstance(i, int) else i
+        held = xb.tensor_shape(tensor)
+        param = xb.mkparam(builder, 1 + j, held)
+        traced = xb._PT_XLA_TYPE_MAP[tensor.dtype]     # the branch's placeholder type
+        params.append(param.cast(traced) if isinstance(i, int) and held.dtype != traced else param)
+    true_params, false_params = params[:len(t_inputs)], params[len(t_inputs):]
+    # Each branch's operand tuple leads with the predicate, so that a branch that reads
+    # nothing still has an operand to find its builder by.
+    def caller(computation):
+        def call(first, *inputs):
+            return xb.Op.call(computation, list(inputs),
+                              builder=torch_xla._XLAC._xla_op_builder(first.op))
+        return call
+
+    result = pred.conditional(xb.Op.tuple([pred] + true_params, builder=builder),
+                              xb.Op.tuple([pred] + false_params, builder=builder),
+                              caller(t_comp), caller(f_comp))
+    return result.build("corelib_cond"), t_inputs + f_inputs, t_outs[0] is None
+
+
+def _trace_branch(fn, operands: Sequence[torch.Tensor], key: Hashable) -> tuple:
+    """One branch traced on placeholders of the operands: (computation, its inputs in
+    parameter order, the shapes and dtypes it returns; a leading None when it returns one
+    tensor rather than a tuple)."""
+    import torch_xla
+    import torch_xla.core.xla_builder as xb
+    fakes = [xb.create_placeholder_tensor(t.shape, t.dtype) for t in operands]
+    out = fn(*fakes)
+    single = isinstance(out, torch.Tensor)
+    outs = [out] if single else list(out)
+    context = torch_xla._XLAC.lowering.LoweringContext("corelib_branch")
+    context.build(outs)
+    computation = xb.computation_from_module_proto("corelib_branch", context.hlo())
+    captured = context.device_parameter_id_tensor_mapping()
+    inputs: list = [None] * len(captured)
+    for i, fake in enumerate(fakes):
+        parameter = context.tensor_parameter_id(fake)
+        if parameter != -1:
+            inputs[parameter] = i
+            del captured[parameter]
+    handles = torch_xla._XLAC._get_tensors_handle
+    cached = [t for t in _IOTAS.values() if t.device.type == "xla"]
+    iotas = set(handles(cached)) if cached else set()
+    for parameter, tensor in captured.items():
+        if tensor.dim() != 0 and handles([tensor])[0] not in iotas:
+            raise ValueError(f"cond {key!r}: a branch reads a {list(tensor.shape)} "
+                             f"{tensor.dtype} tensor it was not given; pass it as an operand")
+        inputs[parameter] = tensor
+    described = [(tuple(o.shape), o.dtype) for o in outs]
+    return computation, inputs, ([None] if single else []) + described
 
 
 #: Environment variable naming the persistent compile cache's directory (``compile_cache``).

@@ -25,7 +25,7 @@ WARM = """
 import json, sys
 from corelib_tpu.sampler import TpuSampler
 sampler = TpuSampler(buckets=(8,), {option})
-report = sampler.warmup(64, filters=False)
+report = sampler.warmup(64)
 print(json.dumps(dict(graphs=report.graphs, dir=str(sampler.compile_cache_dir))))
 """
 

@@ -61,9 +61,10 @@ def _sampler(buckets=BUCKETS, speculative_k=(K,), **kwargs) -> TpuSampler:
 
 @pytest.fixture(scope="module")
 def warm():
-    """The ``sample`` sampler: (sampler, first-call compile counts per variant, report)."""
+    """The ``sample`` sampler: (sampler, compile counts of the first and second call of each
+    (path, logprobs, filters) in the order run, report)."""
     sampler = _sampler(speculative_k=(), strict=True)
-    firsts = {}
+    calls = []
     for path, params in PATH_PARAMS.items():
         for logprobs in (None, 3):
             for filters in ((False, True) if path != "greedy" else (False,)):
@@ -71,15 +72,17 @@ def warm():
                 extra = FILTERS if filters else {}
                 for i in range(8):        # full bucket: the logits need no padding graph
                     batch.add(f"r{i}", SamplingParams(**params, **extra, logprobs=logprobs, seed=i))
-                assert batch.variant() == Variant(path, logprobs is not None, filters, STAGES)
+                assert batch.path() == path
+                assert batch.variant() == Variant(path != "greedy", logprobs is not None, STAGES)
                 before = compile_count()
                 sampler.sample(_logits(8, 0), batch)
                 first = compile_count() - before
                 sampler.sample(_logits(8, 1), batch)
-                firsts[batch.variant()] = (first, compile_count() - before - first)
+                calls.append(((path, logprobs, filters), batch.variant(), first,
+                              compile_count() - before - first))
     report = sampler.warmup(V, logits_dtypes=(torch.float32, torch.bfloat16), per_request_logits=True,
                             device_bitmask=True)
-    return sampler, firsts, report
+    return sampler, calls, report
 
 
 @pytest.fixture(scope="module")
@@ -90,20 +93,26 @@ def warm_verify():
     return sampler, report
 
 
-def test_one_graph_per_bucket_and_variant(warm):
-    _, firsts, _ = warm
-    assert len(firsts) == 2 + 4 * 2 * 2        # greedy: logprobs on/off; others x filters on/off
-    for variant, (first, second) in firsts.items():
-        assert (first, second) == (1, 0), \
-            f"{variant}: {first} graph(s) on the first call, {second} on the second"
+def test_one_graph_per_bucket_and_variant_holds_every_path_and_filter(warm):
+    """Four step graphs per bucket (greedy or random, logprobs or not): each path of steps
+    11-13 and each filter runs in the random graphs' conditionals, compiled with them."""
+    _, calls, _ = warm
+    assert len(calls) == 1 + 4 * 2 * 2 + 1      # greedy: logprobs on/off; others x filters on/off
+    seen = set()
+    for what, variant, first, second in calls:
+        expected = 0 if variant in seen else 1
+        seen.add(variant)
+        assert (first, second) == (expected, 0), \
+            f"{what} ({variant}): {first} graph(s) on the first call, {second} on the second"
+    assert len(seen) == 4
 
 
 def test_warmup_compiles_the_rest(warm):
     sampler, _, report = warm
     assert report.buckets == BUCKETS and report.paths == PATHS and report.speculative_k == ()
-    assert report.variants == 18
-    # bucket 16's 18 step graphs and the append graphs at least; bucket 8's were compiled above
-    assert report.graphs >= 18 + 2
+    assert report.variants == 4
+    # bucket 16's 4 step graphs and the append graphs at least; bucket 8's were compiled above
+    assert report.graphs >= 4 + 2
     assert sampler.guard.armed
 
 
@@ -250,12 +259,13 @@ def test_a_step_reads_back_one_tensor_and_never_falls_back_to_the_host():
         assert fallbacks() == host_ops
 
 
-def test_verify_graphs_one_per_variant_and_draft_probs(warm_verify):
-    _, report = warm_verify
-    assert report.speculative_k == (K,) and report.variants == 18
-    # the bucket's 18 step graphs, 36 verify graphs of the token rule (draft probabilities
-    # given or not), 18 of block verification, append graphs for 1 and K + 1 ids
-    assert report.graphs >= 18 + 36 + 18 + 2
+def test_verify_graphs_one_per_draft_probs_and_method(warm_verify):
+    """One verify graph per (bucket, K) and way of judging: without draft probabilities, with
+    them (token rule), and block verification when asked for."""
+    sampler, report = warm_verify
+    assert report.speculative_k == (K,) and report.variants == 4
+    graphs = report.step_graphs
+    assert graphs == {("sample", 8): 4, ("verify", 8, K): 3}, graphs
 
 
 def test_nothing_compiles_after_warmup_while_verifying(warm_verify):
@@ -297,10 +307,10 @@ def _step_graphs_hlo(sampler: TpuSampler, bucket: int, vocab: int):
         with sampler._forcing(variant):
             yield f"sample {variant}", torch_xla._XLAC._get_xla_tensors_hlo(
                 [_pack(Sampler.sample(sampler, x, batch))])
-            for q, method in ((None, "token"), (probs, "token"), (probs, "block")):
-                out = _pack_verify(sampler._verify_padded(xs, batch, ids, q, mask, method))
-                yield (f"verify {variant} probs={q is not None} method={method}",
-                       torch_xla._XLAC._get_xla_tensors_hlo([out]))
+    for q, method in ((None, "token"), (probs, "token"), (probs, "block")):
+        out = _pack_verify(sampler._verify_padded(xs, batch, ids, q, mask, method))
+        yield (f"verify probs={q is not None} method={method}",
+               torch_xla._XLAC._get_xla_tensors_hlo([out]))
 
 
 def test_no_vocabulary_wide_sort_and_only_two_small_scatters():
@@ -331,7 +341,7 @@ from corelib_tpu.sampler import TpuSampler, _pack
 from corelib_tpu import xla
 sampler = TpuSampler(torch_xla.device(), buckets=(8,), dry_window=16)
 batch = sampler.new_batch(1000)
-with sampler._forcing(Variant("plain")):
+with sampler._forcing(Variant()):
     out = _pack(Sampler.sample(sampler, torch.zeros((8, 1000)).to(torch_xla.device()), batch))
 xla.launch([out])
 out.cpu()
@@ -342,7 +352,9 @@ def test_bitmask_is_unpacked_inside_a_fusion(tmp_path):
     """In the optimised HLO of a step (XLA's own dump), the mask's words are unpacked only
     inside fused computations: no instruction outside a fusion produces the ``[B, W, 32]``
     bits, the flat ``[B, 32 W]`` bits or a ``[B, V]`` boolean or integer mask (the only
-    materialised ``[B, V]`` arrays are float logits and the int8 code of the valid-row check)."""
+    materialised ``[B, V]`` arrays are float logits and the int8 code of the valid-row check).
+    The branches of the conditional stages (DRY, the filters, the routes of steps 11-13) run
+    after the mask on the masked logits and are left out."""
     env = dict(os.environ, XLA_FLAGS=f"--xla_dump_to={tmp_path} --xla_dump_hlo_as_text",
                PJRT_DEVICE="CPU")
     subprocess.run([sys.executable, "-c", BITMASK_HLO], env=env, check=True, capture_output=True)
@@ -350,6 +362,10 @@ def test_bitmask_is_unpacked_inside_a_fusion(tmp_path):
     text = dumps[-1].read_text()                                   # the step graph: the largest
     assert "s32[8,32]" in text, "the token bitmask is not an input of the step graph"
     fused = set(re.findall(r"calls=%([\w.\-]+)", text)) - set(re.findall(r"to_apply=%([\w.\-]+)", text))
+    # the branches of the filters' conditionals are the filters' own work, after the mask
+    branches = set(re.findall(r"(?:true|false)_computation=%([\w.\-]+)", text))
+    assert branches, "the step graph has no conditional"
+    fused |= branches
     materialised = []
     for block in re.split(r"\n(?=%|ENTRY )", text):
         name = re.match(r"(?:ENTRY )?%?([\w.\-]+)", block).group(1)
