@@ -478,7 +478,7 @@ class TpuSampler(Sampler):
         xtc_probability float32 ``[B]`` (0 = off), xtc_threshold float32 ``[B]``; runs only
         when some row's coin came up. Not in place."""
         coin = self.row_uniforms(s, noise.STREAM_XTC) < s.xtc_probability
-        return xla.cond(coin.any(), filters.xtc_filter, lambda x, threshold, coin: x,
+        return xla.cond(coin.any(), filters.xtc_filter, _unchanged,
                         [x, s.xtc_threshold, coin], "xtc")
 
     def draw(self, x: torch.Tensor, s: XlaStepState) -> torch.Tensor:
@@ -786,12 +786,11 @@ class TpuSampler(Sampler):
         if variant.stages != tuple(spec.name for spec, _, _ in s.stages):
             raise RuntimeError(f"{variant} forced on a batch tracing stages "
                                f"{[spec.name for spec, _, _ in s.stages]}")
-        asked = batch.padded_logprobs if variant.logprobs else None
-        if variant.folded:       # the batch's own N: step 15 runs in the graph when it asks
-            asked = s.logprobs_asked
+        padded = batch.padded_logprobs if variant.logprobs else None
+        # folded: the batch's own N, so step 15 runs in the graph only when it asks
+        asked = s.logprobs_asked if variant.folded else padded
         return dataclasses.replace(s, variant=variant, logprobs_asked=asked,
-                                   **flags_for(variant, batch.padded_logprobs if variant.logprobs
-                                               else None, batch.padded_logprobs))
+                                   **flags_for(variant, padded, batch.padded_logprobs))
 
     @contextmanager
     def _forcing(self, variant: Variant):
