@@ -3,8 +3,8 @@
 Warming the default buckets with ``speculative_k=(4,)`` once compiled 18 sample and 36 verify
 graphs per bucket; XLA:CPU keeps each compiled graph's code in its own memory maps, and the
 process passed the kernel's default ``vm.max_map_count`` (65530) and died with "LLVM
-compilation error: Cannot allocate memory". The same buckets and K at a small V showed it too,
-so this test warms them at V = 64 in a fresh process and counts its memory maps afterwards.
+compilation error: Cannot allocate memory". The same buckets and K at V = 256 died the same
+way, so this test warms them at V = 256 in a fresh process and counts its memory maps after.
 
 The warm-up runs in a subprocess started when this module is collected: the suite compiles on
 one core, so the second core does this warm-up meanwhile and the test only collects its result."""
@@ -29,7 +29,7 @@ WARM = """
 import json
 from corelib_tpu.sampler import TpuSampler
 sampler = TpuSampler(speculative_k=(4,))
-report = sampler.warmup(64)
+report = sampler.warmup(256)
 with open("/proc/self/maps") as maps:
     count = sum(1 for _ in maps)
 print(json.dumps(dict(maps=count, buckets=list(report.buckets), graphs=report.graphs,
