@@ -247,15 +247,15 @@ class TpuSampler(Sampler):
 
         Per bucket: the step for each static variant (``variants()``: 4), the verify step for
         each K of ``speculative_k`` and draft probabilities (given or not: its one folded
-        variant serves every batch), the
-        append graphs (one id per row, and K + 1), and the padding graphs of the logits for
-        every row count in the bucket and each of ``logits_dtypes``; once: the row write and
-        move graphs. ``per_request_logits`` adds padding from ``[m, V]`` per-request logits for
-        every ``m`` up to the bucket; ``processed_logits`` adds the ``processed_logits`` graphs
-        (tests and debugging); ``block_verify`` adds the verify graphs of ``method="block"`` (with draft probabilities);
-        ``unpadded_verify`` adds the padding graphs of ``verify``'s
-        device inputs (logits in each dtype, draft ids, float32 draft probabilities) for every
-        row count that is not a bucket (without it, pass them padded to ``batch.bucket()``
+        variant serves every batch), the append graphs (one id per row, and K + 1), and the
+        padding graphs of the logits for every row count in the bucket and each of
+        ``logits_dtypes``; once: the row write and move graphs. ``per_request_logits`` adds
+        padding from ``[m, V]`` per-request logits for every ``m`` up to the bucket;
+        ``processed_logits`` adds the ``processed_logits`` graphs (tests and debugging);
+        ``block_verify`` adds the verify graphs of ``method="block"`` (with draft
+        probabilities); ``unpadded_verify`` adds the padding graphs of ``verify``'s device
+        inputs (logits in each dtype, draft ids, float32 draft probabilities) for every row
+        count that is not a bucket (without it, pass them padded to ``batch.bucket()``
         rows, or drafts from the host); ``device_bitmask`` the padding graphs of token
         bitmasks on the device (host masks need none). Uses a scratch batch of the same shapes
         (graphs depend on shapes, not contents).
