@@ -80,9 +80,10 @@ class Variant:
     random: some row samples (steps 10-14 traced; False: every row greedy, argmax only);
     logprobs: some row asks for logprobs (step 15 traced); stages: the custom stages the graph
     traces, in registration order (a stage a variant leaves out is not traced at all);
-    folded: verify's one variant, where step 15 and the noise run inside conditionals on the
-    step's ``logprobs_on`` column and on "some row is random", so one graph per (bucket, K)
-    serves every batch. Everything else a random graph holds is chosen inside it: the path
+    folded: the one random variant of ``sample`` and verify's one variant, where step 15 and
+    the noise run inside conditionals on the step's ``logprobs_on`` column and on "some row is
+    random", so one graph per bucket (or per (bucket, K)) serves every batch that samples,
+    with or without logprobs. Everything else a random graph holds is chosen inside it: the path
     of steps 11-13 by the ``route`` column (``ROUTES``), and steps 8a, 10a, 11, 13a and 13b
     each run only when some row uses them (``xla.cond``).
     """
@@ -166,12 +167,15 @@ class XlaSamplingBatch(SamplingBatch):
         return self.buckets.for_rows(max(1, self.num_rows if rows is None else rows))
 
     def variant(self) -> Variant:
-        """The static graph variant the current rows need (``Variant``)."""
+        """The static graph variant the current rows need (``Variant``): greedy, with or
+        without step 15, or the folded random one (``Variant.folded``) once any row samples."""
         if self._variant is None:
-            params = self._row_params
-            self._variant = Variant(
-                random=self.path() != "greedy", logprobs=self._asked_logprobs() is not None,
-                stages=tuple(spec.name for spec, _ in self._stages_in_use()))
+            stages = tuple(spec.name for spec, _ in self._stages_in_use())
+            if self.path() == "greedy":
+                self._variant = Variant(random=False, logprobs=self._asked_logprobs() is not None,
+                                        stages=stages)
+            else:
+                self._variant = Variant(random=True, logprobs=True, stages=stages, folded=True)
         return self._variant
 
     def path(self) -> str:
@@ -451,7 +455,9 @@ class XlaSamplingBatch(SamplingBatch):
             stages=self._stage_inputs(dense),
             variant=variant, live_rows=len(self._row_keys), logprobs_asked=asked,
             route=col("route"), logprobs_on=col("logprobs_on") != 0,
-            **flags_for(variant, asked, self.padded_logprobs),
+            # folded: step 15 is traced at the fixed width, and runs when some row asks
+            **flags_for(variant, self.padded_logprobs if variant.folded else asked,
+                        self.padded_logprobs),
         )
 
     def _record_tokens(self, padded: torch.Tensor) -> None:

@@ -49,7 +49,8 @@ def typical_p_by_bisection(x: torch.Tensor, typical_p: torch.Tensor) -> torch.Te
     hi = order_keys(top).to(torch.int64) + 1
     threshold = _bisect_largest(
         lo, hi, SCORE_BISECTION_STEPS,
-        lambda t: torch.where(score < t, p, 0.0).sum(dim=-1, keepdim=True) < target)
+        lambda t, score, p, target: torch.where(score < t, p, 0.0).sum(dim=-1, keepdim=True) < target,
+        (score, p, target), "typical_p")
     keep = (score <= threshold) | (target >= 1.0)
     return torch.where(keep, x, NEG_INF)
 

@@ -306,13 +306,13 @@ class TpuSampler(Sampler):
 
     def variants(self, batch: Optional[XlaSamplingBatch] = None) -> list[Variant]:
         """Every static variant a ``sample`` step of this sampler can need (``Variant``):
-        greedy or random, with and without logprobs, tracing the custom stages of ``stages``
-        (none without it: those graphs compile when rows first use a stage)."""
+        greedy with and without logprobs, and the folded random one, tracing the custom stages
+        of ``stages`` (none without it: those graphs compile when rows first use a stage)."""
         if batch is None:
             batch = self.new_batch(1)
         stages = tuple(spec.name for spec, _ in batch._stages_in_use()) if self.stages is not None else ()
-        return [Variant(random, logprobs, stages) for random in (False, True)
-                for logprobs in (False, True)]
+        return [Variant(False, False, stages), Variant(False, True, stages),
+                Variant(True, True, stages, folded=True)]
 
     # ------------------------------------------------------------------ template parts
     def step_state(self, logits: torch.Tensor, batch: SamplingBatch) -> XlaStepState:

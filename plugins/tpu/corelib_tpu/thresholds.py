@@ -22,6 +22,7 @@ import math
 
 import torch
 
+from . import xla
 from .xla import bitcast, iota
 
 NEG_INF = float("-inf")
@@ -48,23 +49,28 @@ def value_of_key(keys: torch.Tensor) -> torch.Tensor:
     return bitcast(bits, torch.float32)
 
 
-def _bisect_largest(lo: torch.Tensor, hi: torch.Tensor, steps: int, holds) -> torch.Tensor:
-    """The largest float32 ``t`` with ``holds(t)`` true, per row, searched over bit patterns.
+def _bisect_largest(lo: torch.Tensor, hi: torch.Tensor, steps: int, holds,
+                    operands: tuple[torch.Tensor, ...], key: str) -> torch.Tensor:
+    """The largest float32 ``t`` with ``holds(t, *operands)`` true, per row, searched over bit
+    patterns.
 
     lo, hi: int64 ``[B, 1]`` order keys (``order_keys``) with ``holds`` true at lo and false at
-    hi (int64 so ``hi - lo`` may reach 2**32); ``holds`` maps float32 thresholds ``[B, 1]`` to
-    bool ``[B, 1]`` and must be monotone (true below some value, false above). ``steps`` must
-    bring ``hi - lo`` to 1. Each step is one pass over the vocabulary inside ``holds``, which
-    compares floats (a key order equals the float order), so no ``[B, V]`` bitcast is needed.
+    hi (int64 so ``hi - lo`` may reach 2**32); ``holds`` maps float32 thresholds ``[B, 1]``
+    (and the operands) to bool ``[B, 1]`` and must be monotone (true below some value, false
+    above); it reads only its arguments and Python scalars, since on XLA the steps are one
+    loop (``xla.fori_loop``, traced once per ``key``). ``steps`` must bring ``hi - lo`` to 1.
+    Each step is one pass over the vocabulary inside ``holds``, which compares floats (a key
+    order equals the float order), so no ``[B, V]`` bitcast is needed.
     Returns float32 ``[B, 1]``, a value ``holds`` was true at.
     """
-    for _ in range(steps):
+    def step(lo, hi, *operands):
         # A shift, not ``//``: torch-xla 2.9 divides int64 through float32 (2**30 + 1 // 1
         # rounds), which would stop the search short of the exact threshold.
         mid = torch.bitwise_right_shift(lo + hi, 1)
-        ok = holds(value_of_key(mid.to(torch.int32)))
-        lo = torch.where(ok, mid, lo)
-        hi = torch.where(ok, hi, mid)
+        ok = holds(value_of_key(mid.to(torch.int32)), *operands)
+        return torch.where(ok, mid, lo), torch.where(ok, hi, mid)
+
+    lo, _ = xla.fori_loop(steps, step, (lo, hi), operands, ("bisect", key))
     return value_of_key(lo.to(torch.int32))
 
 
@@ -80,7 +86,7 @@ def top_k_by_bisection(x: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
     lo = torch.full_like(k, _NEG_INF_KEY)                                  # count(x >= -inf) = V
     hi = order_keys(x.max(dim=-1, keepdim=True).values).to(torch.int64) + 1   # count 0 < k
     kth = _bisect_largest(lo, hi, KEY_BISECTION_STEPS,
-                          lambda t: (x >= t).sum(dim=-1, keepdim=True) >= k)
+                          lambda t, x, k: (x >= t).sum(dim=-1, keepdim=True) >= k, (x, k), "top_k")
     return torch.where((x >= kth) | (k == 0), x, NEG_INF)
 
 
@@ -111,7 +117,8 @@ def top_p_by_bisection(x: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     hi = order_keys(probs.max(dim=-1, keepdim=True).values).to(torch.int64) + 1
     threshold = _bisect_largest(
         lo, hi, PROB_BISECTION_STEPS,
-        lambda t: torch.where(probs >= t, probs, 0.0).sum(dim=-1, keepdim=True) >= p)
+        lambda t, probs, p: torch.where(probs >= t, probs, 0.0).sum(dim=-1, keepdim=True) >= p,
+        (probs, p), "top_p")
     keep = (probs >= threshold) | (p >= 1.0)
     return torch.where(keep, x, NEG_INF)
 

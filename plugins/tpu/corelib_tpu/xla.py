@@ -126,8 +126,37 @@ def switch(index: torch.Tensor, branches: Sequence[Callable[..., Branch]],
     return cond(index == 0, first, rest, [index, *operands], (key, len(branches)))
 
 
+def fori_loop(steps: int, body: Callable[..., tuple], carry: Sequence[torch.Tensor],
+              operands: Sequence[torch.Tensor], key: Hashable) -> tuple[torch.Tensor, ...]:
+    """``carry = body(*carry, *operands)`` ``steps`` times (``steps`` a Python int); returns
+    the last carry, a tuple of tensors of the shapes and dtypes of ``carry``.
+
+    On XLA this is one ``While`` inside the lazy graph whose body is compiled once, where
+    unrolling would paste ``steps`` copies of it into the graph (compile time grows with the
+    graph). The body is traced as a ``cond`` branch is, with the same rules: once per
+    (``key``, ``steps``, shapes and dtypes), reading only its arguments, Python scalars and
+    cached iotas. Off XLA the loop runs eagerly."""
+    carry = tuple(carry)
+    if not carry or carry[0].device.type != "xla":
+        for _ in range(steps):
+            carry = tuple(body(*carry, *operands))
+        return carry
+    import torch_xla
+    import torch_xla.core.xla_builder as xb
+    tensors = [*carry, *operands]
+    cache_key = (key, steps, len(carry),
+                 tuple((tuple(t.shape), t.dtype, xb.tensor_shape(t).dtype) for t in tensors))
+    entry = _LOOPS.get(cache_key)
+    if entry is None:
+        entry = _LOOPS[cache_key] = _build_loop(steps, body, tensors, len(carry), key)
+    computation, inputs = entry
+    args = [tensors[i] if isinstance(i, int) else i for i in inputs]
+    return tuple(torch_xla._XLAC._xla_user_computation("xla::corelib_loop", args, computation))
+
+
 Branch = "torch.Tensor | tuple[torch.Tensor, ...]"
 _CONDS: dict = {}
+_LOOPS: dict = {}
 
 
 def _build_cond(true_fn, false_fn, operands: Sequence[torch.Tensor], key: Hashable) -> tuple:
@@ -162,6 +191,46 @@ def _build_cond(true_fn, false_fn, operands: Sequence[torch.Tensor], key: Hashab
                               xb.Op.tuple([pred] + false_params, builder=builder),
                               caller(t_comp), caller(f_comp))
     return result.build("corelib_cond"), t_inputs + f_inputs, t_outs[0] is None
+
+
+def _build_loop(steps: int, body, tensors: Sequence[torch.Tensor], n_carry: int,
+                key: Hashable) -> tuple:
+    """The ``While`` computation of ``fori_loop`` and the tensors to pass it: the carry, then
+    the body's other inputs (operand indices, or captured scalars and iotas)."""
+    import torch_xla.core.xla_builder as xb
+    traced, body_inputs, outs = _trace_branch(body, tensors, key)
+    described = outs[1:] if outs and outs[0] is None else outs
+    expected = [(tuple(t.shape), t.dtype) for t in tensors[:n_carry]]
+    if described != expected:
+        raise ValueError(f"fori_loop {key!r}: the body returns {described}, not the carry's "
+                         f"shapes and dtypes {expected}")
+    constants = [i for i in body_inputs if not (isinstance(i, int) and i < n_carry)]
+    inputs = list(range(n_carry)) + constants
+    builder = xb.create_builder("corelib_loop")
+    state = [xb.Op.scalar(builder, 0, dtype=xb.Type.S64)]
+    for j, i in enumerate(inputs):
+        tensor = tensors[i] if isinstance(i, int) else i
+        held = xb.tensor_shape(tensor)
+        param = xb.mkparam(builder, j, held)
+        want = xb._PT_XLA_TYPE_MAP[tensor.dtype]   # the body's placeholder type
+        state.append(param.cast(want) if isinstance(i, int) and held.dtype != want else param)
+    # where each of the traced body's parameters sits in the loop state (after the counter)
+    position = {id(i): n_carry + j for j, i in enumerate(constants)}
+    slots = [1 + (i if isinstance(i, int) and i < n_carry else position[id(i)])
+             for i in body_inputs]
+
+    def condition(counter, *rest):
+        return counter < counter.scalar_like(steps)
+
+    def step(counter, *rest):
+        elements = (counter, *rest)
+        result = xb.Op.call(traced, [elements[k] for k in slots], builder=counter.builder())
+        new_carry = [result.get_tuple_element(k) for k in range(n_carry)]
+        return xb.Op.tuple([counter + counter.scalar_like(1), *new_carry, *rest[n_carry:]])
+
+    looped = xb.Op.tuple(state, builder=builder).while_loop(condition, step)
+    root = xb.Op.tuple([looped.get_tuple_element(1 + k) for k in range(n_carry)], builder=builder)
+    return root.build("corelib_loop"), inputs
 
 
 def _trace_branch(fn, operands: Sequence[torch.Tensor], key: Hashable) -> tuple:

@@ -73,7 +73,9 @@ def warm():
                 for i in range(8):        # full bucket: the logits need no padding graph
                     batch.add(f"r{i}", SamplingParams(**params, **extra, logprobs=logprobs, seed=i))
                 assert batch.path() == path
-                assert batch.variant() == Variant(path != "greedy", logprobs is not None, STAGES)
+                expected = (Variant(False, logprobs is not None, STAGES) if path == "greedy"
+                            else Variant(True, True, STAGES, folded=True))
+                assert batch.variant() == expected
                 before = compile_count()
                 sampler.sample(_logits(8, 0), batch)
                 first = compile_count() - before
@@ -94,8 +96,9 @@ def warm_verify():
 
 
 def test_one_graph_per_bucket_and_variant_holds_every_path_and_filter(warm):
-    """Four step graphs per bucket (greedy or random, logprobs or not): each path of steps
-    11-13 and each filter runs in the random graphs' conditionals, compiled with them."""
+    """Three step graphs per bucket (greedy with logprobs or not, and the folded random one):
+    each path of steps 11-13, each filter and step 15 run in the random graph's conditionals,
+    compiled with it."""
     _, calls, _ = warm
     assert len(calls) == 1 + 4 * 2 * 2 + 1      # greedy: logprobs on/off; others x filters on/off
     seen = set()
@@ -104,14 +107,14 @@ def test_one_graph_per_bucket_and_variant_holds_every_path_and_filter(warm):
         seen.add(variant)
         assert (first, second) == (expected, 0), \
             f"{what} ({variant}): {first} graph(s) on the first call, {second} on the second"
-    assert len(seen) == 4
+    assert len(seen) == 3
 
 
 def test_warmup_compiles_the_rest(warm):
     sampler, _, report = warm
     assert report.buckets == BUCKETS and report.paths == PATHS and report.speculative_k == ()
-    assert report.variants == 4
-    # bucket 16's 4 step graphs and the append graphs at least; bucket 8's were compiled above
+    assert report.variants == 3
+    # bucket 16's 3 step graphs and the append graphs at least; bucket 8's were compiled above
     assert report.graphs >= 4 + 2
     assert sampler.guard.armed
 
@@ -263,9 +266,9 @@ def test_verify_graphs_one_per_draft_probs_and_method(warm_verify):
     """One verify graph per (bucket, K) and way of judging: without draft probabilities, with
     them (token rule), and block verification when asked for."""
     sampler, report = warm_verify
-    assert report.speculative_k == (K,) and report.variants == 4
+    assert report.speculative_k == (K,) and report.variants == 3
     graphs = report.step_graphs
-    assert graphs == {("sample", 8): 4, ("verify", 8, K): 3}, graphs
+    assert graphs == {("sample", 8): 3, ("verify", 8, K): 3}, graphs
 
 
 def test_nothing_compiles_after_warmup_while_verifying(warm_verify):
@@ -362,8 +365,10 @@ def test_bitmask_is_unpacked_inside_a_fusion(tmp_path):
     text = dumps[-1].read_text()                                   # the step graph: the largest
     assert "s32[8,32]" in text, "the token bitmask is not an input of the step graph"
     fused = set(re.findall(r"calls=%([\w.\-]+)", text)) - set(re.findall(r"to_apply=%([\w.\-]+)", text))
-    # the branches of the filters' conditionals are the filters' own work, after the mask
+    # the branches of the filters' conditionals, and their bisection loops, are the filters'
+    # own work, after the mask
     branches = set(re.findall(r"(?:true|false)_computation=%([\w.\-]+)", text))
+    branches |= set(re.findall(r"(?:body|condition)=%([\w.\-]+)", text))
     assert branches, "the step graph has no conditional"
     fused |= branches
     materialised = []
