@@ -167,3 +167,32 @@ def test_why_bisection_midpoints_shift_instead_of_dividing():
     if torch.equal(on_xla, x // 2):
         pytest.xfail("torch-xla now divides int64 exactly")
     assert torch.equal(torch.bitwise_right_shift(x.to(xla_device()), 1).cpu(), x // 2)
+
+
+@needs_xla
+def test_a_bisection_is_one_loop_in_the_graph():
+    """Each search compiles its pass once, inside an XLA ``While`` (``xla.fori_loop``), instead
+    of 32 copies of it: the graph of ``top_k_by_bisection`` holds one loop and fewer compares
+    than passes. Unrolled, the three bisections of a random step made most of its compile time
+    (docs/tpu.md)."""
+    import torch_xla
+    x = _logits(1000).to(xla_device())
+    kept = thresholds.top_k_by_bisection(x, torch.full((12,), 7, dtype=torch.int32).to(xla_device()))
+    hlo = torch_xla._XLAC._get_xla_tensors_hlo([kept])
+    assert hlo.count(" while(") == 1, hlo[:2000]
+    assert hlo.count(" compare(") < thresholds.KEY_BISECTION_STEPS
+
+
+@needs_xla
+def test_a_loop_body_that_changes_the_carry_is_refused():
+    from corelib_tpu import xla
+    lo = torch.zeros((2, 1), dtype=torch.int64).to(xla_device())
+    with pytest.raises(ValueError, match=r"fori_loop 'widen': the body returns"):
+        xla.fori_loop(3, lambda lo: (lo.to(torch.float32),), (lo,), (), "widen")
+
+
+def test_fori_loop_off_xla_runs_the_body_eagerly():
+    from corelib_tpu import xla
+    total, step = xla.fori_loop(5, lambda t, s, inc: (t + s * inc, s + 1),
+                                (torch.tensor(0), torch.tensor(1)), (torch.tensor(2),), "sum")
+    assert int(total) == 2 * (1 + 2 + 3 + 4 + 5) and int(step) == 6
