@@ -362,7 +362,7 @@ class Sampler:
         x = self.working_copy(logits, batch, s)                            # step 2
         raw = None
         if s.num_logprobs is not None and s.logprobs_mode in RAW_MODES:   # step 1
-            raw = self.log_softmax(x) if s.logprobs_mode == "raw" else self.copy_logits(x)
+            raw = self.raw_logprobs(x, s)
         finite = self.finite_rows(x)
         forced = self.thinking_forced_tokens(s) if s.any_thinking else None
         if s.any_allowed:
@@ -598,6 +598,12 @@ class Sampler:
         if logits.shape[0] != s.num_rows:
             return logits.index_select(0, batch.request_index(s.num_rows)).to(torch.float32)
         return logits.to(torch.float32, copy=True)
+
+    def raw_logprobs(self, x: torch.Tensor, s: StepState) -> torch.Tensor:
+        """Step 1 (rows asking for logprobs in a raw mode): float32 ``[B, V]`` from the working
+        logits before any stage, ``log_softmax`` for ``"raw"``, a copy for ``"raw_logits"``;
+        step 15 reads it. Not in place."""
+        return self.log_softmax(x) if s.logprobs_mode == "raw" else self.copy_logits(x)
 
     def log_softmax(self, x: torch.Tensor) -> torch.Tensor:
         """float32 ``[B, V]`` -> float32 ``[B, V]`` log-probabilities; not in place."""

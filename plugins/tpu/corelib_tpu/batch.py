@@ -80,10 +80,12 @@ class Variant:
     random: some row samples (steps 10-14 traced; False: every row greedy, argmax only);
     logprobs: some row asks for logprobs (step 15 traced); stages: the custom stages the graph
     traces, in registration order (a stage a variant leaves out is not traced at all);
-    folded: the one random variant of ``sample`` and verify's one variant, where step 15 and
-    the noise run inside conditionals on the step's ``logprobs_on`` column and on "some row is
-    random", so one graph per bucket (or per (bucket, K)) serves every batch that samples,
-    with or without logprobs. Everything else a random graph holds is chosen inside it: the path
+    folded: the one random variant of ``sample`` and verify's one variant, where step 15 runs
+    inside a conditional on the step's ``logprobs_on`` column, so one graph per bucket (or per
+    (bucket, K)) serves every batch that samples, with or without logprobs; greedy_batches:
+    the graph also serves batches whose rows are all greedy (verify's), so the noise is made
+    inside a conditional on "some row is random" (elsewhere it fuses into the draw, with no
+    ``[B, V]`` buffer of its own). Everything else a random graph holds is chosen inside it: the path
     of steps 11-13 by the ``route`` column (``ROUTES``), and steps 8a, 10a, 11, 13a and 13b
     each run only when some row uses them (``xla.cond``).
     """
@@ -92,6 +94,7 @@ class Variant:
     logprobs: bool = False
     stages: tuple[str, ...] = ()
     folded: bool = False
+    greedy_batches: bool = False
 
 
 @dataclass

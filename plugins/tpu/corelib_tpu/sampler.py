@@ -328,8 +328,8 @@ class TpuSampler(Sampler):
         B, K = drafts.token_ids.shape
         keys = self._random_keys(B * (K + 1))
         s = batch.speculative_state(drafts.token_ids, B, random_keys=keys)
-        return self._with_variant(s, batch, Variant(random=True, logprobs=True,
-                                                    stages=s.variant.stages, folded=True))
+        return self._with_variant(s, batch, Variant(random=True, logprobs=True, stages=s.variant.stages,
+                                                    folded=True, greedy_batches=True))
 
     def with_bitmask(self, s: XlaStepState, batch: SamplingBatch,
                      token_bitmask: Optional[torch.Tensor], slots: Optional[int] = None) -> XlaStepState:
@@ -530,17 +530,29 @@ class TpuSampler(Sampler):
         recovered = thresholds.first_argmax(target + noise_at_stop)             # (B,)
         return passed, recovered[:, None].expand(B, K)
 
+    def raw_logprobs(self, x: torch.Tensor, s: XlaStepState) -> torch.Tensor:
+        """Step 1 as in the core; in a folded graph (``Variant.folded``) the raw logits alone,
+        which step 15's conditional normalises when some row asks (XLA does not move the
+        ``log_softmax`` into the branch by itself: it would run, two passes over ``[B, V]``,
+        at every step). Not in place."""
+        if s.variant.folded:
+            return self.copy_logits(x)
+        return super().raw_logprobs(x, s)
+
     def step_logprobs(self, raw: Optional[torch.Tensor], x: torch.Tensor, final: torch.Tensor,
                       token_ids: torch.Tensor, s: XlaStepState) -> Optional[Logprobs]:
         """Step 15 as in the core; in a folded graph (``Variant.folded``) inside a conditional
         on the step's ``logprobs_on``, so a batch that asks for none skips it (the results
-        are then zeros, which the host does not read)."""
+        are then zeros, which the host does not read). There ``raw`` holds the raw logits
+        (``raw_logprobs``), normalised in the branch."""
         if s.num_logprobs is None or not s.variant.folded:
             return super().step_logprobs(raw, x, final, token_ids, s)
         n, mode = s.num_logprobs, s.logprobs_mode
         plain = dataclasses.replace(s, variant=dataclasses.replace(s.variant, folded=False))
 
         def gathered(source, ids):
+            if mode == "raw":
+                source = self.log_softmax(source)
             # the core's step 15, with the source as its raw and as its final logits
             lp = Sampler.step_logprobs(self, source, source, source, ids, plain)
             return lp.token_ids, lp.logprobs, lp.ranks
@@ -753,8 +765,8 @@ class TpuSampler(Sampler):
     def _row_noise(self, s: XlaStepState, V: int) -> torch.Tensor:
         """float32 ``[B, V]``: each row's Gumbel noise (0 for greedy rows), made once per step
         state and reused by every draw of that step (``draw``, ``rejection_sample``). In a
-        folded graph (``Variant.folded``), whose rows may all be greedy, it is made only when
-        some row is random."""
+        graph that also serves all-greedy batches (``Variant.greedy_batches``: verify's) it is
+        made only when some row is random."""
         cached = self._noise_cache
         if cached is None or cached[0] is not s.random_key or cached[1] is not s.greedy:
             def row_noise(keys, greedy):
@@ -766,7 +778,7 @@ class TpuSampler(Sampler):
 
             operands = [self._noise_keys(s), s.greedy]
             made = (xla.cond((~s.greedy).any(), row_noise, silent, operands, ("noise", V))
-                    if s.variant.folded else row_noise(*operands))
+                    if s.variant.greedy_batches else row_noise(*operands))
             self._noise_cache = cached = (s.random_key, s.greedy, made)
         return cached[2]
 

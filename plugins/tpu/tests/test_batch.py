@@ -218,3 +218,28 @@ def test_padded_rows_are_neutral():
                           ("repetition_penalty", 1.0), ("top_k", 0), ("min_tokens", 0)]:
         assert torch.all(getattr(s, name)[1:] == neutral), name
     assert not s.seeded[1:].any() and not s.greedy.any()
+
+
+def test_noise_is_conditional_only_in_the_graph_that_serves_greedy_batches(monkeypatch):
+    """A random ``sample`` graph only runs when some row samples, so its noise is plain (it
+    fuses into the draw); verify's one graph also runs all-greedy batches, so its noise sits
+    in a conditional that skips it there."""
+    from corelib_tpu import xla
+    keys = []
+    real_cond = xla.cond
+
+    def recording_cond(pred, true_fn, false_fn, operands, key):
+        keys.append(key)
+        return real_cond(pred, true_fn, false_fn, operands, key)
+
+    monkeypatch.setattr(xla, "cond", recording_cond)
+    sampler = TpuSampler("cpu", buckets=(4,), speculative_k=(2,))
+    batch = sampler.new_batch(V)
+    batch.add("a", SamplingParams(seed=1))
+    batch.add("b", SamplingParams(temperature=0.0))
+    assert batch.variant().folded and not batch.variant().greedy_batches
+    sampler.sample(torch.randn(2, V), batch)
+    assert ("noise", V) not in keys and ("logprobs", 20, "raw") in keys
+    keys.clear()
+    sampler.verify(torch.randn(2, 3, V), batch, torch.tensor([[1, 2], [3, 4]]))
+    assert ("noise", V) in keys
