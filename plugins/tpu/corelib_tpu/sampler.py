@@ -245,7 +245,7 @@ class TpuSampler(Sampler):
                block_verify: bool = False) -> WarmupReport:
         """Compile every graph serving can need for this vocabulary, then arm strict mode.
 
-        Per bucket: the step for each static variant (``variants()``: 4), the verify step for
+        Per bucket: the step for each static variant (``variants()``: 3), the verify step for
         each K of ``speculative_k`` and draft probabilities (given or not: its one folded
         variant serves every batch), the append graphs (one id per row, and K + 1), and the
         padding graphs of the logits for every row count in the bucket and each of
