@@ -132,10 +132,18 @@ def seeded_gumbel_into(out: torch.Tensor, keys: torch.Tensor, offsets: torch.Ten
     # a temporary tensor). u = top * 2**-23 + 2**-24 in one op: both steps are exact (top <
     # 2**23), so it equals (top + 0.5) * 2**-23 bit for bit.
     u = torch.add(c["tiny"], out.copy_(h), alpha=_UNIFORM_SCALE, out=out)
+    return gumbel_from_uniform_(u, logits)
+
+
+def gumbel_from_uniform_(u: torch.Tensor, logits: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """In place: the uniforms ``u`` (float32, from ``uniform_noise`` or bit-equal to it)
+    become their Gumbel noise ``-log(-log(u))``, or with ``logits`` (float32, u's shape) the
+    race's scores ``logits + noise``, by the same float32 operations as ``seeded_gumbel``
+    (the bits are the same). Returns u."""
     minus_noise = u.log_().neg_().log_()                                   # log(-log(u))
     if logits is None:
         return minus_noise.neg_()
-    return torch.sub(logits, minus_noise, out=out)   # logits + noise: negation is exact
+    return torch.sub(logits, minus_noise, out=u)     # logits + noise: negation is exact
 
 
 def gumbel_from_uniform(u: torch.Tensor) -> torch.Tensor:

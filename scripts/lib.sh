@@ -42,7 +42,10 @@ ensure_main_venv() {  # [extras, e.g. "test,plot"] [more pip arguments...]
 install_plugins() {  # venv, plugin folder names...
   local venv="$1"; shift
   for plugin in "$@"; do
-    pip_quiet "$venv" -e "plugins/$plugin"
+    case "$plugin" in
+      cpu) pip_quiet "$venv" -e "plugins/cpu[kernels]" ;;   # numba: the compiled noise kernel
+      *) pip_quiet "$venv" -e "plugins/$plugin" ;;
+    esac
   done
 }
 

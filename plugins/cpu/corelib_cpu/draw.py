@@ -9,7 +9,8 @@
 - Whole rows, seeded: the reference's race ``argmax(x + noise)``. The 23-bit hash bounds the
   noise (:data:`NOISE_SPREAD`), so a token whose logit lies more than that spread below the
   row's best cannot win: groups of tokens entirely below it are skipped, and the noise is
-  computed, in place and in cache-sized chunks, only for the rest.
+  computed, in place and in cache-sized chunks, only for the rest (its hash by the compiled
+  kernel of ``kernels`` where numba is installed, the same bits as torch's).
 
 Shapes: ``n`` rows, ``V`` vocabulary, ``W`` candidates. Nothing here modifies its inputs.
 """
@@ -19,8 +20,10 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-from corelib.noise import gumbel_from_uniform, seeded_gumbel, seeded_gumbel_into, token_offsets
+from corelib.noise import (gumbel_from_uniform, gumbel_from_uniform_, seeded_gumbel, seeded_gumbel_into,
+                          token_offsets)
 
+from . import kernels
 from .rowops import GROUP, first_argmax, group_maxima, is_finite
 
 # Tokens per block of the inverse-CDF search: the second search reads one block per row.
@@ -99,7 +102,10 @@ def draw_seeded_rows(x: torch.Tensor, keys: torch.Tensor, offsets: Optional[torc
         scores = _take(workspace, "noise_scores", shape, torch.float32)
         scratch = (_take(workspace, "noise_hash", shape, torch.int32),
                    _take(workspace, "noise_shift", shape, torch.int32))
-        seeded_gumbel_into(scores, keys[r0:r1, None], offsets[None, :], scratch, x[r0:r1])
+        if kernels.seeded_uniforms_into(scores, keys[r0:r1], offsets):
+            gumbel_from_uniform_(scores, x[r0:r1])
+        else:
+            seeded_gumbel_into(scores, keys[r0:r1, None], offsets[None, :], scratch, x[r0:r1])
         if kept is not None:
             # sign(w) - 0.5 is -0.5 where w == 0, 0.5 where w > 0: copysign and min drop the
             # former (the hash's buffer is free again by now)

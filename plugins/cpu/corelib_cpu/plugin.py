@@ -17,6 +17,11 @@ def _probe() -> Availability:
     return Availability(True)
 
 
+def _description() -> str:
+    from .kernels import describe          # imports neither torch nor numba
+    return f"{DESCRIPTION}; {describe()}"
+
+
 def _factory(device):
     from .sampler import CpuSampler
     return CpuSampler(device)
@@ -25,4 +30,4 @@ def _factory(device):
 @hookimpl
 def corelib_backends():
     return [BackendSpec(name="cpu", device_type="cpu", priority=CPU_PRIORITY, probe=_probe,
-                        factory=_factory, description=DESCRIPTION)]
+                        factory=_factory, description=_description())]

@@ -1,0 +1,102 @@
+"""Optional compiled kernels (numba), each giving exactly the bits of the torch code it
+replaces, with that torch code as the automatic fallback.
+
+One kernel so far: the contract's seeded uniforms over whole rows (``corelib.noise``), the
+integer hash of every (row key, token) pair. In torch that hash is 13 operator calls, each a
+pass over ``[rows, V]`` that writes its result to memory; compiled, it is one pass that keeps
+each value in a register. The hash is integer arithmetic that wraps at 32 bits and the
+uniform ``(top 23 bits + 0.5) / 2**23`` is exact in float32, so the compiled values equal
+torch's bit for bit. What follows the uniforms (two logarithms) stays in torch, whose
+vectorised ``log`` a compiled loop would not reproduce to the last bit.
+
+Which path runs: numba when it is installed (the ``kernels`` extra of ``corelib-cpu``; vLLM
+depends on it too) and ``CORELIB_CPU_KERNELS`` is not ``torch``; otherwise torch. ``corelib
+info`` says which (``describe``). numba is imported on the first seeded whole-row draw, not
+before; its compiled code is cached on disk, so only the first process pays the compilation
+(about a second).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import torch
+
+#: Environment variable: ``torch`` keeps every step on the pure-torch path.
+KERNELS_ENV = "CORELIB_CPU_KERNELS"
+
+# corelib.noise's constants as unsigned 32-bit values (the kernel works in uint64, masked)
+_MASK32 = 0xFFFFFFFF
+_MIX_MUL_1 = 0x7FEB352D
+_MIX_MUL_2 = 0x846CA68B
+_TOKEN_SHIFT = 32 - 23
+
+_state: dict = {}
+
+
+def wanted() -> bool:
+    """Whether the compiled path is asked for and installable (no import of numba)."""
+    if os.environ.get(KERNELS_ENV, "").strip().lower() == "torch":
+        return False
+    return importlib.util.find_spec("numba") is not None
+
+
+def describe() -> str:
+    """The path the seeded noise takes in this environment, for ``corelib info``."""
+    if os.environ.get(KERNELS_ENV, "").strip().lower() == "torch":
+        return f"seeded noise: pure torch ({KERNELS_ENV}=torch)"
+    if importlib.util.find_spec("numba") is None:
+        return "seeded noise: pure torch (numba not installed)"
+    return "seeded noise: numba kernel"
+
+
+def _compiled():
+    """The compiled uniform kernel, or None (numba missing, refused, or failing to load)."""
+    if "uniforms" not in _state:
+        _state["uniforms"] = _compile() if wanted() else None
+    return _state["uniforms"]
+
+
+def _compile():
+    try:
+        import numba
+        import numpy as np
+    except Exception:                    # a broken install falls back like a missing one
+        return None
+
+    # every constant uint64: numba types uint64 mixed with int64 as float64
+    mask, mul_1, mul_2 = np.uint64(_MASK32), np.uint64(_MIX_MUL_1), np.uint64(_MIX_MUL_2)
+    s15, s16, top = np.uint64(15), np.uint64(16), np.uint64(_TOKEN_SHIFT)
+
+    @numba.njit(cache=True, nogil=True)
+    def uniforms(keys, offsets, out):     # pragma: no cover - runs compiled
+        scale = np.float32(1.0 / (1 << 23))
+        half = np.float32(0.5 / (1 << 23))
+        for r in range(out.shape[0]):
+            key = np.uint64(keys[r]) & mask
+            for j in range(out.shape[1]):
+                h = (key + (np.uint64(offsets[j]) & mask)) & mask
+                h ^= h >> s16
+                h = (h * mul_1) & mask
+                h ^= h >> s15
+                h = (h * mul_2) & mask
+                h ^= h >> s16
+                out[r, j] = np.float32(h >> top) * scale + half
+    return uniforms
+
+
+def seeded_uniforms_into(out: torch.Tensor, keys: torch.Tensor, offsets: torch.Tensor) -> bool:
+    """``corelib.noise.uniform_noise(keys[:, None], token_ids)`` written into ``out`` by the
+    compiled kernel: out float32 ``[n, V]`` contiguous, keys int32 ``[n]``, offsets int32
+    ``[V]`` (``token_offsets(token_ids)``), all CPU tensors. Returns False, writing nothing,
+    when the compiled path does not run here (the caller then takes the torch path)."""
+    kernel = _compiled()
+    if kernel is None or not out.is_contiguous():
+        return False
+    kernel(keys.contiguous().numpy(), offsets.contiguous().numpy(), out.numpy())
+    return True
+
+
+def reset() -> None:
+    """Forget the kernel choice, so the next call reads ``CORELIB_CPU_KERNELS`` again."""
+    _state.clear()

@@ -1,0 +1,105 @@
+"""The compiled seeded-noise kernel: the same bits as corelib.noise, and the torch path as its
+fallback wherever it does not run."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+from corelib import SamplingParams, noise
+
+import corelib_cpu
+from corelib_cpu import kernels
+from corelib_cpu.draw import draw_seeded_rows
+
+needs_numba = pytest.mark.skipif(importlib.util.find_spec("numba") is None,
+                                 reason="numba is not installed (the kernels extra)")
+
+
+@pytest.fixture
+def torch_path(monkeypatch):
+    monkeypatch.setenv(kernels.KERNELS_ENV, "torch")
+    kernels.reset()
+    yield
+    monkeypatch.delenv(kernels.KERNELS_ENV)
+    kernels.reset()
+
+
+def _keys(n: int, seed: int = 0) -> torch.Tensor:
+    keys = torch.randint(-2**31, 2**31, (n,), dtype=torch.int32,
+                         generator=torch.Generator().manual_seed(seed))
+    edges = torch.tensor([0, -1, 2**31 - 1, -2**31], dtype=torch.int32)          # int32's extremes
+    keys[:4] = edges[:n]
+    return keys
+
+
+@needs_numba
+@pytest.mark.parametrize("V", [1, 7, 1000, 32000])
+def test_kernel_uniforms_are_the_contracts_bits(V):
+    keys = _keys(40)
+    ids = torch.arange(V, dtype=torch.int32)
+    out = torch.empty((40, V))
+    assert kernels.seeded_uniforms_into(out, keys, noise.token_offsets(ids))
+    want = noise.uniform_noise(keys[:, None], ids[None, :])
+    assert torch.equal(out.view(torch.int32), want.view(torch.int32))
+
+
+@needs_numba
+def test_kernel_reads_offsets_of_any_token_ids():
+    """Candidate ids out of order and repeated, as a gathered set of columns would be."""
+    ids = torch.tensor([5, 3, 3, 127_999, 0, 2**20], dtype=torch.int32)
+    keys = _keys(9, seed=1)
+    out = torch.empty((9, ids.numel()))
+    assert kernels.seeded_uniforms_into(out, keys, noise.token_offsets(ids))
+    assert torch.equal(out, noise.uniform_noise(keys[:, None], ids[None, :]))
+
+
+@needs_numba
+def test_seeded_draws_are_the_same_tokens_on_both_paths(monkeypatch):
+    """Whole-row races (flat rows, so every group can win and the kernel runs), with a cut's
+    weights dropping tokens too: the compiled and the torch path pick the same ids."""
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn((24, 3000), generator=gen) * 0.1
+    x[:, ::5] = float("-inf")
+    keys = _keys(24, seed=3)
+    kept = (torch.rand((24, 3000), generator=gen) > 0.3).to(torch.float32)
+    compiled = [draw_seeded_rows(x, keys, chunk_elements=6000, kept=k) for k in (None, kept)]
+    monkeypatch.setenv(kernels.KERNELS_ENV, "torch")
+    kernels.reset()
+    try:
+        plain = [draw_seeded_rows(x, keys, chunk_elements=6000, kept=k) for k in (None, kept)]
+    finally:
+        monkeypatch.delenv(kernels.KERNELS_ENV)
+        kernels.reset()
+    for (ids, ok), (want_ids, want_ok) in zip(compiled, plain):
+        assert torch.equal(ids, want_ids) and torch.equal(ok, want_ok)
+
+
+def test_the_torch_path_when_asked(torch_path):
+    out = torch.full((2, 3), 7.0)
+    assert not kernels.seeded_uniforms_into(out, _keys(2), noise.token_offsets(torch.arange(3)))
+    assert torch.equal(out, torch.full((2, 3), 7.0))            # nothing written
+    assert kernels.describe() == f"seeded noise: pure torch ({kernels.KERNELS_ENV}=torch)"
+
+
+def test_a_seeded_request_draws_the_same_tokens_on_the_torch_path(torch_path):
+    """The sampler end to end on the fallback: seeded rows give the reference's tokens."""
+    from corelib.sampler import Sampler
+    V = 2000
+    logits = torch.randn((6, V), generator=torch.Generator().manual_seed(4)) * 0.5
+    tokens = []
+    for sampler in (corelib_cpu.CpuSampler(), Sampler("cpu")):
+        batch = sampler.new_batch(V)
+        for i in range(6):
+            batch.add(f"r{i}", SamplingParams(seed=100 + i))
+        tokens.append(sampler.sample(logits, batch).token_ids)
+    assert torch.equal(tokens[0], tokens[1])
+
+
+def test_info_names_the_path():
+    described = kernels.describe()
+    if importlib.util.find_spec("numba") is None:
+        assert described == "seeded noise: pure torch (numba not installed)"
+    else:
+        assert described == "seeded noise: numba kernel"
