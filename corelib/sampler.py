@@ -199,7 +199,7 @@ class Sampler:
         token_ids, final = self.choose_tokens(x, s)                        # steps 9-14
         valid = valid & self.drawn_is_finite(x, final, token_ids, s)
         logprobs = self.step_logprobs(raw, x, final, token_ids, s)         # step 15
-        token_ids = torch.where(valid, token_ids, torch.full_like(token_ids, INVALID_TOKEN))
+        token_ids = torch.where(valid, token_ids, INVALID_TOKEN)
         return SamplerOutput(token_ids, valid, logprobs)
 
     def verify(self, logits: torch.Tensor, batch: SamplingBatch, draft_token_ids: torch.Tensor,

@@ -132,7 +132,11 @@ def race_live_groups(x: torch.Tensor, keys: torch.Tensor, live: torch.Tensor, mo
     if kept is not None:
         dead |= kept.gather(1, cols) == 0
     values = x.gather(1, cols).masked_fill_(dead, float("-inf"))
-    scores = values + seeded_gumbel(keys[:, None], cols.to(torch.int32))
+    scores = torch.empty(values.shape)
+    if kernels.seeded_uniforms_into(scores, keys, token_offsets(cols)):
+        gumbel_from_uniform_(scores, values)               # values + noise, the same bits
+    else:
+        scores = values + seeded_gumbel(keys[:, None], cols.to(torch.int32))
     winner = scores.argmax(dim=-1, keepdim=True)
     return cols.gather(1, winner)[:, 0], is_finite(scores.gather(1, winner)[:, 0])
 

@@ -1,8 +1,8 @@
 """Optional compiled kernels (numba), each giving exactly the bits of the torch code it
 replaces, with that torch code as the automatic fallback.
 
-One kernel so far: the contract's seeded uniforms over whole rows (``corelib.noise``), the
-integer hash of every (row key, token) pair. In torch that hash is 13 operator calls, each a
+One kernel so far: the contract's seeded uniforms (``corelib.noise``), the integer hash of
+every (row key, token) pair, over whole rows or over each row's own token ids. In torch that hash is 13 operator calls, each a
 pass over ``[rows, V]`` that writes its result to memory; compiled, it is one pass that keeps
 each value in a register. The hash is integer arithmetic that wraps at 32 bits and the
 uniform ``(top 23 bits + 0.5) / 2**23`` is exact in float32, so the compiled values equal
@@ -51,7 +51,8 @@ def describe() -> str:
 
 
 def _compiled():
-    """The compiled uniform kernel, or None (numba missing, refused, or failing to load)."""
+    """The compiled uniform kernels by the offsets' dimensions, or None (numba missing,
+    refused, or failing to load)."""
     if "uniforms" not in _state:
         _state["uniforms"] = _compile() if wanted() else None
     return _state["uniforms"]
@@ -67,33 +68,44 @@ def _compile():
     # every constant uint64: numba types uint64 mixed with int64 as float64
     mask, mul_1, mul_2 = np.uint64(_MASK32), np.uint64(_MIX_MUL_1), np.uint64(_MIX_MUL_2)
     s15, s16, top = np.uint64(15), np.uint64(16), np.uint64(_TOKEN_SHIFT)
+    scale, half = np.float32(1.0 / (1 << 23)), np.float32(0.5 / (1 << 23))
+
+    @numba.njit(inline="always")
+    def uniform(key, offset):             # pragma: no cover - runs compiled
+        h = (key + (np.uint64(offset) & mask)) & mask
+        h ^= h >> s16
+        h = (h * mul_1) & mask
+        h ^= h >> s15
+        h = (h * mul_2) & mask
+        h ^= h >> s16
+        return np.float32(h >> top) * scale + half
 
     @numba.njit(cache=True, nogil=True)
-    def uniforms(keys, offsets, out):     # pragma: no cover - runs compiled
-        scale = np.float32(1.0 / (1 << 23))
-        half = np.float32(0.5 / (1 << 23))
+    def whole_rows(keys, offsets, out):   # pragma: no cover - runs compiled
         for r in range(out.shape[0]):
             key = np.uint64(keys[r]) & mask
             for j in range(out.shape[1]):
-                h = (key + (np.uint64(offsets[j]) & mask)) & mask
-                h ^= h >> s16
-                h = (h * mul_1) & mask
-                h ^= h >> s15
-                h = (h * mul_2) & mask
-                h ^= h >> s16
-                out[r, j] = np.float32(h >> top) * scale + half
-    return uniforms
+                out[r, j] = uniform(key, offsets[j])
+
+    @numba.njit(cache=True, nogil=True)
+    def per_row_ids(keys, offsets, out):  # pragma: no cover - runs compiled
+        for r in range(out.shape[0]):
+            key = np.uint64(keys[r]) & mask
+            for j in range(out.shape[1]):
+                out[r, j] = uniform(key, offsets[r, j])
+    return {1: whole_rows, 2: per_row_ids}
 
 
 def seeded_uniforms_into(out: torch.Tensor, keys: torch.Tensor, offsets: torch.Tensor) -> bool:
     """``corelib.noise.uniform_noise(keys[:, None], token_ids)`` written into ``out`` by the
-    compiled kernel: out float32 ``[n, V]`` contiguous, keys int32 ``[n]``, offsets int32
-    ``[V]`` (``token_offsets(token_ids)``), all CPU tensors. Returns False, writing nothing,
-    when the compiled path does not run here (the caller then takes the torch path)."""
-    kernel = _compiled()
-    if kernel is None or not out.is_contiguous():
+    compiled kernel: out float32 ``[n, W]`` contiguous, keys int32 ``[n]``, offsets int32
+    ``[W]`` (every row the same token ids: ``token_offsets(token_ids)``) or ``[n, W]`` (each
+    row its own), all CPU tensors. Returns False, writing nothing, when the compiled path
+    does not run here (the caller then takes the torch path)."""
+    kernels = _compiled()
+    if kernels is None or not out.is_contiguous():
         return False
-    kernel(keys.contiguous().numpy(), offsets.contiguous().numpy(), out.numpy())
+    kernels[offsets.dim()](keys.contiguous().numpy(), offsets.contiguous().numpy(), out.numpy())
     return True
 
 

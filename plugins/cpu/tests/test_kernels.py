@@ -56,11 +56,13 @@ def test_kernel_reads_offsets_of_any_token_ids():
 
 
 @needs_numba
-def test_seeded_draws_are_the_same_tokens_on_both_paths(monkeypatch):
-    """Whole-row races (flat rows, so every group can win and the kernel runs), with a cut's
-    weights dropping tokens too: the compiled and the torch path pick the same ids."""
+@pytest.mark.parametrize("spread", [0.1, 8.0])
+def test_seeded_draws_are_the_same_tokens_on_both_paths(monkeypatch, spread):
+    """Whole-row races, with a cut's weights dropping tokens too: the compiled and the torch
+    path pick the same ids. Flat rows race over every token; peaked rows (spread 8) over the
+    few groups that can win, each row its own token ids."""
     gen = torch.Generator().manual_seed(2)
-    x = torch.randn((24, 3000), generator=gen) * 0.1
+    x = torch.randn((24, 3000), generator=gen) * spread
     x[:, ::5] = float("-inf")
     keys = _keys(24, seed=3)
     kept = (torch.rand((24, 3000), generator=gen) > 0.3).to(torch.float32)
