@@ -220,12 +220,15 @@ def _draw_one_level(weights: torch.Tensor, generator: Optional[torch.Generator],
     """``draw_from_weights`` for a small vocabulary: one searchsorted over the float64
     cumulative sum of the row's weights, the target kept strictly below the total."""
     n, V = weights.shape
+    u = torch.rand((n, 1), dtype=torch.float64, generator=generator)
+    ids, ok = torch.empty(n, dtype=torch.long), torch.empty(n, dtype=torch.bool)
+    if kernels.inverse_cdf_into(ids, ok, weights, u):        # the same ids, in one call
+        return ids, ok
     cum = torch.cumsum(weights, dim=-1, dtype=torch.float64,
                        out=_take(workspace, "cdf", (n, V), torch.float64))          # (n, V)
     total = cum[:, -1:]
     ok = ((total > 0) & (total < _INF64))[:, 0]                 # False for NaN
-    target = torch.minimum(torch.rand((n, 1), dtype=torch.float64, generator=generator) * total,
-                           torch.nextafter(total, _ZERO64))
+    target = torch.minimum(u * total, torch.nextafter(total, _ZERO64))
     return torch.searchsorted(cum, target, right=True)[:, 0].clamp_(max=V - 1), ok
 
 

@@ -1,8 +1,14 @@
 """Optional compiled kernels (numba), each giving exactly the bits of the torch code it
 replaces, with that torch code as the automatic fallback.
 
-One kernel so far: the contract's seeded uniforms (``corelib.noise``), the integer hash of
-every (row key, token) pair, over whole rows or over each row's own token ids. In torch that hash is 13 operator calls, each a
+Two kernels:
+
+- the contract's seeded uniforms (``corelib.noise``), the integer hash of every (row key,
+  token) pair, over whole rows or over each row's own token ids;
+- the unseeded draw of a small vocabulary (``draw._draw_one_level``): one uniform per row
+  through the float64 cumulative sum of the row's weights, in one call where torch makes
+  twelve (at V = 512 the step is operator calls, not arithmetic).
+ In torch that hash is 13 operator calls, each a
 pass over ``[rows, V]`` that writes its result to memory; compiled, it is one pass that keeps
 each value in a register. The hash is integer arithmetic that wraps at 32 bits and the
 uniform ``(top 23 bits + 0.5) / 2**23`` is exact in float32, so the compiled values equal
@@ -11,7 +17,7 @@ vectorised ``log`` a compiled loop would not reproduce to the last bit.
 
 Which path runs: numba when it is installed (the ``kernels`` extra of ``corelib-cpu``; vLLM
 depends on it too) and ``CORELIB_CPU_KERNELS`` is not ``torch``; otherwise torch. ``corelib
-info`` says which (``describe``). numba is imported on the first seeded whole-row draw, not
+info`` says which (``describe``). numba is imported on the first step that uses a kernel, not
 before; its compiled code is cached on disk, so only the first process pays the compilation
 (about a second).
 """
@@ -20,7 +26,10 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import torch
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 #: Environment variable: ``torch`` keeps every step on the pure-torch path.
 KERNELS_ENV = "CORELIB_CPU_KERNELS"
@@ -42,17 +51,17 @@ def wanted() -> bool:
 
 
 def describe() -> str:
-    """The path the seeded noise takes in this environment, for ``corelib info``."""
+    """Which path the kernels' steps take in this environment, for ``corelib info``."""
     if os.environ.get(KERNELS_ENV, "").strip().lower() == "torch":
-        return f"seeded noise: pure torch ({KERNELS_ENV}=torch)"
+        return f"kernels: pure torch ({KERNELS_ENV}=torch)"
     if importlib.util.find_spec("numba") is None:
-        return "seeded noise: pure torch (numba not installed)"
-    return "seeded noise: numba kernel"
+        return "kernels: pure torch (numba not installed)"
+    return "kernels: numba (seeded noise, small-vocabulary draw)"
 
 
 def _compiled():
-    """The compiled uniform kernels by the offsets' dimensions, or None (numba missing,
-    refused, or failing to load)."""
+    """The compiled kernels (the uniforms by their offsets' dimensions, and the draw), or
+    None (numba missing, refused, or failing to load)."""
     if "uniforms" not in _state:
         _state["uniforms"] = _compile() if wanted() else None
     return _state["uniforms"]
@@ -93,7 +102,24 @@ def _compile():
             key = np.uint64(keys[r]) & mask
             for j in range(out.shape[1]):
                 out[r, j] = uniform(key, offsets[r, j])
-    return {1: whole_rows, 2: per_row_ids}
+
+    @numba.njit(cache=True, nogil=True)
+    def inverse_cdf(weights, u, ids, ok):  # pragma: no cover - runs compiled
+        n, V = weights.shape
+        for r in range(n):
+            total = 0.0
+            for j in range(V):             # torch's float64 cumsum: sequential, same order
+                total += np.float64(weights[r, j])
+            ok[r] = total > 0.0 and total < np.inf
+            target = min(u[r] * total, np.nextafter(total, 0.0))
+            running, pick = 0.0, V - 1
+            for j in range(V):             # searchsorted(right=True): the first sum > target
+                running += np.float64(weights[r, j])
+                if running > target:
+                    pick = j
+                    break
+            ids[r] = pick
+    return {1: whole_rows, 2: per_row_ids, "inverse_cdf": inverse_cdf}
 
 
 def seeded_uniforms_into(out: torch.Tensor, keys: torch.Tensor, offsets: torch.Tensor) -> bool:
@@ -106,6 +132,21 @@ def seeded_uniforms_into(out: torch.Tensor, keys: torch.Tensor, offsets: torch.T
     if kernels is None or not out.is_contiguous():
         return False
     kernels[offsets.dim()](keys.contiguous().numpy(), offsets.contiguous().numpy(), out.numpy())
+    return True
+
+
+def inverse_cdf_into(ids: torch.Tensor, ok: torch.Tensor, weights: torch.Tensor,
+                     u: torch.Tensor) -> bool:
+    """``draw._draw_one_level`` by the compiled kernel: ids int64 ``[n]`` and ok bool ``[n]``
+    (written), weights float32 ``[n, V]`` (>= 0), u float64 ``[n]`` or ``[n, 1]`` (the rows'
+    uniforms), CPU tensors. The cumulative sums are torch's (float64, in token order), the
+    target ``min(u * total, nextafter(total, 0))`` and the first sum above it the same, so
+    the ids are too. Returns False, writing nothing, where the compiled path does not run."""
+    kernels = _compiled()
+    if kernels is None:
+        return False
+    kernels["inverse_cdf"](weights.contiguous().numpy(), u.reshape(-1).contiguous().numpy(),
+                           ids.numpy(), ok.numpy())
     return True
 
 

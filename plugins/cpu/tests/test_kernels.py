@@ -78,11 +78,41 @@ def test_seeded_draws_are_the_same_tokens_on_both_paths(monkeypatch, spread):
         assert torch.equal(ids, want_ids) and torch.equal(ok, want_ok)
 
 
+@needs_numba
+@pytest.mark.parametrize("V", [1, 2, 511, 1024])
+def test_small_vocabulary_draws_are_the_same_on_both_paths(monkeypatch, V):
+    """The compiled inverse-CDF draw against torch's (same generator seed): the same ids and
+    ok flags, for rows of every kind the draw meets: ordinary, one dominant token, zeros but
+    one, sparse, all zero (ok False), NaN (ok False), and weights that overflow float64's sum
+    nowhere but near its rounding (huge and tiny together)."""
+    from corelib_cpu.draw import _draw_one_level
+    gen = torch.Generator().manual_seed(5)
+    w = torch.rand((64, V), generator=gen)
+    w[1] = 0.0
+    w[1, V - 1] = 1.0
+    w[2, ::3] = 0.0
+    w[3] = 0.0
+    w[4, 0] = float("nan")
+    w[5, 0] = 3e38
+    w[6] = torch.rand(V, generator=gen) ** 40
+    w[7, : V // 2] = 1e-30
+    draws = []
+    for path in ("", "torch"):
+        monkeypatch.setenv(kernels.KERNELS_ENV, path)
+        kernels.reset()
+        draws.append(_draw_one_level(w, torch.Generator().manual_seed(6)))
+    kernels.reset()
+    (ids, ok), (want_ids, want_ok) = draws
+    assert torch.equal(ok, want_ok) and not ok[3] and not ok[4]
+    assert torch.equal(ids[ok], want_ids[ok])
+    assert bool(((ids >= 0) & (ids < V)).all())               # flagged rows stay in range
+
+
 def test_the_torch_path_when_asked(torch_path):
     out = torch.full((2, 3), 7.0)
     assert not kernels.seeded_uniforms_into(out, _keys(2), noise.token_offsets(torch.arange(3)))
     assert torch.equal(out, torch.full((2, 3), 7.0))            # nothing written
-    assert kernels.describe() == f"seeded noise: pure torch ({kernels.KERNELS_ENV}=torch)"
+    assert kernels.describe() == f"kernels: pure torch ({kernels.KERNELS_ENV}=torch)"
 
 
 def test_a_seeded_request_draws_the_same_tokens_on_the_torch_path(torch_path):
@@ -102,6 +132,6 @@ def test_a_seeded_request_draws_the_same_tokens_on_the_torch_path(torch_path):
 def test_info_names_the_path():
     described = kernels.describe()
     if importlib.util.find_spec("numba") is None:
-        assert described == "seeded noise: pure torch (numba not installed)"
+        assert described == "kernels: pure torch (numba not installed)"
     else:
-        assert described == "seeded noise: numba kernel"
+        assert described == "kernels: numba (seeded noise, small-vocabulary draw)"
