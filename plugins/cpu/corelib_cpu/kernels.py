@@ -8,12 +8,13 @@ Two kernels:
 - the unseeded draw of a small vocabulary (``draw._draw_one_level``): one uniform per row
   through the float64 cumulative sum of the row's weights, in one call where torch makes
   twelve (at V = 512 the step is operator calls, not arithmetic).
- In torch that hash is 13 operator calls, each a
-pass over ``[rows, V]`` that writes its result to memory; compiled, it is one pass that keeps
-each value in a register. The hash is integer arithmetic that wraps at 32 bits and the
-uniform ``(top 23 bits + 0.5) / 2**23`` is exact in float32, so the compiled values equal
-torch's bit for bit. What follows the uniforms (two logarithms) stays in torch, whose
-vectorised ``log`` a compiled loop would not reproduce to the last bit.
+
+In torch the hash is 13 operator calls, each a pass over ``[rows, V]`` that writes its result
+to memory; compiled, it is one pass that keeps each value in a register. The hash is integer
+arithmetic that wraps at 32 bits and the uniform ``(top 23 bits + 0.5) / 2**23`` is exact in
+float32, so the compiled values equal torch's bit for bit. What follows the uniforms (two
+logarithms) stays in torch, whose vectorised ``log`` a compiled loop would not reproduce to the
+last bit. The draw's float64 sums run in token order, as torch's cumulative sum does.
 
 Which path runs: numba when it is installed (the ``kernels`` extra of ``corelib-cpu``; vLLM
 depends on it too) and ``CORELIB_CPU_KERNELS`` is not ``torch``; otherwise torch. ``corelib
