@@ -102,7 +102,7 @@ def draw_seeded_rows(x: torch.Tensor, keys: torch.Tensor, offsets: Optional[torc
         scores = _take(workspace, "noise_scores", shape, torch.float32)
         scratch = (_take(workspace, "noise_hash", shape, torch.int32),
                    _take(workspace, "noise_shift", shape, torch.int32))
-        if kernels.seeded_uniforms_into(scores, keys[r0:r1], offsets):
+        if kernels.seeded_uniforms_into(scores, keys[r0:r1]):
             gumbel_from_uniform_(scores, x[r0:r1])
         else:
             seeded_gumbel_into(scores, keys[r0:r1, None], offsets[None, :], scratch, x[r0:r1])
@@ -133,7 +133,7 @@ def race_live_groups(x: torch.Tensor, keys: torch.Tensor, live: torch.Tensor, mo
         dead |= kept.gather(1, cols) == 0
     values = x.gather(1, cols).masked_fill_(dead, float("-inf"))
     scores = torch.empty(values.shape)
-    if kernels.seeded_uniforms_into(scores, keys, token_offsets(cols)):
+    if kernels.seeded_uniforms_into(scores, keys, cols):
         gumbel_from_uniform_(scores, values)               # values + noise, the same bits
     else:
         scores = values + seeded_gumbel(keys[:, None], cols.to(torch.int32))
@@ -221,9 +221,9 @@ def _draw_one_level(weights: torch.Tensor, generator: Optional[torch.Generator],
     cumulative sum of the row's weights, the target kept strictly below the total."""
     n, V = weights.shape
     u = torch.rand((n, 1), dtype=torch.float64, generator=generator)
-    ids, ok = torch.empty(n, dtype=torch.long), torch.empty(n, dtype=torch.bool)
-    if kernels.inverse_cdf_into(ids, ok, weights, u):        # the same ids, in one call
-        return ids, ok
+    drawn = kernels.inverse_cdf(weights, u)                  # the same ids, in one call
+    if drawn is not None:
+        return drawn
     cum = torch.cumsum(weights, dim=-1, dtype=torch.float64,
                        out=_take(workspace, "cdf", (n, V), torch.float64))          # (n, V)
     total = cum[:, -1:]

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Optional
 
 if TYPE_CHECKING:
     import torch
@@ -35,37 +35,38 @@ if TYPE_CHECKING:
 #: Environment variable: ``torch`` keeps every step on the pure-torch path.
 KERNELS_ENV = "CORELIB_CPU_KERNELS"
 
-# corelib.noise's constants as unsigned 32-bit values (the kernel works in uint64, masked)
-_MASK32 = 0xFFFFFFFF
-_MIX_MUL_1 = 0x7FEB352D
-_MIX_MUL_2 = 0x846CA68B
-_TOKEN_SHIFT = 32 - 23
-
 _state: dict = {}
+
+
+def _torch_only() -> Optional[str]:
+    """Why the kernels' steps run in pure torch here, or None when numba serves them (no
+    import of numba)."""
+    if os.environ.get(KERNELS_ENV, "").strip().lower() == "torch":
+        return f"{KERNELS_ENV}=torch"
+    if importlib.util.find_spec("numba") is None:
+        return "numba not installed"
+    return None
 
 
 def wanted() -> bool:
     """Whether the compiled path is asked for and installable (no import of numba)."""
-    if os.environ.get(KERNELS_ENV, "").strip().lower() == "torch":
-        return False
-    return importlib.util.find_spec("numba") is not None
+    return _torch_only() is None
 
 
 def describe() -> str:
     """Which path the kernels' steps take in this environment, for ``corelib info``."""
-    if os.environ.get(KERNELS_ENV, "").strip().lower() == "torch":
-        return f"kernels: pure torch ({KERNELS_ENV}=torch)"
-    if importlib.util.find_spec("numba") is None:
-        return "kernels: pure torch (numba not installed)"
+    reason = _torch_only()
+    if reason is not None:
+        return f"kernels: pure torch ({reason})"
     return "kernels: numba (seeded noise, small-vocabulary draw)"
 
 
 def _compiled():
-    """The compiled kernels (the uniforms by their offsets' dimensions, and the draw), or
+    """The compiled kernels (the uniforms of whole rows and of per-row ids, and the draw), or
     None (numba missing, refused, or failing to load)."""
-    if "uniforms" not in _state:
-        _state["uniforms"] = _compile() if wanted() else None
-    return _state["uniforms"]
+    if "kernels" not in _state:
+        _state["kernels"] = _compile() if wanted() else None
+    return _state["kernels"]
 
 
 def _compile():
@@ -74,15 +75,20 @@ def _compile():
         import numpy as np
     except Exception:                    # a broken install falls back like a missing one
         return None
+    from corelib import noise
 
-    # every constant uint64: numba types uint64 mixed with int64 as float64
-    mask, mul_1, mul_2 = np.uint64(_MASK32), np.uint64(_MIX_MUL_1), np.uint64(_MIX_MUL_2)
-    s15, s16, top = np.uint64(15), np.uint64(16), np.uint64(_TOKEN_SHIFT)
-    scale, half = np.float32(1.0 / (1 << 23)), np.float32(0.5 / (1 << 23))
+    # corelib.noise's constants as unsigned 32-bit values, every one uint64: numba types
+    # uint64 mixed with int64 as float64
+    mask = np.uint64(0xFFFFFFFF)
+    mul_1, mul_2, step = (np.uint64(c & 0xFFFFFFFF)
+                          for c in (noise._MIX_MUL_1, noise._MIX_MUL_2, noise._TOKEN_STEP))
+    s15, s16, top = np.uint64(15), np.uint64(16), np.uint64(32 - noise._UNIFORM_BITS)
+    scale = np.float32(noise._UNIFORM_SCALE)
+    half = np.float32(noise._UNIFORM_SCALE / 2)
 
     @numba.njit(inline="always")
-    def uniform(key, offset):             # pragma: no cover - runs compiled
-        h = (key + (np.uint64(offset) & mask)) & mask
+    def uniform(key, token):              # pragma: no cover - runs compiled
+        h = (key + np.uint64(token) * step) & mask
         h ^= h >> s16
         h = (h * mul_1) & mask
         h ^= h >> s15
@@ -91,18 +97,18 @@ def _compile():
         return np.float32(h >> top) * scale + half
 
     @numba.njit(cache=True, nogil=True)
-    def whole_rows(keys, offsets, out):   # pragma: no cover - runs compiled
+    def whole_rows(keys, out):            # pragma: no cover - runs compiled
         for r in range(out.shape[0]):
             key = np.uint64(keys[r]) & mask
             for j in range(out.shape[1]):
-                out[r, j] = uniform(key, offsets[j])
+                out[r, j] = uniform(key, j)
 
     @numba.njit(cache=True, nogil=True)
-    def per_row_ids(keys, offsets, out):  # pragma: no cover - runs compiled
+    def per_row_ids(keys, ids, out):      # pragma: no cover - runs compiled
         for r in range(out.shape[0]):
             key = np.uint64(keys[r]) & mask
             for j in range(out.shape[1]):
-                out[r, j] = uniform(key, offsets[r, j])
+                out[r, j] = uniform(key, ids[r, j])
 
     @numba.njit(cache=True, nogil=True)
     def inverse_cdf(weights, u, ids, ok):  # pragma: no cover - runs compiled
@@ -120,35 +126,42 @@ def _compile():
                     pick = j
                     break
             ids[r] = pick
-    return {1: whole_rows, 2: per_row_ids, "inverse_cdf": inverse_cdf}
+    return dict(whole_rows=whole_rows, per_row_ids=per_row_ids, inverse_cdf=inverse_cdf)
 
 
-def seeded_uniforms_into(out: torch.Tensor, keys: torch.Tensor, offsets: torch.Tensor) -> bool:
+def seeded_uniforms_into(out: torch.Tensor, keys: torch.Tensor,
+                         token_ids: Optional[torch.Tensor] = None) -> bool:
     """``corelib.noise.uniform_noise(keys[:, None], token_ids)`` written into ``out`` by the
-    compiled kernel: out float32 ``[n, W]`` contiguous, keys int32 ``[n]``, offsets int32
-    ``[W]`` (every row the same token ids: ``token_offsets(token_ids)``) or ``[n, W]`` (each
-    row its own), all CPU tensors. Returns False, writing nothing, when the compiled path
+    compiled kernel: out float32 ``[n, W]`` contiguous, keys int32 ``[n]``, token_ids None
+    (column j is token j: whole rows) or int64 ``[n, W]`` ids in ``[0, 2**31)`` (each row its
+    own), all CPU tensors. The token's share of the hash is made in the kernel, so no
+    ``token_offsets`` pass is needed. Returns False, writing nothing, when the compiled path
     does not run here (the caller then takes the torch path)."""
     kernels = _compiled()
     if kernels is None or not out.is_contiguous():
         return False
-    kernels[offsets.dim()](keys.contiguous().numpy(), offsets.contiguous().numpy(), out.numpy())
+    if token_ids is None:
+        kernels["whole_rows"](keys.contiguous().numpy(), out.numpy())
+    else:
+        kernels["per_row_ids"](keys.contiguous().numpy(), token_ids.contiguous().numpy(), out.numpy())
     return True
 
 
-def inverse_cdf_into(ids: torch.Tensor, ok: torch.Tensor, weights: torch.Tensor,
-                     u: torch.Tensor) -> bool:
-    """``draw._draw_one_level`` by the compiled kernel: ids int64 ``[n]`` and ok bool ``[n]``
-    (written), weights float32 ``[n, V]`` (>= 0), u float64 ``[n]`` or ``[n, 1]`` (the rows'
+def inverse_cdf(weights: torch.Tensor, u: torch.Tensor) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+    """``draw._draw_one_level`` by the compiled kernel: (int64 ``[n]`` ids, bool ``[n]`` ok)
+    from weights float32 ``[n, V]`` (>= 0) and u float64 ``[n]`` or ``[n, 1]`` (the rows'
     uniforms), CPU tensors. The cumulative sums are torch's (float64, in token order), the
     target ``min(u * total, nextafter(total, 0))`` and the first sum above it the same, so
-    the ids are too. Returns False, writing nothing, where the compiled path does not run."""
+    the ids are too. None where the compiled path does not run."""
     kernels = _compiled()
     if kernels is None:
-        return False
+        return None
+    import torch
+    n = weights.shape[0]
+    ids, ok = torch.empty(n, dtype=torch.long), torch.empty(n, dtype=torch.bool)
     kernels["inverse_cdf"](weights.contiguous().numpy(), u.reshape(-1).contiguous().numpy(),
                            ids.numpy(), ok.numpy())
-    return True
+    return ids, ok
 
 
 def reset() -> None:

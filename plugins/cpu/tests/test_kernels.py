@@ -40,19 +40,21 @@ def test_kernel_uniforms_are_the_contracts_bits(V):
     keys = _keys(40)
     ids = torch.arange(V, dtype=torch.int32)
     out = torch.empty((40, V))
-    assert kernels.seeded_uniforms_into(out, keys, noise.token_offsets(ids))
+    assert kernels.seeded_uniforms_into(out, keys)                 # whole rows: token j at j
     want = noise.uniform_noise(keys[:, None], ids[None, :])
     assert torch.equal(out.view(torch.int32), want.view(torch.int32))
 
 
 @needs_numba
-def test_kernel_reads_offsets_of_any_token_ids():
+def test_kernel_reads_any_token_ids_per_row():
     """Candidate ids out of order and repeated, as a gathered set of columns would be."""
-    ids = torch.tensor([5, 3, 3, 127_999, 0, 2**20], dtype=torch.int32)
     keys = _keys(9, seed=1)
-    out = torch.empty((9, ids.numel()))
-    assert kernels.seeded_uniforms_into(out, keys, noise.token_offsets(ids))
-    assert torch.equal(out, noise.uniform_noise(keys[:, None], ids[None, :]))
+    ids = torch.tensor([5, 3, 3, 127_999, 0, 2**20, 2**31 - 1])[None, :].repeat(9, 1)
+    ids[1] = ids[1].flip(0)                                      # each row its own order
+    out = torch.empty(ids.shape)
+    assert kernels.seeded_uniforms_into(out, keys, ids)
+    want = noise.uniform_noise(keys[:, None], ids.to(torch.int32))
+    assert torch.equal(out.view(torch.int32), want.view(torch.int32))
 
 
 @needs_numba
@@ -110,7 +112,8 @@ def test_small_vocabulary_draws_are_the_same_on_both_paths(monkeypatch, V):
 
 def test_the_torch_path_when_asked(torch_path):
     out = torch.full((2, 3), 7.0)
-    assert not kernels.seeded_uniforms_into(out, _keys(2), noise.token_offsets(torch.arange(3)))
+    assert not kernels.seeded_uniforms_into(out, _keys(2))
+    assert kernels.inverse_cdf(torch.ones((2, 3)), torch.rand(2, dtype=torch.float64)) is None
     assert torch.equal(out, torch.full((2, 3), 7.0))            # nothing written
     assert kernels.describe() == f"kernels: pure torch ({kernels.KERNELS_ENV}=torch)"
 
