@@ -102,10 +102,7 @@ def cond(pred: torch.Tensor, true_fn: Callable[..., Branch], false_fn: Callable[
     if pred.device.type != "xla":
         return (true_fn if bool(pred) else false_fn)(*operands)
     import torch_xla
-    import torch_xla.core.xla_builder as xb
-    # torch-xla may hold a tensor in a wider XLA type than its torch dtype (its int32 hash
-    # arithmetic runs in s64): the computation converts, so the held type is part of the key.
-    cache_key = (key, tuple((tuple(t.shape), t.dtype, xb.tensor_shape(t).dtype) for t in operands))
+    cache_key = (key, _signature(operands))
     entry = _CONDS.get(cache_key)
     if entry is None:
         entry = _CONDS[cache_key] = _build_cond(true_fn, false_fn, operands, key)
@@ -142,10 +139,8 @@ def fori_loop(steps: int, body: Callable[..., tuple], carry: Sequence[torch.Tens
             carry = tuple(body(*carry, *operands))
         return carry
     import torch_xla
-    import torch_xla.core.xla_builder as xb
     tensors = [*carry, *operands]
-    cache_key = (key, steps, len(carry),
-                 tuple((tuple(t.shape), t.dtype, xb.tensor_shape(t).dtype) for t in tensors))
+    cache_key = (key, steps, len(carry), _signature(tensors))
     entry = _LOOPS.get(cache_key)
     if entry is None:
         entry = _LOOPS[cache_key] = _build_loop(steps, body, tensors, len(carry), key)
@@ -171,13 +166,7 @@ def _build_cond(true_fn, false_fn, operands: Sequence[torch.Tensor], key: Hashab
                          f"{t_outs} and {f_outs}")
     builder = xb.create_builder("corelib_cond")
     pred = xb.mkparam(builder, 0, xb.Shape.create(xb.Type.PRED, []))
-    params = []
-    for j, i in enumerate(t_inputs + f_inputs):
-        tensor = operands[i] if isinstance(i, int) else i
-        held = xb.tensor_shape(tensor)
-        param = xb.mkparam(builder, 1 + j, held)
-        traced = xb._PT_XLA_TYPE_MAP[tensor.dtype]     # the branch's placeholder type
-        params.append(param.cast(traced) if isinstance(i, int) and held.dtype != traced else param)
+    params = _parameters(builder, t_inputs + f_inputs, operands, first=1)
     true_params, false_params = params[:len(t_inputs)], params[len(t_inputs):]
     # Each branch's operand tuple leads with the predicate, so that a branch that reads
     # nothing still has an operand to find its builder by.
@@ -207,13 +196,7 @@ def _build_loop(steps: int, body, tensors: Sequence[torch.Tensor], n_carry: int,
     constants = [i for i in body_inputs if not (isinstance(i, int) and i < n_carry)]
     inputs = list(range(n_carry)) + constants
     builder = xb.create_builder("corelib_loop")
-    state = [xb.Op.scalar(builder, 0, dtype=xb.Type.S64)]
-    for j, i in enumerate(inputs):
-        tensor = tensors[i] if isinstance(i, int) else i
-        held = xb.tensor_shape(tensor)
-        param = xb.mkparam(builder, j, held)
-        want = xb._PT_XLA_TYPE_MAP[tensor.dtype]   # the body's placeholder type
-        state.append(param.cast(want) if isinstance(i, int) and held.dtype != want else param)
+    state = [xb.Op.scalar(builder, 0, dtype=xb.Type.S64)] + _parameters(builder, inputs, tensors, first=0)
     # where each of the traced body's parameters sits in the loop state (after the counter)
     position = {id(i): n_carry + j for j, i in enumerate(constants)}
     slots = [1 + (i if isinstance(i, int) and i < n_carry else position[id(i)])
@@ -231,6 +214,30 @@ def _build_loop(steps: int, body, tensors: Sequence[torch.Tensor], n_carry: int,
     looped = xb.Op.tuple(state, builder=builder).while_loop(condition, step)
     root = xb.Op.tuple([looped.get_tuple_element(1 + k) for k in range(n_carry)], builder=builder)
     return root.build("corelib_loop"), inputs
+
+
+def _parameters(builder, inputs: list, operands: Sequence[torch.Tensor], first: int) -> list:
+    """The parameters ``first``, ``first + 1``, ... of a computation built around traced
+    bodies, one per input (an operand index, or a captured scalar or iota), each in the type
+    its body was traced with: torch-xla may hold an operand in a wider XLA type than its torch
+    dtype, and the placeholder had the torch dtype's type."""
+    import torch_xla.core.xla_builder as xb
+    params = []
+    for j, i in enumerate(inputs):
+        tensor = operands[i] if isinstance(i, int) else i
+        held = xb.tensor_shape(tensor)
+        param = xb.mkparam(builder, first + j, held)
+        traced = xb._PT_XLA_TYPE_MAP[tensor.dtype]
+        params.append(param.cast(traced) if isinstance(i, int) and held.dtype != traced else param)
+    return params
+
+
+def _signature(tensors: Sequence[torch.Tensor]) -> tuple:
+    """What a traced body depends on besides its key: each operand's shape, dtype and the
+    XLA type torch-xla holds it in (its int32 hash arithmetic runs in s64, and the
+    computation converts)."""
+    import torch_xla.core.xla_builder as xb
+    return tuple((tuple(t.shape), t.dtype, xb.tensor_shape(t).dtype) for t in tensors)
 
 
 def _trace_branch(fn, operands: Sequence[torch.Tensor], key: Hashable) -> tuple:
