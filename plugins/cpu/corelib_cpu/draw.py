@@ -10,7 +10,10 @@
   noise (:data:`NOISE_SPREAD`), so a token whose logit lies more than that spread below the
   row's best cannot win: groups of tokens entirely below it are skipped, and the noise is
   computed, in place and in cache-sized chunks, only for the rest (its hash by the compiled
-  kernel of ``kernels`` where numba is installed, the same bits as torch's).
+  kernel of ``kernels`` where numba is installed, the same bits as torch's). Rows of a
+  probability cut (min-p, top-p) race with the cut's weights instead of a masked copy of x:
+  the groups without a kept token are skipped, and rows that cannot skip most groups race
+  without the cut first when it keeps most of the mass, again only where it drops the winner.
 
 Shapes: ``n`` rows, ``V`` vocabulary, ``W`` candidates. Nothing here modifies its inputs.
 """
@@ -30,6 +33,7 @@ from .rowops import GROUP, first_argmax, group_maxima, is_finite
 CDF_BLOCK = 256
 _TINY = torch.finfo(torch.float32).tiny
 _INF = torch.tensor(float("inf"))
+_NEG_INF = torch.tensor(float("-inf"))
 _LOG2E = 1.4426950408889634
 _FUSED_LIMIT = 64.0
 _LONG_MAX = torch.iinfo(torch.long).max
@@ -41,6 +45,10 @@ _EXTREMES = gumbel_from_uniform(torch.tensor([0.5, 2.0**23 - 0.5]) / 2.0**23).to
 NOISE_SPREAD = (_EXTREMES[1] - _EXTREMES[0]) + 1e-3
 # Relative slack on the pruning bound: far above float32 rounding of the scores and the cut.
 _PRUNE_SLACK = 2.0 ** -16
+# Rows race without their cut first when its weights (probabilities) keep at least this mass
+# on average: the race's winner is dropped with probability 1 - mass, and racing a row again
+# costs about twice what the cut's mask adds to one race.
+_KEPT_MASS_FIRST = 0.6
 #: Seeded whole rows of a smaller vocabulary race over every token without looking for the
 #: groups that can win (at most 7 groups: skipping half of them saves less than the search).
 PRUNE_MIN_VOCAB = 8 * GROUP
@@ -73,16 +81,26 @@ def draw_seeded_rows(x: torch.Tensor, keys: torch.Tensor, offsets: Optional[torc
     """``argmax(x + noise)`` over whole rows, the reference's token. x float32 [n, V] (-inf =
     dropped), keys int32 [n]; ``offsets``: ``token_offsets(arange(V))`` (made here when
     None); ``workspace`` lends the chunk buffers; ``chunk_elements``: logits per chunk of
-    the full race (its buffers stay in the cache); ``kept``: float32 [n, V] weights, when
-    tokens with weight 0 are dropped too (a probability cut not yet applied to x).
+    the full race (its buffers stay in the cache); ``kept``: float32 [n, V] weights of a
+    probability cut not yet applied to x, whose zeros drop tokens too (a cut: a token is
+    dropped only when every token of a lower logit in its row is).
 
     Returns ``(token ids int64 [n], ok bool [n])``, ok False where the winner's score is not
     finite (every token dropped, or +inf from float32 overflow upstream). Rows where at most
     half of the groups of ``GROUP`` tokens can hold the winner race over those groups only
-    (see the module docstring); the others over every token."""
+    (see the module docstring). The others race over every token; with ``kept`` holding
+    most of the mass, first without the cut: a winner with a positive weight also wins among
+    the kept tokens (the lowest id of the best score over a superset), and only the rows
+    whose winner is dropped race again with the cut. Nothing is modified."""
     n, V = x.shape
     if V >= PRUNE_MIN_VOCAB:    # below it, the search for live groups costs more than it saves
         maxima = group_maxima(x)
+        if kept is not None:
+            # a cut keeps the largest logits, so a group holding a kept token has its largest
+            # logit kept: these are the maxima of x masked by the cut, without the mask (the
+            # softmax's rounding could break the order only between logits ulps apart, far
+            # inside the bound's slack)
+            maxima = torch.where(group_maxima(kept) > 0, maxima, _NEG_INF)
         top = maxima.amax(dim=-1, keepdim=True)
         cut = top - NOISE_SPREAD - (top.abs() + NOISE_SPREAD) * _PRUNE_SLACK
         live = maxima >= cut                                              # (n, groups)
@@ -91,6 +109,22 @@ def draw_seeded_rows(x: torch.Tensor, keys: torch.Tensor, offsets: Optional[torc
             return race_live_groups(x, keys, live, most, kept)
     if offsets is None:
         offsets = token_offsets(torch.arange(V))
+    if kept is None or float(kept.sum(dim=-1).mean()) < _KEPT_MASS_FIRST:
+        return race_whole_rows(x, keys, offsets, workspace, chunk_elements, kept)
+    ids, ok = race_whole_rows(x, keys, offsets, workspace, chunk_elements)
+    dropped = (kept.gather(1, ids[:, None])[:, 0] > 0).logical_not_()
+    if bool(dropped.any()):
+        redo = dropped.nonzero()[:, 0]
+        ids[redo], ok[redo] = race_whole_rows(x[redo], keys[redo], offsets, workspace,
+                                              chunk_elements, kept[redo])
+    return ids, ok
+
+
+def race_whole_rows(x: torch.Tensor, keys: torch.Tensor, offsets: torch.Tensor, workspace=None,
+                    chunk_elements: int = 1 << 17, kept: Optional[torch.Tensor] = None):
+    """``draw_seeded_rows`` over every token of every row, in chunks of about
+    ``chunk_elements`` logits, with ``kept``'s zeros masked in each chunk's scores."""
+    n, V = x.shape
     rows = max(1, chunk_elements // V)
     one_chunk = 0 < n <= rows
     if not one_chunk:

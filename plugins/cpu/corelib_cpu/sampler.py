@@ -892,16 +892,20 @@ class CpuSampler(Sampler):
 
     def draw_seeded_whole(self, blk: Block, rows: list, keys: torch.Tensor):
         """(int64 [m] ids, bool [m] ok) for seeded whole rows: the reference's race over their
-        final logits. Rows whose top-p cuts are all pending race over the whole row first:
-        when the winner is in the nucleus it also wins among the kept tokens (the lowest id
-        of the best score over a superset); the others resolve their cut and race over the
-        kept tokens, with the cut's weights as the mask. Every other row races over x masked
-        by its cuts (``apply_cuts`` resolves those still pending), so the race skips the
-        groups the cuts emptied."""
+        final logits. Rows of one cut not yet applied to x race with the cut's weights as
+        the mask (``draw.draw_seeded_rows``: no masked copy of x is written). When the
+        rows' top-p cuts are all pending they race over the whole row first: when the
+        winner is in the nucleus it also wins among the kept tokens (the lowest id of the
+        best score over a superset); the others resolve their cut and race over the kept
+        tokens. Every other row races over x masked by its cuts (``apply_cuts`` resolves
+        those still pending)."""
         bp = blk.plan
         record, at = self.common_cut(blk, rows)
         row_keys = pick_rows(keys, rows, bp)
-        if record is None or record.pending(at) != at:
+        pending = None if record is None else record.pending(at)
+        if pending == [] and not any(row in blk.masked for row in rows):
+            return self.race_rows(pick_rows(blk.x, rows, bp), row_keys, rows_of(record.weights, at))
+        if pending is None or pending != at:
             self.apply_cuts(blk, rows)
             return self.race_rows(pick_rows(blk.x, rows, bp), row_keys)
         x = pick_rows(blk.x, rows, bp)

@@ -15,6 +15,7 @@ from corelib_cpu.draw import (
     race_seeded_candidates,
     race_unseeded_candidates,
 )
+from corelib_cpu.rowops import group_maxima
 
 NEG_INF = float("-inf")
 MIN_P_VALUE = 1e-6
@@ -167,12 +168,16 @@ def test_wide_rows_race_over_few_groups():
     assert torch.equal(ids, reference_seeded(x, keys)) and bool(ok.all())
 
 
-def test_seeded_rows_with_a_weight_mask_race_over_the_kept_tokens_only():
+def probability_cut(x: torch.Tensor, min_p: float) -> torch.Tensor:
+    """The kept probabilities of a min-p cut of x, 0 where dropped (what the sampler passes)."""
+    probs = torch.softmax(x, dim=-1)
+    return torch.where(probs >= min_p * probs.amax(dim=-1, keepdim=True), probs, 0.0)
+
+
+def test_seeded_rows_with_a_cut_race_over_the_kept_tokens_only():
     V = 4096 + 77
     x = seeded_rows_cases(V, 5)
-    g = torch.Generator().manual_seed(6)
-    kept = torch.where(torch.rand(x.shape, generator=g) < 0.5, 0.0, torch.rand(x.shape, generator=g))
-    kept[3, V - 1] = 0.3                       # row 3 keeps its only finite token
+    kept = probability_cut(x, 0.2)
     kept[5] = 0.0                              # a row that keeps nothing is reported
     masked = x.masked_fill(kept == 0, NEG_INF)
     keys = keys_for(x.shape[0], seed=2)
@@ -183,3 +188,31 @@ def test_seeded_rows_with_a_weight_mask_race_over_the_kept_tokens_only():
     wide = [1, 2, 4]                            # only wide rows: the race over live groups
     ids, ok = draw_seeded_rows(x[wide], keys[wide], kept=kept[wide])
     assert torch.equal(ids, reference_seeded(masked[wide], keys[wide])) and bool(ok.all())
+
+
+def test_each_way_of_racing_with_a_cut_gives_the_masked_rows_winner():
+    # (logit scale, min_p, way): most of the mass kept, so the rows race without the cut
+    # first and those whose winner it drops race again; little mass kept, so they race with
+    # the cut; peaked rows, so only the groups holding kept tokens race
+    V = 4096 + 77
+    g = torch.Generator().manual_seed(11)
+    for scale, min_p, way in ((0.3, 0.3, "again"), (2.0, 0.05, "masked"), (8.0, 0.05, "pruned")):
+        x = torch.randn(8, V, generator=g) * scale
+        kept = probability_cut(x, min_p)
+        masked = x.masked_fill(kept == 0, NEG_INF)
+        keys = keys_for(8, seed=3)
+        unmasked_winner_dropped = kept.gather(1, reference_seeded(x, keys)[:, None]) == 0
+        mass = float(kept.sum(dim=-1).mean())
+        maxima = group_maxima(masked)
+        top = maxima.amax(dim=-1, keepdim=True)
+        live = maxima >= top - NOISE_SPREAD - (top.abs() + NOISE_SPREAD) * 2.0**-16
+        pruned = int(live.sum(dim=-1).max()) <= maxima.shape[1] // 2
+        assert pruned == (way == "pruned"), way
+        if way == "again":
+            assert mass >= 0.6 and bool(unmasked_winner_dropped.any())
+        if way == "masked":
+            assert mass < 0.6
+        for chunk in (V, 1 << 30):
+            ids, ok = draw_seeded_rows(x, keys, chunk_elements=chunk, kept=kept)
+            assert torch.equal(ids, reference_seeded(masked, keys)), (way, chunk)
+            assert bool(ok.all())
