@@ -60,9 +60,12 @@ def race_seeded_candidates(values: torch.Tensor, ids: torch.Tensor, keys: torch.
     win. values float32 [n, W] (-inf = dropped), ids int64 [n, W] distinct per row, keys int32
     [n] (``corelib.noise.row_keys``). Ties of ``value + noise`` go to the lowest id, as the
     reference's argmax over the vocabulary does."""
-    scratch = (torch.empty(ids.shape, dtype=torch.int32), torch.empty(ids.shape, dtype=torch.int32))
-    scores = seeded_gumbel_into(torch.empty(values.shape), keys[:, None], token_offsets(ids),
-                                scratch, values)
+    scores = torch.empty(values.shape)
+    if kernels.seeded_uniforms_into(scores, keys, ids):
+        gumbel_from_uniform_(scores, values)
+    else:
+        scratch = (torch.empty(ids.shape, dtype=torch.int32), torch.empty(ids.shape, dtype=torch.int32))
+        seeded_gumbel_into(scores, keys[:, None], token_offsets(ids), scratch, values)
     best = scores.amax(dim=-1, keepdim=True)
     return torch.where(scores == best, ids, _LONG_MAX).argmin(dim=-1, keepdim=True)
 

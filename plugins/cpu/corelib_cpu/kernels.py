@@ -1,13 +1,20 @@
 """Optional compiled kernels (numba), each giving exactly the bits of the torch code it
 replaces, with that torch code as the automatic fallback.
 
-Two kernels:
+The kernels:
 
 - the contract's seeded uniforms (``corelib.noise``), the integer hash of every (row key,
-  token) pair, over whole rows or over each row's own token ids;
+  token) pair, over whole rows or over each row's own token ids (a candidate row's), and
+  the row keys themselves from their position-free part;
 - the unseeded draw of a small vocabulary (``draw._draw_one_level``): one uniform per row
   through the float64 cumulative sum of the row's weights, in one call where torch makes
-  twelve (at V = 512 the step is operator calls, not arithmetic).
+  twelve (at V = 512 the step is operator calls, not arithmetic);
+- top-k and top-p on a row's few candidates (``select.top_k_candidates``'s tail and
+  ``select.top_p_candidates_fast``): about thirty operator calls on ``[n, W]`` tensors,
+  which is most of a step at B = 1, in two. Top-k divides and compares in float32, the same
+  bits; top-p computes the candidates' softmax in float64 instead of float32, which only
+  moves it closer to the exact values, so the error bound that proves a settled row's
+  nucleus to be the reference's still holds (the kept candidates are the same).
 
 In torch the hash is 13 operator calls, each a pass over ``[rows, V]`` that writes its result
 to memory; compiled, it is one pass that keeps each value in a register. The hash is integer
@@ -58,7 +65,7 @@ def describe() -> str:
     reason = _torch_only()
     if reason is not None:
         return f"kernels: pure torch ({reason})"
-    return "kernels: numba (seeded noise, small-vocabulary draw)"
+    return "kernels: numba (seeded noise, small-vocabulary draw, top-k/top-p of candidates)"
 
 
 def _compiled():
@@ -87,14 +94,23 @@ def _compile():
     half = np.float32(noise._UNIFORM_SCALE / 2)
 
     @numba.njit(inline="always")
-    def uniform(key, token):              # pragma: no cover - runs compiled
-        h = (key + np.uint64(token) * step) & mask
+    def mix(h):                           # pragma: no cover - runs compiled
         h ^= h >> s16
         h = (h * mul_1) & mask
         h ^= h >> s15
         h = (h * mul_2) & mask
-        h ^= h >> s16
+        return h ^ (h >> s16)
+
+    @numba.njit(inline="always")
+    def uniform(key, token):              # pragma: no cover - runs compiled
+        h = mix((key + np.uint64(token) * step) & mask)
         return np.float32(h >> top) * scale + half
+
+    @numba.njit(cache=True, nogil=True)
+    def mixed_keys(prefix, position, out):  # pragma: no cover - runs compiled
+        for r in range(out.shape[0]):
+            h = mix((np.uint64(prefix[r]) ^ np.uint64(position[r])) & mask)
+            out[r] = np.int32(np.int64(h) - np.int64(1 << 32)) if h >= np.uint64(1 << 31) else np.int32(h)
 
     @numba.njit(cache=True, nogil=True)
     def whole_rows(keys, out):            # pragma: no cover - runs compiled
@@ -126,7 +142,62 @@ def _compile():
                     pick = j
                     break
             ids[r] = pick
-    return dict(whole_rows=whole_rows, per_row_ids=per_row_ids, inverse_cdf=inverse_cdf)
+
+    @numba.njit(cache=True, nogil=True)
+    def candidate_top_k(values, k, temperature, floor, whole, out, complete):  # pragma: no cover
+        n, W = values.shape
+        for r in range(n):
+            t = temperature[r]
+            kth = np.float32(values[r, k[r] - 1] / t)
+            last = np.float32(values[r, W - 1] / t)
+            below = np.float32(floor[r] / t)
+            complete[r] = whole or (last < kth and below < kth) or kth == -np.inf
+            for j in range(W):
+                v = np.float32(values[r, j] / t)
+                out[r, j] = -np.inf if v < kth else v
+
+    @numba.njit(cache=True, nogil=True)
+    def candidate_top_p(values, top_p, tolerance, out, settled):  # pragma: no cover
+        n, W = values.shape
+        p = np.empty(W)
+        for r in range(n):
+            top = np.float64(top_p[r])
+            out[r, :] = values[r, :]
+            if top >= 1.0:
+                settled[r] = True
+                continue
+            settled[r] = False
+            high = -np.inf
+            for j in range(W):
+                high = max(high, np.float64(values[r, j]))
+            if not (-np.inf < high < np.inf):
+                continue
+            total = 0.0
+            for j in range(W):
+                p[j] = np.exp(np.float64(values[r, j]) - high)
+                total += p[j]
+            if not (0.0 < total < np.inf):          # a NaN among the values
+                continue
+            running, count, sums_gap = 0.0, 0, np.inf
+            for j in range(W):
+                p[j] /= total
+                if running < top:
+                    count += 1
+                sums_gap = min(sums_gap, abs(running - top))
+                running += p[j]
+            last = max(count, 1) - 1
+            threshold, tied = p[last], values[r, last]
+            value_gap = np.inf
+            for j in range(W):
+                if values[r, j] != tied:
+                    value_gap = min(value_gap, abs(p[j] - threshold) / max(threshold, 1e-300))
+            tiny = 0.0 < threshold < 2.0 ** -100
+            settled[r] = min(sums_gap, value_gap) > tolerance and not tiny
+            for j in range(W):
+                if not p[j] >= threshold:
+                    out[r, j] = -np.inf
+    return dict(whole_rows=whole_rows, per_row_ids=per_row_ids, inverse_cdf=inverse_cdf,
+                mixed_keys=mixed_keys, candidate_top_k=candidate_top_k, candidate_top_p=candidate_top_p)
 
 
 def seeded_uniforms_into(out: torch.Tensor, keys: torch.Tensor,
@@ -147,6 +218,18 @@ def seeded_uniforms_into(out: torch.Tensor, keys: torch.Tensor,
     return True
 
 
+def row_keys_into(out: torch.Tensor, prefix: torch.Tensor, position: torch.Tensor) -> bool:
+    """``corelib.noise.row_keys`` from its position-free part: out int32 ``[B]`` becomes
+    ``mix32(prefix ^ position)`` (prefix, position int32 ``[B]``; integer arithmetic, the
+    same bits) in one call where torch makes eight. Returns False, writing nothing, where the
+    compiled path does not run."""
+    kernels = _compiled()
+    if kernels is None or not out.is_contiguous():
+        return False
+    kernels["mixed_keys"](prefix.contiguous().numpy(), position.contiguous().numpy(), out.numpy())
+    return True
+
+
 def inverse_cdf(weights: torch.Tensor, u: torch.Tensor) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
     """``draw._draw_one_level`` by the compiled kernel: (int64 ``[n]`` ids, bool ``[n]`` ok)
     from weights float32 ``[n, V]`` (>= 0) and u float64 ``[n]`` or ``[n, 1]`` (the rows'
@@ -162,6 +245,46 @@ def inverse_cdf(weights: torch.Tensor, u: torch.Tensor) -> Optional[tuple[torch.
     kernels["inverse_cdf"](weights.contiguous().numpy(), u.reshape(-1).contiguous().numpy(),
                            ids.numpy(), ok.numpy())
     return ids, ok
+
+
+def top_k_of_candidates(values: torch.Tensor, k: torch.Tensor, temperature: Optional[torch.Tensor],
+                        floor: torch.Tensor, whole: bool):
+    """The tail of ``select.top_k_candidates`` by the compiled kernel: (values float32 ``[n,
+    W]`` divided by the temperature with those below the k-th at -inf, complete bool ``[n]``)
+    from the descending candidates ``values`` float32 ``[n, W]``, k int64 ``[n]``,
+    temperature float32 ``[n, 1]`` or None, floor float32 ``[n]`` and ``whole`` (every
+    token a candidate). The same float32 divisions and comparisons, so the same bits. None
+    where the compiled path does not run."""
+    kernels = _compiled()
+    if kernels is None:
+        return None
+    import torch
+    n, W = values.shape
+    t = torch.ones(n) if temperature is None else temperature.reshape(-1).contiguous()
+    out, complete = torch.empty((n, W)), torch.empty(n, dtype=torch.bool)
+    kernels["candidate_top_k"](values.contiguous().numpy(), k.contiguous().numpy(), t.numpy(),
+                               floor.contiguous().numpy(), whole, out.numpy(), complete.numpy())
+    return out, complete
+
+
+def top_p_of_candidates(values: torch.Tensor, top_p: torch.Tensor, tolerance: float):
+    """``select.top_p_candidates_fast`` by the compiled kernel: (values with the tokens
+    outside the nucleus at -inf, settled bool ``[n]``) from the descending candidates
+    ``values`` float32 ``[n, W]`` and top_p float32 ``[n]``. The candidates' softmax, its
+    prefix sums and the settling margins are computed in float64: closer to the exact values
+    than torch's float32 softmax, so ``tolerance`` (relative, what the torch path allows for
+    two float32 softmaxes) still proves a settled row's nucleus to be the reference's. Rows
+    holding a NaN, or no finite value, are never settled (top_p >= 1 always is). None where
+    the compiled path does not run."""
+    kernels = _compiled()
+    if kernels is None:
+        return None
+    import torch
+    n, W = values.shape
+    out, settled = torch.empty((n, W)), torch.empty(n, dtype=torch.bool)
+    kernels["candidate_top_p"](values.contiguous().numpy(), top_p.contiguous().numpy(),
+                               float(tolerance), out.numpy(), settled.numpy())
+    return out, settled
 
 
 def reset() -> None:

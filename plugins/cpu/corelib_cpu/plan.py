@@ -18,6 +18,8 @@ import torch
 from corelib import StepState
 from corelib.noise import mix32_, row_key_prefix
 
+from . import kernels
+
 
 @dataclass
 class BlockPlan:
@@ -92,6 +94,8 @@ class StepPlan:
         if self.key_prefix is None:
             return None
         keys, scratch = self._key_buffers
+        if kernels.row_keys_into(keys, self.key_prefix, s.position):
+            return keys
         return mix32_(torch.bitwise_xor(self.key_prefix, s.position, out=keys), scratch)
 
     def __post_init__(self):

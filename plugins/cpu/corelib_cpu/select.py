@@ -13,6 +13,7 @@ from typing import Optional
 
 import torch
 
+from . import kernels
 from .rowops import top_values
 
 NEG_INF = float("-inf")
@@ -50,6 +51,9 @@ def top_k_candidates(x: torch.Tensor, k: torch.Tensor, width: int,
     masks the row in full with :func:`mask_below`). Does not modify x."""
     V = x.shape[-1]
     values, ids, floor = top_values(x, width, maxima)                   # (n, W), descending
+    compiled = kernels.top_k_of_candidates(values, k, temperature, floor, width >= V)
+    if compiled is not None:                                # the same bits, in one call
+        return compiled[0], ids, compiled[1]
     floor = floor[:, None]
     if temperature is not None:
         values, floor = values / temperature, floor / temperature
@@ -122,8 +126,13 @@ def top_p_candidates_fast(values: torch.Tensor, top_p: torch.Tensor):
     top_p and no other value lies that close to the threshold: both rules then pick the
     same tokens. (Exact boundaries, which hand-made cases hit, are never settled.) The
     probabilities follow the values' descending order, up to rounding between nearly equal
-    values, which the second rule leaves unsettled next to the threshold: no sort needed."""
+    values, which the second rule leaves unsettled next to the threshold: no sort needed.
+    The compiled kernel (``kernels.top_p_of_candidates``) applies the same rules in float64."""
     W = values.shape[-1]
+    tolerance = (4 * W + 40) * 2.0 ** -24
+    compiled = kernels.top_p_of_candidates(values, top_p, tolerance)
+    if compiled is not None:
+        return compiled
     probs = torch.softmax(values, dim=-1)
     p64 = probs.double()
     before = p64.cumsum(dim=-1).sub_(p64)                                # mass before each
@@ -138,7 +147,6 @@ def top_p_candidates_fast(values: torch.Tensor, top_p: torch.Tensor):
     # the threshold token's (equal in any sum).
     relative = (p64 - t64).abs_().div_(t64.clamp(min=1e-300))
     value_gap = relative.masked_fill_(values == values.gather(1, last), float("inf")).amin(dim=-1)
-    tolerance = (4 * W + 40) * 2.0 ** -24
     # Relative bounds mean nothing for subnormal probabilities: never settle on those.
     tiny = (t64[:, 0] > 0) & (t64[:, 0] < 2.0 ** -100)
     settled = ((torch.minimum(sums_gap, value_gap) > tolerance) & ~tiny) | (top_p >= 1.0)

@@ -46,6 +46,17 @@ def test_kernel_uniforms_are_the_contracts_bits(V):
 
 
 @needs_numba
+def test_kernel_row_keys_are_the_contracts_bits():
+    prefix, position = _keys(64, seed=4), _keys(64, seed=5)
+    out = torch.empty(64, dtype=torch.int32)
+    assert kernels.row_keys_into(out, prefix, position)
+    assert torch.equal(out, noise.mix32(prefix ^ position))
+    lo, hi, child = _keys(64, seed=6), _keys(64, seed=7), torch.arange(64, dtype=torch.int32)
+    assert kernels.row_keys_into(out, noise.row_key_prefix(lo, hi, child), position)
+    assert torch.equal(out, noise.row_keys(lo, hi, child, position))
+
+
+@needs_numba
 def test_kernel_reads_any_token_ids_per_row():
     """Candidate ids out of order and repeated, as a gathered set of columns would be."""
     keys = _keys(9, seed=1)
@@ -110,9 +121,95 @@ def test_small_vocabulary_draws_are_the_same_on_both_paths(monkeypatch, V):
     assert bool(((ids >= 0) & (ids < V)).all())               # flagged rows stay in range
 
 
+def _both_paths(monkeypatch, fn):
+    """fn() on the compiled path, then on the torch path."""
+    results = []
+    for path in ("", "torch"):
+        monkeypatch.setenv(kernels.KERNELS_ENV, path)
+        kernels.reset()
+        results.append(fn())
+    kernels.reset()
+    return results
+
+
+def _candidate_rows(n: int, W: int, seed: int) -> torch.Tensor:
+    """Descending candidate values as top-k leaves them: ordinary rows, ties, -inf tails, a
+    NaN row, a row of -inf only, and a row that overflowed to +inf."""
+    gen = torch.Generator().manual_seed(seed)
+    values = (torch.randn((n, W), generator=gen) * torch.rand((n, 1), generator=gen) * 6)
+    values = values.sort(dim=-1, descending=True).values
+    values[1, 3:20] = values[1, min(3, W - 1)]               # ties across the threshold
+    values[2, W // 2:] = float("-inf")
+    values[3, W // 2] = float("nan")
+    values[4] = float("-inf")
+    values[5, 0] = float("inf")
+    return values
+
+
+@needs_numba
+def test_candidate_top_k_is_the_same_bits_on_both_paths(monkeypatch):
+    from corelib_cpu.select import top_k_candidates
+    gen = torch.Generator().manual_seed(8)
+    x = torch.randn((40, 3000), generator=gen) * 3
+    x[1, :60] = x[1, 0]                                      # ties spill past the width
+    x[2, ::2] = float("-inf")
+    x[3, 7] = float("nan")
+    k = torch.randint(1, 60, (40,), generator=gen)
+    temperature = torch.rand((40, 1), generator=gen) * 1.5 + 0.05
+    for t in (None, temperature):
+        for width in (int(k.max()) + 8, 3000):
+            compiled, plain = _both_paths(monkeypatch, lambda: top_k_candidates(x, k, width, t))
+            for got, want in zip(compiled, plain):
+                assert got.dtype == want.dtype and torch.equal(got.view(torch.uint8),
+                                                              want.view(torch.uint8))
+
+
+@needs_numba
+@pytest.mark.parametrize("W", [2, 58, 300])
+def test_candidate_top_p_settles_the_same_nuclei_on_both_paths(monkeypatch, W):
+    """Where both paths settle a row, they keep the same candidates (each then the
+    reference's: test_select checks that on both paths); they settle nearly the same rows,
+    never a row holding a NaN or nothing finite, always a row with top_p = 1."""
+    from corelib_cpu.select import top_p_candidates_fast
+    values = _candidate_rows(200, W, seed=W)
+    top_p = torch.rand(200, generator=torch.Generator().manual_seed(9)).clamp(0.01, 0.999)
+    top_p[6] = 1.0
+    (got, settled), (want, want_settled) = _both_paths(
+        monkeypatch, lambda: top_p_candidates_fast(values, top_p))
+    both = settled & want_settled
+    assert torch.equal(torch.isfinite(got[both]), torch.isfinite(want[both]))
+    assert torch.equal(got[both][torch.isfinite(got[both])], want[both][torch.isfinite(want[both])])
+    assert int((settled != want_settled).sum()) <= 4
+    assert not settled[3] and not settled[4] and not settled[5] and settled[6]
+    assert torch.equal(got[6].view(torch.int32), values[6].view(torch.int32))
+
+
+@needs_numba
+@pytest.mark.parametrize("seeded", [False, True])
+def test_top_k_top_p_requests_draw_the_same_tokens_on_both_paths(monkeypatch, seeded):
+    """The sampler end to end (top-k + top-p + temperature, every row a candidate row): the
+    same tokens from the compiled and the torch path, seeded or from the same generator."""
+    V = 5000
+    logits = torch.randn((12, V), generator=torch.Generator().manual_seed(10)) * 2
+
+    def tokens():
+        sampler = corelib_cpu.CpuSampler(generator=torch.Generator().manual_seed(3))
+        batch = sampler.new_batch(V)
+        for i in range(12):
+            batch.add(f"r{i}", SamplingParams(top_k=5 + 7 * i, top_p=0.5 + 0.04 * i, temperature=0.7,
+                                              **(dict(seed=i) if seeded else {})))
+        return torch.stack([sampler.step(logits, batch).token_ids for _ in range(6)])
+
+    compiled, plain = _both_paths(monkeypatch, tokens)
+    assert torch.equal(compiled, plain)
+
+
 def test_the_torch_path_when_asked(torch_path):
     out = torch.full((2, 3), 7.0)
     assert not kernels.seeded_uniforms_into(out, _keys(2))
+    assert not kernels.row_keys_into(torch.zeros(2, dtype=torch.int32), _keys(2), _keys(2))
+    assert kernels.top_k_of_candidates(out, torch.ones(2, dtype=torch.long), None, out[:, 0], False) is None
+    assert kernels.top_p_of_candidates(out, torch.ones(2), 0.0) is None
     assert kernels.inverse_cdf(torch.ones((2, 3)), torch.rand(2, dtype=torch.float64)) is None
     assert torch.equal(out, torch.full((2, 3), 7.0))            # nothing written
     assert kernels.describe() == f"kernels: pure torch ({kernels.KERNELS_ENV}=torch)"
@@ -137,4 +234,4 @@ def test_info_names_the_path():
     if importlib.util.find_spec("numba") is None:
         assert described == "kernels: pure torch (numba not installed)"
     else:
-        assert described == "kernels: numba (seeded noise, small-vocabulary draw)"
+        assert described == "kernels: numba (seeded noise, small-vocabulary draw, top-k/top-p of candidates)"

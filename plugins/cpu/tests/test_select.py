@@ -48,7 +48,7 @@ def test_nucleus_ties_at_the_top_are_all_kept():
     assert bool(got.all())
 
 
-def test_top_k_candidates_keep_ties_and_flag_overflowing_ties():
+def test_top_k_candidates_keep_ties_and_flag_overflowing_ties(kernel_path):
     x = torch.tensor([[5.0, 1.0, 3.0, 3.0, 3.0, 0.0, -1.0, 2.0],
                       [1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0]])
     values, ids, complete = top_k_candidates(x, torch.tensor([2, 3]), width=4)
@@ -106,7 +106,7 @@ def test_rows_the_histogram_cannot_settle_take_the_sort():
 
 
 @pytest.mark.parametrize("seed", range(3))
-def test_top_k_then_top_p_on_candidates_match_the_reference(seed):
+def test_top_k_then_top_p_on_candidates_match_the_reference(seed, kernel_path):
     reference = Sampler("cpu")
     g = torch.Generator().manual_seed(seed)
     V = 5000
@@ -127,7 +127,7 @@ def test_top_k_then_top_p_on_candidates_match_the_reference(seed):
     assert torch.equal(got[torch.isfinite(want)], want[torch.isfinite(want)])
 
 
-def test_candidate_softmax_settles_most_rows_and_never_disagrees_with_the_reference():
+def test_candidate_softmax_settles_most_rows_and_never_disagrees_with_the_reference(kernel_path):
     g = torch.Generator().manual_seed(11)
     rows, settled_rows = 0, 0
     for scale in (0.3, 1.0, 3.0, 10.0):
@@ -146,7 +146,7 @@ def test_candidate_softmax_settles_most_rows_and_never_disagrees_with_the_refere
     assert settled_rows >= 0.9 * rows
 
 
-def test_candidate_softmax_leaves_exact_boundaries_to_the_reference():
+def test_candidate_softmax_leaves_exact_boundaries_to_the_reference(kernel_path):
     # probabilities 1/2, 1/4, 1/4 (logits log 2, 0, 0) and top_p = 0.75: the mass before the
     # third token equals top_p up to rounding, which only the reference's own sum settles
     values = torch.tensor([[0.6931471805599453, 0.0, 0.0, NEG_INF]])
