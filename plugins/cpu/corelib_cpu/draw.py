@@ -12,8 +12,10 @@
   computed, in place and in cache-sized chunks, only for the rest (its hash by the compiled
   kernel of ``kernels`` where numba is installed, the same bits as torch's). Rows of a
   probability cut (min-p, top-p) race with the cut's weights instead of a masked copy of x:
-  the groups without a kept token are skipped, and rows that cannot skip most groups race
-  without the cut first when it keeps most of the mass, again only where it drops the winner.
+  when the cut keeps few tokens (``KEPT_LIST_SHARE``), over a list of them, as candidate
+  rows race; otherwise the groups without a kept token are skipped, and rows that cannot
+  skip most groups race without the cut first when it keeps most of the mass, again only
+  where it drops the winner.
 
 Shapes: ``n`` rows, ``V`` vocabulary, ``W`` candidates. Nothing here modifies its inputs.
 """
@@ -49,6 +51,9 @@ _PRUNE_SLACK = 2.0 ** -16
 # on average: the race's winner is dropped with probability 1 - mass, and racing a row again
 # costs about twice what the cut's mask adds to one race.
 _KEPT_MASS_FIRST = 0.6
+#: Rows of a cut that keeps at most 1/KEPT_LIST_SHARE of the vocabulary (or GROUP tokens)
+#: race over a list of their kept tokens, as candidate rows do.
+KEPT_LIST_SHARE = 32
 #: Seeded whole rows of a smaller vocabulary race over every token without looking for the
 #: groups that can win (at most 7 groups: skipping half of them saves less than the search).
 PRUNE_MIN_VOCAB = 8 * GROUP
@@ -91,11 +96,19 @@ def draw_seeded_rows(x: torch.Tensor, keys: torch.Tensor, offsets: Optional[torc
     Returns ``(token ids int64 [n], ok bool [n])``, ok False where the winner's score is not
     finite (every token dropped, or +inf from float32 overflow upstream). Rows where at most
     half of the groups of ``GROUP`` tokens can hold the winner race over those groups only
-    (see the module docstring). The others race over every token; with ``kept`` holding
+    (see the module docstring), and rows keeping few tokens over a list of them. The others
+    race over every token; with ``kept`` holding
     most of the mass, first without the cut: a winner with a positive weight also wins among
     the kept tokens (the lowest id of the best score over a superset), and only the rows
     whose winner is dropped race again with the cut. Nothing is modified."""
     n, V = x.shape
+    if kept is not None:
+        listed = kept_ids(kept, max(GROUP, V // KEPT_LIST_SHARE))
+        if listed is not None:               # few kept tokens: race over them alone
+            ids, present = listed
+            values = x.gather(1, ids).masked_fill_(present.logical_not_(), float("-inf"))
+            column = race_seeded_candidates(values, ids, keys)
+            return ids.gather(1, column)[:, 0], is_finite(values.gather(1, column)[:, 0])
     if V >= PRUNE_MIN_VOCAB:    # below it, the search for live groups costs more than it saves
         maxima = group_maxima(x)
         if kept is not None:
@@ -121,6 +134,32 @@ def draw_seeded_rows(x: torch.Tensor, keys: torch.Tensor, offsets: Optional[torc
         ids[redo], ok[redo] = race_whole_rows(x[redo], keys[redo], offsets, workspace,
                                               chunk_elements, kept[redo])
     return ids, ok
+
+
+def kept_ids(kept: torch.Tensor, cap: int):
+    """(ids int64 [n, m], present bool [n, m]): each row's tokens of positive weight in
+    kept float32 [n, V], ascending, padded with V - 1 (present False) to the longest row's
+    count m (at least 1); None when a row keeps more than ``cap`` tokens (NaN weights are not
+    positive)."""
+    n, V = kept.shape
+    listed = kernels.positive_ids(kept, cap)
+    if listed is False:
+        return None
+    if listed is None:                       # torch: count, then place the nonzero entries
+        positive = kept > 0
+        counts = positive.sum(dim=-1)
+        if int(counts.max()) > cap:
+            return None
+        width = max(1, int(counts.max()))
+        rows, cols = positive.nonzero().unbind(1)
+        starts = counts.cumsum(0) - counts
+        ids = torch.full((n, width), V - 1, dtype=torch.long)
+        ids[rows, torch.arange(rows.shape[0]) - starts[rows]] = cols
+    else:
+        ids, counts = listed
+        ids = ids[:, :max(1, int(counts.max()))]
+    present = torch.arange(ids.shape[1]) < counts[:, None]
+    return ids, present
 
 
 def race_whole_rows(x: torch.Tensor, keys: torch.Tensor, offsets: torch.Tensor, workspace=None,

@@ -196,8 +196,45 @@ def _compile():
             for j in range(W):
                 if not p[j] >= threshold:
                     out[r, j] = -np.inf
+
+    @numba.njit(inline="always")
+    def positive(bits):                   # pragma: no cover - runs compiled
+        # a float32's int32 bits: w > 0 (NaN excluded) exactly when 0 < bits <= those of +inf,
+        # an integer test that vectorises where a float comparison does not
+        return (bits > np.int32(0)) & (bits <= np.int32(0x7F800000))
+
+    @numba.njit(cache=True, nogil=True)
+    def positive_ids(bits, pad, ids, counts):  # pragma: no cover - runs compiled
+        n, V = bits.shape
+        cap = ids.shape[1]
+        whole = V - V % 64
+        for r in range(n):
+            row = bits[r]
+            c = 0
+            for start in range(0, whole, 64):   # a vectorised count first: most blocks hold none
+                found = np.int32(0)
+                for j in range(64):
+                    found += np.int32(positive(row[start + j]))
+                if found == 0:
+                    continue
+                if c + found > cap:
+                    return False
+                for j in range(start, start + 64):
+                    if positive(row[j]):
+                        ids[r, c] = j
+                        c += 1
+            for j in range(whole, V):
+                if positive(row[j]):
+                    if c == cap:
+                        return False
+                    ids[r, c] = j
+                    c += 1
+            counts[r] = c
+            for j in range(c, cap):
+                ids[r, j] = pad
+        return True
     return dict(whole_rows=whole_rows, per_row_ids=per_row_ids, inverse_cdf=inverse_cdf,
-                mixed_keys=mixed_keys, candidate_top_k=candidate_top_k, candidate_top_p=candidate_top_p)
+                mixed_keys=mixed_keys, positive_ids=positive_ids, candidate_top_k=candidate_top_k, candidate_top_p=candidate_top_p)
 
 
 def seeded_uniforms_into(out: torch.Tensor, keys: torch.Tensor,
@@ -228,6 +265,23 @@ def row_keys_into(out: torch.Tensor, prefix: torch.Tensor, position: torch.Tenso
         return False
     kernels["mixed_keys"](prefix.contiguous().numpy(), position.contiguous().numpy(), out.numpy())
     return True
+
+
+def positive_ids(weights: torch.Tensor, cap: int):
+    """The ids of each row's positive weights, ascending: (ids int64 ``[n, cap]``, V - 1
+    past a row's count, counts int64 ``[n]``) from weights float32 ``[n, V]``; False when a
+    row has more than ``cap`` (it stops there); None where the compiled path does not run.
+    One pass in which torch makes a comparison, a count and a nonzero."""
+    kernels = _compiled()
+    if kernels is None:
+        return None
+    import torch
+    n, V = weights.shape
+    ids, counts = torch.empty((n, cap), dtype=torch.long), torch.empty(n, dtype=torch.long)
+    bits = weights.contiguous().view(torch.int32).numpy()
+    if not kernels["positive_ids"](bits, V - 1, ids.numpy(), counts.numpy()):
+        return False
+    return ids, counts
 
 
 def inverse_cdf(weights: torch.Tensor, u: torch.Tensor) -> Optional[tuple[torch.Tensor, torch.Tensor]]:

@@ -3,10 +3,12 @@ the kept distribution (chi-square, fixed seeds) and never return a dropped token
 
 from __future__ import annotations
 
+import pytest
 import torch
 from corelib.noise import row_keys, seeded_gumbel
 from corelib.testing import chi_square_p_value
 
+from corelib_cpu import draw
 from corelib_cpu.draw import (
     CDF_BLOCK,
     NOISE_SPREAD,
@@ -15,7 +17,7 @@ from corelib_cpu.draw import (
     race_seeded_candidates,
     race_unseeded_candidates,
 )
-from corelib_cpu.rowops import group_maxima
+from corelib_cpu.rowops import GROUP, group_maxima
 
 NEG_INF = float("-inf")
 MIN_P_VALUE = 1e-6
@@ -156,7 +158,6 @@ def test_seeded_rows_equal_the_reference_race_with_and_without_pruning():
 
 def test_wide_rows_race_over_few_groups():
     from corelib_cpu.draw import race_live_groups
-    from corelib_cpu.rowops import group_maxima
     x = seeded_rows_cases(50257, 3)[[1, 2, 4, 5]]
     maxima = group_maxima(x)
     top = maxima.amax(dim=-1, keepdim=True)
@@ -190,10 +191,14 @@ def test_seeded_rows_with_a_cut_race_over_the_kept_tokens_only():
     assert torch.equal(ids, reference_seeded(masked[wide], keys[wide])) and bool(ok.all())
 
 
-def test_each_way_of_racing_with_a_cut_gives_the_masked_rows_winner():
+@pytest.mark.parametrize("listing", [True, False])
+def test_each_way_of_racing_with_a_cut_gives_the_masked_rows_winner(monkeypatch, listing):
     # (logit scale, min_p, way): most of the mass kept, so the rows race without the cut
     # first and those whose winner it drops race again; little mass kept, so they race with
-    # the cut; peaked rows, so only the groups holding kept tokens race
+    # the cut; peaked rows, so only the groups holding kept tokens race. Those few kept
+    # tokens race as a list of them; with the list refused, they take the group path.
+    if not listing:
+        monkeypatch.setattr(draw, "kept_ids", lambda kept, cap: None)
     V = 4096 + 77
     g = torch.Generator().manual_seed(11)
     for scale, min_p, way in ((0.3, 0.3, "again"), (2.0, 0.05, "masked"), (8.0, 0.05, "pruned")):
@@ -212,7 +217,38 @@ def test_each_way_of_racing_with_a_cut_gives_the_masked_rows_winner():
             assert mass >= 0.6 and bool(unmasked_winner_dropped.any())
         if way == "masked":
             assert mass < 0.6
+        few = int((kept > 0).sum(dim=-1).max()) <= max(GROUP, V // draw.KEPT_LIST_SHARE)
+        assert few == (way == "pruned"), way
         for chunk in (V, 1 << 30):
             ids, ok = draw_seeded_rows(x, keys, chunk_elements=chunk, kept=kept)
             assert torch.equal(ids, reference_seeded(masked, keys)), (way, chunk)
             assert bool(ok.all())
+
+
+@pytest.mark.parametrize("path", ["", "torch"])
+def test_kept_ids_list_each_rows_positive_weights_in_order(monkeypatch, path):
+    from corelib_cpu import kernels
+    monkeypatch.setenv(kernels.KERNELS_ENV, path)
+    kernels.reset()
+    try:
+        V = 64 * 3 + 5                                   # whole blocks of 64 and a short tail
+        kept = torch.zeros(5, V)
+        kept[0, [0, 63, 64, V - 1]] = torch.tensor([0.5, 1e-45, float("inf"), 0.25])  # subnormal, +inf
+        kept[1, 10] = float("nan")                       # NaN is not positive
+        kept[1, 11] = -0.0
+        kept[1, 12] = -1.0
+        kept[2, 100:110] = 0.1
+        kept[4, :] = 0.01                                # every token
+        ids, present = draw.kept_ids(kept[:4], cap=16)
+        assert ids.shape == (4, 10)
+        assert ids[0, :4].tolist() == [0, 63, 64, V - 1] and present[0].tolist() == [True] * 4 + [False] * 6
+        assert not bool(present[1].any()) and not bool(present[3].any())
+        assert ids[2].tolist() == list(range(100, 110)) and bool(present[2].all())
+        assert bool((ids[~present] == V - 1).all())      # padding: the last token, not present
+        assert draw.kept_ids(kept, cap=16) is None       # row 4 keeps more than 16
+        ids, present = draw.kept_ids(kept, cap=V)
+        assert ids[4].tolist() == list(range(V)) and bool(present[4].all())
+        ids, present = draw.kept_ids(torch.zeros(2, V), cap=4)
+        assert ids.shape == (2, 1) and not bool(present.any())
+    finally:
+        kernels.reset()
