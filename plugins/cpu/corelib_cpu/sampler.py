@@ -282,7 +282,9 @@ class CpuSampler(Sampler):
     def plan(self, logits: torch.Tensor, batch: SamplingBatch, s: StepState, slots: int = 1) -> StepPlan:
         """The step's host facts (see ``plan.StepPlan``), kept by a ``CpuBatch`` until its
         rows change."""
-        if slots == 1:
+        if reads_logits_once(s):      # blocks would buy no cache reuse, only their overhead
+            rows_per_block = max(1, s.num_rows)
+        elif slots == 1:
             rows_per_block = max(1, self.block_elements // s.vocab_size)
         else:   # whole rows of K + 1 slots: the nearest count to block_elements
             rows_per_block = max(1, round(self.block_elements / (s.vocab_size * slots))) * slots
@@ -1105,6 +1107,15 @@ class CpuSampler(Sampler):
 
 _INF = torch.tensor(float("inf"))
 _INF_BITS = 0x7F800000
+
+
+def reads_logits_once(s: StepState) -> bool:
+    """Whether the step reads its logits in one pass: every row greedy, no logprobs, and no
+    stage that writes a copy (step 9's group maxima find each row's token and check step 3 at
+    once)."""
+    return (s.all_greedy and s.num_logprobs is None and not s.stages
+            and not (s.any_penalties or s.any_bias or s.any_allowed or s.any_bad_words
+                     or s.any_bitmask or s.any_dry or s.any_min_tokens or s.any_thinking))
 
 
 def _aligned_runs(masking: list) -> list:

@@ -289,3 +289,26 @@ def test_pending_top_p_cuts_resolved_together_keep_each_rows_threshold():
         batch.add("b", SamplingParams(top_p=0.5, min_p=0.5))
         return torch.isfinite(sampler.processed_logits(logits, batch))
     assert torch.equal(kept(CpuSampler()), kept(Sampler("cpu")))
+
+
+def test_steps_that_read_their_logits_once_run_as_one_block():
+    """All-greedy steps without logprobs or writing stages are one pass over the logits, so
+    they run as one block whatever ``block_elements`` says (verification too: every slot of
+    every row); other steps keep their blocks. Tokens and drafts' verdicts are the
+    reference's either way."""
+    vocab = 1500
+    cpu, reference = CpuSampler(block_elements=2 * vocab), Sampler("cpu")
+    logits = torch.randn(6, vocab, generator=torch.Generator().manual_seed(7))
+    slots = torch.randn(6, 3, vocab, generator=torch.Generator().manual_seed(8))
+    drafts = slots[:, :2].argmax(dim=-1)
+    drafts[1, 0] = (drafts[1, 0] + 1) % vocab                       # row 1 rejects its first draft
+    drafts[2, 1] = -1                                                # row 2 has one draft
+    for extra, one_block in ((dict(), True), (dict(logprobs=2), False),
+                             (dict(repetition_penalty=1.3), False)):
+        requests = [(f"r{i}", SamplingParams(temperature=0.0, **extra), [5, 6], None) for i in range(6)]
+        mine, ref = build(cpu, requests, vocab), build(reference, requests, vocab)
+        blocks = cpu.plan(logits, mine, mine.step_state()).blocks
+        assert (len(blocks) == 1) == one_block, extra
+        assert torch.equal(cpu.sample(logits, mine).token_ids, reference.sample(logits, ref).token_ids)
+        got, want = cpu.verify(slots, mine, drafts), reference.verify(slots, ref, drafts)
+        assert torch.equal(got.token_ids, want.token_ids) and torch.equal(got.num_emitted, want.num_emitted)
