@@ -97,10 +97,10 @@ def draw_seeded_rows(x: torch.Tensor, keys: torch.Tensor, offsets: Optional[torc
     finite (every token dropped, or +inf from float32 overflow upstream). Rows where at most
     half of the groups of ``GROUP`` tokens can hold the winner race over those groups only
     (see the module docstring), and rows keeping few tokens over a list of them. The others
-    race over every token; with ``kept`` holding
-    most of the mass, first without the cut: a winner with a positive weight also wins among
-    the kept tokens (the lowest id of the best score over a superset), and only the rows
-    whose winner is dropped race again with the cut. Nothing is modified."""
+    race over every token; with ``kept`` holding most of the mass, first without the cut: a
+    winner with a positive weight also wins among the kept tokens (the lowest id of the best
+    score over a superset), and only the rows whose winner is dropped race again with the
+    cut. Nothing is modified."""
     n, V = x.shape
     if kept is not None:
         listed = kept_ids(kept, max(GROUP, V // KEPT_LIST_SHARE))
