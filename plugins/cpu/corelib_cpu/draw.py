@@ -25,8 +25,7 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-from corelib.noise import (gumbel_from_uniform, gumbel_from_uniform_, seeded_gumbel, seeded_gumbel_into,
-                          token_offsets)
+from corelib.noise import gumbel_from_uniform, gumbel_from_uniform_, seeded_gumbel_into, token_offsets
 
 from . import kernels
 from .rowops import GROUP, first_argmax, group_maxima, is_finite
@@ -65,14 +64,20 @@ def race_seeded_candidates(values: torch.Tensor, ids: torch.Tensor, keys: torch.
     win. values float32 [n, W] (-inf = dropped), ids int64 [n, W] distinct per row, keys int32
     [n] (``corelib.noise.row_keys``). Ties of ``value + noise`` go to the lowest id, as the
     reference's argmax over the vocabulary does."""
-    scores = torch.empty(values.shape)
-    if kernels.seeded_uniforms_into(scores, keys, ids):
-        gumbel_from_uniform_(scores, values)
-    else:
-        scratch = (torch.empty(ids.shape, dtype=torch.int32), torch.empty(ids.shape, dtype=torch.int32))
-        seeded_gumbel_into(scores, keys[:, None], token_offsets(ids), scratch, values)
+    scores = seeded_scores(values, keys, ids)
     best = scores.amax(dim=-1, keepdim=True)
     return torch.where(scores == best, ids, _LONG_MAX).argmin(dim=-1, keepdim=True)
+
+
+def seeded_scores(values: torch.Tensor, keys: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """float32 [n, W]: ``values + noise`` of the contract for each row's own token ids (values
+    float32 [n, W], keys int32 [n], ids int64 [n, W]), the hash by the compiled kernel where
+    it runs, else by torch: the same bits."""
+    scores = torch.empty(values.shape)
+    if kernels.seeded_uniforms_into(scores, keys, ids):
+        return gumbel_from_uniform_(scores, values)
+    scratch = (torch.empty(ids.shape, dtype=torch.int32), torch.empty(ids.shape, dtype=torch.int32))
+    return seeded_gumbel_into(scores, keys[:, None], token_offsets(ids), scratch, values)
 
 
 def race_unseeded_candidates(values: torch.Tensor, generator: Optional[torch.Generator]) -> torch.Tensor:
@@ -148,9 +153,10 @@ def kept_ids(kept: torch.Tensor, cap: int):
     if listed is None:                       # torch: count, then place the nonzero entries
         positive = kept > 0
         counts = positive.sum(dim=-1)
-        if int(counts.max()) > cap:
+        most = int(counts.max())
+        if most > cap:
             return None
-        width = max(1, int(counts.max()))
+        width = max(1, most)
         rows, cols = positive.nonzero().unbind(1)
         starts = counts.cumsum(0) - counts
         ids = torch.full((n, width), V - 1, dtype=torch.long)
@@ -208,11 +214,7 @@ def race_live_groups(x: torch.Tensor, keys: torch.Tensor, live: torch.Tensor, mo
     if kept is not None:
         dead |= kept.gather(1, cols) == 0
     values = x.gather(1, cols).masked_fill_(dead, float("-inf"))
-    scores = torch.empty(values.shape)
-    if kernels.seeded_uniforms_into(scores, keys, cols):
-        gumbel_from_uniform_(scores, values)               # values + noise, the same bits
-    else:
-        scores = values + seeded_gumbel(keys[:, None], cols.to(torch.int32))
+    scores = seeded_scores(values, keys, cols)
     winner = scores.argmax(dim=-1, keepdim=True)
     return cols.gather(1, winner)[:, 0], is_finite(scores.gather(1, winner)[:, 0])
 

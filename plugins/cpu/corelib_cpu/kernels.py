@@ -233,8 +233,10 @@ def _compile():
             for j in range(c, cap):
                 ids[r, j] = pad
         return True
+
     return dict(whole_rows=whole_rows, per_row_ids=per_row_ids, inverse_cdf=inverse_cdf,
-                mixed_keys=mixed_keys, positive_ids=positive_ids, candidate_top_k=candidate_top_k, candidate_top_p=candidate_top_p)
+                mixed_keys=mixed_keys, positive_ids=positive_ids,
+                candidate_top_k=candidate_top_k, candidate_top_p=candidate_top_p)
 
 
 def seeded_uniforms_into(out: torch.Tensor, keys: torch.Tensor,
