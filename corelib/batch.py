@@ -115,6 +115,9 @@ class StepState:
     token_bitmask: Optional[torch.Tensor] = None   # int32 [B, ceil(V / 32)], -1 = unconstrained
     # custom stages some row uses: (spec, inputs, plugin name), in registration order
     stages: tuple = ()
+    # verify's flat form (corelib.drafts): the logits row each row reads; None = row i reads
+    # row i (or its request's row, for one logits row per request)
+    logits_rows: Optional[torch.Tensor] = None     # int64 [B]
     # host flags
     any_greedy: bool = False
     all_greedy: bool = False

@@ -19,6 +19,7 @@ import torch
 from .batch import INVALID_TOKEN, SamplingBatch, StepState, padded_ids_problem
 from .bitmask import unpack_bitmask
 from . import thinking
+from .drafts import DraftLayout, checked_flat_arguments, tensor_argument
 from .noise import (
     STREAM_ACCEPT,
     STREAM_BLOCK,
@@ -204,7 +205,8 @@ class Sampler:
 
     def verify(self, logits: torch.Tensor, batch: SamplingBatch, draft_token_ids: torch.Tensor,
                draft_probs: Optional[torch.Tensor] = None,
-               token_bitmask: Optional[torch.Tensor] = None, method: str = "token") -> VerifyOutput:
+               token_bitmask: Optional[torch.Tensor] = None, method: str = "token",
+               num_drafts=None) -> VerifyOutput:
         """Verify speculative drafts (the contract's "Speculative decoding: verification").
 
         logits: the target model's ``[B, K + 1, V]`` (slot j scores the token after the row's
@@ -214,15 +216,31 @@ class Sampler:
         None, or int32 ``[B, K + 1, ceil(V / 32)]``. method: "token" (each draft by its own
         ratio test) or "block" (rows with draft probabilities are verified as a block,
         ``block_verify``; other rows keep the token rule). With K = 0 this equals ``sample``.
+
+        num_drafts: None, or the flat form (``corelib.drafts``): each row's draft count k
+        (ints >= 0, K their largest), with logits ``[sum(k) + B, V]`` (row r's k + 1 slots
+        one after the other, rows in order), draft_token_ids ``[sum(k)]`` (a -1 ends its row's
+        drafts), draft_probs ``[sum(k), V]``, token_bitmask ``[sum(k) + B, ceil(V / 32)]``.
+        The logits are read where they are (``StepState.logits_rows``), never padded.
+
         Returns a :class:`VerifyOutput`; ``batch.append(out.token_ids)`` records it. Nothing
         waits on the host when the tensors are on an accelerator; the caller's tensors are
         never modified.
         """
-        drafts = self.check_drafts(logits, batch, draft_token_ids, draft_probs, method)
-        B, S, V = logits.shape
+        layout = None
+        if num_drafts is not None:
+            layout = DraftLayout.of(num_drafts, self.device)
+            logits, draft_token_ids, draft_probs, token_bitmask = checked_flat_arguments(
+                layout, logits, batch, draft_token_ids, draft_probs, token_bitmask)
+            token_bitmask = layout.bitmask(token_bitmask)
+        drafts = self.check_drafts(logits, batch, draft_token_ids, draft_probs, method, layout)
+        B, S, V = drafts.token_ids.shape[0], drafts.slots, logits.shape[-1]
         s = self.with_bitmask(self.speculative_step_state(batch, drafts), batch, token_bitmask, slots=S)
         if B == 0:
             return self.empty_verify_output(s, S)
+        if layout is not None and not layout.uniform:
+            s.logits_rows = layout.slot_rows.reshape(-1)
+            return self.verify_state(logits, batch, s, drafts)
         return self.verify_state(logits.reshape(B * S, V), batch, s, drafts)
 
     def verify_state(self, logits: torch.Tensor, batch: SamplingBatch, s: StepState,
@@ -317,24 +335,31 @@ class Sampler:
 
     def check_drafts(self, logits: torch.Tensor, batch: SamplingBatch,
                      draft_token_ids: torch.Tensor, draft_probs: Optional[torch.Tensor],
-                     method: str = "token") -> Drafts:
+                     method: str = "token", layout: Optional[DraftLayout] = None) -> Drafts:
         """``verify``'s argument checks. Shapes, dtypes, K mismatches and an unknown ``method``
         raise ValueError naming the argument; draft ids out of range (or -1 padding that is not
         a suffix) raise when the ids are on the host, and flag the row on an accelerator
-        (checking would wait on it); negative or NaN draft probabilities flag the row."""
+        (checking would wait on it); negative or NaN draft probabilities flag the row.
+        ``layout``: the flat form's (``verify``'s num_drafts), whose arguments
+        ``checked_flat_arguments`` has checked; they are padded here, the logits excepted."""
         if method not in VERIFY_METHODS:
             raise ValueError(f"verify: method must be one of {VERIFY_METHODS}, got {method!r}")
         if self.device.type != batch.device.type:
             raise ValueError(f"batch lives on {batch.device}, but sampler {self.name!r} runs on {self.device}")
-        B, S, V = verify_logits_shape(logits)
-        if B != batch.num_rows:
-            raise ValueError(f"verify: logits have {B} rows; the batch has {batch.num_rows} rows "
-                             f"(verify takes one row per batch row, not per request)")
-        batch.check_logits(logits[:, 0])
+        if layout is None:
+            B, S, V = verify_logits_shape(logits)
+            if B != batch.num_rows:
+                raise ValueError(f"verify: logits have {B} rows; the batch has {batch.num_rows} rows "
+                                 f"(verify takes one row per batch row, not per request)")
+            batch.check_logits(logits[:, 0])
+            ids = checked_draft_ids(draft_token_ids, B, S - 1)
+            if ids.device.type == "cpu" and B and S > 1:
+                _check_draft_ids(ids, V, batch)
+        else:
+            B, S, V = layout.num_rows, layout.max_drafts + 1, logits.shape[-1]
+            ids = layout.draft_token_ids(draft_token_ids)
+            draft_probs = layout.draft_probs(draft_probs)
         K = S - 1
-        ids = checked_draft_ids(draft_token_ids, B, K)
-        if ids.device.type == "cpu" and B and K:
-            _check_draft_ids(ids, V, batch)
         ids = upload(ids, self.device, torch.long)
         present = ids >= 0
         count = torch.cumprod(present.to(torch.int32), dim=1).sum(dim=1).to(torch.long)
@@ -594,7 +619,10 @@ class Sampler:
     # ------------------------------------------------------------------ stages
     def working_copy(self, logits: torch.Tensor, batch: SamplingBatch, s: StepState) -> torch.Tensor:
         """Step 2: a float32 ``[B, V]`` copy; one logits row per request is expanded to its
-        children. Never aliases ``logits``."""
+        children, and ``verify``'s flat logits to its slots (``s.logits_rows``). Never
+        aliases ``logits``."""
+        if s.logits_rows is not None:
+            return logits.index_select(0, s.logits_rows).to(torch.float32)
         if logits.shape[0] != s.num_rows:
             return logits.index_select(0, batch.request_index(s.num_rows)).to(torch.float32)
         return logits.to(torch.float32, copy=True)
@@ -882,7 +910,7 @@ def checked_draft_ids(draft_token_ids, rows: int, K: int) -> torch.Tensor:
     """``verify``'s draft_token_ids argument as a tensor, after the checks of its dtype
     (integer) and shape (``[rows, K]``); ``ValueError`` naming the argument otherwise. The
     ids' range is checked on the host only (``_check_draft_ids``)."""
-    ids = _as_tensor("draft_token_ids", draft_token_ids)
+    ids = tensor_argument("draft_token_ids", draft_token_ids)
     if ids.dtype.is_floating_point or ids.dtype == torch.bool or ids.is_complex():
         raise ValueError(f"verify: draft_token_ids must hold integer ids, got dtype {ids.dtype}")
     if ids.dim() != 2 or tuple(ids.shape) != (rows, K):
@@ -895,22 +923,13 @@ def checked_draft_probs(draft_probs, rows: int, K: int, V: int) -> torch.Tensor:
     """``verify``'s draft_probs argument as a tensor, after the checks of its kind and shape
     (float ``[rows, K, V]``); ``ValueError`` naming the argument otherwise. Values are
     checked per slot later (``Sampler.draft_probs_sane``)."""
-    probs = _as_tensor("draft_probs", draft_probs)
+    probs = tensor_argument("draft_probs", draft_probs)
     if not probs.dtype.is_floating_point:
         raise ValueError(f"verify: draft_probs must be a float tensor, got dtype {probs.dtype}")
     if tuple(probs.shape) != (rows, K, V):
         raise ValueError(f"verify: draft_probs must be [rows, K, vocab] = [{rows}, {K}, {V}], "
                          f"got {list(probs.shape)}")
     return probs
-
-
-def _as_tensor(name: str, value) -> torch.Tensor:
-    if isinstance(value, torch.Tensor):
-        return value
-    try:
-        return torch.as_tensor(value)
-    except (RuntimeError, TypeError, ValueError) as exc:
-        raise TypeError(f"verify: {name} must be a tensor, got {type(value).__name__}: {exc}") from None
 
 
 def _check_draft_ids(ids: torch.Tensor, vocab_size: int, batch: SamplingBatch) -> None:

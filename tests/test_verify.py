@@ -6,6 +6,7 @@ import torch
 
 from corelib import Sampler, SamplingParams
 from corelib.noise import STREAM_ACCEPT, row_keys, split_seed, stream_uniform
+from corelib.drafts import DraftLayout
 from corelib.sampler import Drafts
 
 V = 40
@@ -179,3 +180,57 @@ def test_empty_batch_verifies_nothing():
     batch = REF.new_batch(V)
     out = REF.verify(torch.zeros((0, 3, V)), batch, torch.zeros((0, 2), dtype=torch.long))
     assert out.token_ids.shape == (0, 3) and out.num_emitted.shape == (0,)
+
+
+def test_draft_layout_regroups_flat_tensors():
+    """Rows with 2, 0 and 3 drafts: the flat logits hold 3 + 1 + 4 rows, the drafts 5 ids;
+    each row's slots past its drafts repeat its bonus row, its drafts pad with -1, and a -1
+    among a row's drafts makes the rest of the row padding (another negative id stays, for
+    verify to refuse or flag)."""
+    layout = DraftLayout.of([2, 0, 3])
+    assert (layout.max_drafts, layout.num_slots, layout.uniform) == (3, 8, False)
+    logits = torch.arange(8.0)[:, None].expand(8, 5)
+    assert layout.logits(logits)[:, :, 0].tolist() == [[0, 1, 2, 2], [3, 3, 3, 3], [4, 5, 6, 7]]
+    assert layout.slot_rows.tolist() == [[0, 1, 2, 2], [3, 3, 3, 3], [4, 5, 6, 7]]
+    drafts = torch.tensor([10, 11, 20, -1, 22], dtype=torch.int32)
+    assert layout.draft_token_ids(drafts).tolist() == [[10, 11, -1], [-1, -1, -1], [20, -1, -1]]
+    assert layout.draft_token_ids(torch.tensor([10, -3, 20, 21, 22])).tolist() == \
+        [[10, -3, -1], [-1, -1, -1], [20, 21, 22]]
+    probs = torch.arange(5.0)[:, None].expand(5, 5)
+    regrouped = layout.draft_probs(probs)[:, :, 0]       # slots without a draft: ignored
+    assert regrouped[0, :2].tolist() == [0, 1] and regrouped[2].tolist() == [2, 3, 4]
+    mask = torch.arange(8, dtype=torch.int32)[:, None]
+    assert layout.bitmask(mask)[:, :, 0].tolist() == [[0, 1, 2, 2], [3, 3, 3, 3], [4, 5, 6, 7]]
+    uniform = DraftLayout.of(torch.tensor([2, 2]))
+    flat = torch.arange(6.0)[:, None].expand(6, 5)
+    assert uniform.uniform and uniform.logits(flat)[:, :, 0].tolist() == [[0, 1, 2], [3, 4, 5]]
+    assert uniform.logits(flat).data_ptr() == flat.data_ptr()         # a view, no copy
+    empty = DraftLayout.of([])
+    assert (empty.num_rows, empty.max_drafts, empty.num_slots) == (0, 0, 0)
+
+
+def test_flat_verify_reads_the_logits_through_the_slot_index():
+    """The reference's flat form keeps the caller's logits flat and reads each slot through
+    ``StepState.logits_rows``: no row of the flat tensor is padded or copied beforehand, and
+    uniform rows (every row K drafts) need no index at all."""
+    seen = []
+
+    class Recording(Sampler):
+        def working_copy(self, logits, batch, s):
+            seen.append((tuple(logits.shape), None if s.logits_rows is None else s.logits_rows.tolist()))
+            return super().working_copy(logits, batch, s)
+
+    sampler = Recording("cpu")
+    requests = [("a", SamplingParams(seed=1), PROMPT, None), ("b", SamplingParams(temperature=0.0), PROMPT, None)]
+    flat = torch.randn(5, V, generator=torch.Generator().manual_seed(3))
+    sampler.verify(flat, build(requests, sampler=sampler), torch.tensor([4, 5, 6]), num_drafts=[3, 0])
+    sampler.verify(flat[:4], build(requests, sampler=sampler), torch.tensor([4, 5]), num_drafts=[1, 1])
+    assert seen == [((5, V), [0, 1, 2, 3, 4, 4, 4, 4]), ((4, V), None)]
+
+
+def test_flat_verify_names_the_out_of_range_draft_by_its_flat_index():
+    requests = [("a", SamplingParams(seed=1), PROMPT, None), ("b", SamplingParams(seed=2), PROMPT, None)]
+    batch = build(requests)
+    with pytest.raises(ValueError, match=r"draft_token_ids\[2\] = 40 \(row 1's draft 0, request 'b'\)"):
+        REF.verify(torch.zeros(5, V), batch, torch.tensor([3, 4, 40]), num_drafts=[2, 1])
+    assert batch.generated_counts() == [0, 0]

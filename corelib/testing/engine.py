@@ -495,6 +495,111 @@ class EngineConformance:
                                                   f"(shape {tuple(got.logprobs.token_ids.shape)}, "
                                                   f"expected {(5, K + 1, 3)})")
 
+    @pytest.mark.parametrize("greedy", [False, True], ids=["mixed", "greedy"])
+    def test_flat_verify_equals_padded_verify(self, sampler, greedy):
+        """verify's flat form (``num_drafts``: each row's slots one after the other, as engines
+        hold them) emits what the padded form emits for the same slots: tokens, counts, flags
+        and logprobs. Rows with 0 to 3 drafts; a -1 among a row's drafts ends them; in the
+        greedy batch one row meets NaN logits at its second slot and stops there."""
+        if greedy:
+            requests = [(f"g{i}", SamplingParams(temperature=0.0, logprobs=2 if i == 4 else None),
+                         PROMPT, None) for i in range(5)]
+        else:
+            requests = [("every", SamplingParams(seed=41, logprobs=2, **EVERY_STAGE), PROMPT, [9]),
+                        ("greedy", SamplingParams(temperature=0.0, logprobs=2, top_k=3), PROMPT, None),
+                        ("topk", SamplingParams(seed=42, n=2, top_k=8, logprobs=2), PROMPT, None),
+                        ("short", SamplingParams(seed=43, logprobs=2), [], None)]
+        num_drafts, K, V = [3, 0, 2, 1, 3], 3, self.vocab_size
+        starts = [sum(num_drafts[:r]) + r for r in range(5)]          # each row's first slot
+        flat = self.logits(sum(num_drafts) + 5, seed=77) * 1.5
+        if greedy:
+            flat[starts[2] + 1, 4] = float("nan")
+        gen = torch.Generator().manual_seed(78)
+        drafts = [torch.argmax(flat[starts[r]:starts[r] + k], dim=-1) for r, k in enumerate(num_drafts)]
+        drafts[0][1] = (drafts[0][1] + 1) % V                         # a wrong draft
+        drafts[4][1] = -1                                             # ends row 4's drafts
+        flat_ids = torch.cat(drafts)
+        flat_q = torch.softmax(torch.randn((sum(num_drafts), V), generator=gen), dim=-1)
+        flat_mask, _ = self.random_bitmask(sum(num_drafts) + 5, seed=79, density=0.7)
+        # the padded form of the same slots, built row by row
+        logits = torch.zeros((5, K + 1, V))
+        ids = torch.full((5, K), -1, dtype=torch.long)
+        q = torch.full((5, K, V), 1.0 / V)
+        mask = torch.full((5, K + 1, flat_mask.shape[1]), -1, dtype=torch.int32)
+        for r, k in enumerate(num_drafts):
+            first, first_draft = starts[r], starts[r] - r
+            logits[r, :k + 1] = flat[first:first + k + 1]
+            mask[r, :k + 1] = flat_mask[first:first + k + 1]
+            q[r, :k] = flat_q[first_draft:first_draft + k]
+            row_ids = flat_ids[first_draft:first_draft + k].tolist()
+            row_ids = row_ids[:row_ids.index(-1)] if -1 in row_ids else row_ids
+            ids[r, :len(row_ids)] = torch.tensor(row_ids, dtype=torch.long)
+        for with_probs in (False, True):
+            kind = "with draft_probs" if with_probs else "without draft_probs"
+            got = sampler.verify(self.on(sampler, flat), self.build(sampler, requests, eos_token_id=6),
+                                 self.on(sampler, flat_ids),
+                                 self.on(sampler, flat_q) if with_probs else None,
+                                 token_bitmask=self.on(sampler, flat_mask), num_drafts=num_drafts)
+            want = sampler.verify(self.on(sampler, logits), self.build(sampler, requests, eos_token_id=6),
+                                  self.on(sampler, ids), self.on(sampler, q) if with_probs else None,
+                                  token_bitmask=self.on(sampler, mask))
+            batch = self.build(sampler, requests)
+            for row in range(5):
+                g, w = got.token_ids[row].cpu(), want.token_ids[row].cpu()
+                n = int(want.num_emitted[row])
+                if (not torch.equal(g, w) or int(got.num_emitted[row]) != n
+                        or bool(got.valid[row]) != bool(want.valid[row])):
+                    violation("verify_flat", f"{kind}, {self.describe(batch, row)} with "
+                                             f"{num_drafts[row]} drafts: the flat form emitted "
+                                             f"{g.tolist()}, the padded form {w.tolist()}")
+                if want.logprobs is not None:
+                    g_lp = got.logprobs.logprobs[row, :n].cpu()
+                    w_lp = want.logprobs.logprobs[row, :n].cpu()
+                    if not torch.allclose(g_lp, w_lp, atol=1e-4, rtol=1e-4, equal_nan=True):
+                        violation("verify_flat", f"{kind}, logprobs of {self.describe(batch, row)} "
+                                                 f"differ: {g_lp.tolist()}, padded {w_lp.tolist()}")
+            if greedy and (int(got.num_emitted[2]) != 1 or int(got.num_emitted[1]) != 1):
+                violation("verify_flat", f"greedy rows: a row whose second slot is NaN emits its "
+                                         f"first accepted draft and stops, a row without drafts its "
+                                         f"argmax; got num_emitted {got.num_emitted.tolist()}")
+
+    @pytest.mark.parametrize("case", ["logits_rows", "ids_length", "negative_count", "count_rows",
+                                      "not_counts", "probs_shape", "bitmask_rows", "id_out_of_range"])
+    def test_bad_flat_verify_arguments_raise_value_error(self, sampler, case):
+        requests = [("a", SamplingParams(seed=1), [], None), ("b", SamplingParams(seed=2), [], None)]
+        V, num_drafts = self.vocab_size, [2, 1]
+        logits = self.logits(5, seed=80)
+        drafts = torch.tensor([1, 2, 3])
+        probs = torch.full((3, V), 1.0 / V)
+        mask = torch.full((5, (V + 31) // 32), -1, dtype=torch.int32)
+        args = {
+            "logits_rows": (dict(logits=logits[:4]), "logits"),
+            "ids_length": (dict(draft_token_ids=drafts[:2]), "draft_token_ids"),
+            "negative_count": (dict(num_drafts=[3, -1]), "num_drafts"),
+            "count_rows": (dict(num_drafts=[2, 1, 0]), "num_drafts"),
+            "not_counts": (dict(num_drafts=[2.0, 1.0]), "num_drafts"),
+            "probs_shape": (dict(draft_probs=probs[:2]), "draft_probs"),
+            "bitmask_rows": (dict(token_bitmask=mask[:3]), "token_bitmask"),
+            "id_out_of_range": (dict(draft_token_ids=torch.tensor([1, V, 3])), "draft_token_ids"),
+        }
+        changed, name = args[case]
+        if case == "id_out_of_range" and sampler.device.type != "cpu":
+            pytest.skip("draft ids on an accelerator are checked per row (flagged), not raised")
+        call = dict(logits=logits, draft_token_ids=drafts, draft_probs=None, token_bitmask=None,
+                    num_drafts=num_drafts)
+        call.update(changed)
+        for key in ("logits", "draft_token_ids", "draft_probs", "token_bitmask"):
+            if call[key] is not None:
+                call[key] = self.on(sampler, call[key])
+        batch = self.build(sampler, requests)
+        with pytest.raises(ValueError) as error:
+            sampler.verify(call.pop("logits"), batch, call.pop("draft_token_ids"), **call)
+        if name not in str(error.value):
+            violation("verify_args", f"flat verify with bad {case} raised {error.value!r}, which "
+                                     f"does not name {name}")
+        if batch.generated_counts() != [0, 0]:
+            violation("verify_args", "a rejected verify call changed the batch")
+
     @pytest.mark.parametrize("seeded", [False, True], ids=["unseeded", "seeded"])
     def test_verify_rejection_sampling_keeps_the_target_distribution(self, sampler, seeded):
         V, K, R = 16, 2, self.verify_rows

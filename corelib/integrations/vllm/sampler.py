@@ -39,12 +39,13 @@ from vllm.v1.sample.sampler import Sampler as VllmSampler
 
 from ... import get_sampler
 from ...batch import SamplingBatch
+from ...drafts import DraftLayout, padded_arguments
 from ...params import SamplingParams
-from ...sampler import Logprobs, Sampler
+from ...sampler import Logprobs, Sampler, VerifyOutput
 from . import AUTO, ENV_VAR
 from .params import ThinkingMarkers, child_offset, corelib_params, thinking_markers
 from .processors import ProcessorStages, custom_processors, processor_name
-from .speculative import CorelibRejectionSampler, DraftLayout, SpeculationStats, verify_method
+from .speculative import CorelibRejectionSampler, SpeculationStats, verify_method
 
 logger = logging.getLogger(__name__)
 
@@ -232,6 +233,7 @@ class CorelibSampler(VllmSampler):
         # A backend written before corelib's token_bitmask argument gets vLLM's own in-place
         # masking of the logits instead (``grammar``).
         self.takes_token_bitmask = accepts_token_bitmask(self.corelib)
+        self.takes_flat_drafts = "num_drafts" in inspect.signature(self.corelib.verify).parameters
         self.speculation = SpeculationStats(self.corelib.device)
         self._grammar_bitmask: Optional[torch.Tensor] = None
         self._failures: dict[str, str] = {}
@@ -324,29 +326,34 @@ class CorelibSampler(VllmSampler):
         (``[num_reqs * (K + 1), N + 1]``; vLLM drops the rows of -1 slots). The corelib batch
         advances by each row's emitted tokens. A step where no row has drafts is ``forward``'s
         plain sample."""
-        layout = DraftLayout.of(list(metadata.num_draft_tokens), logits.device)
-        if layout.max_drafts == 0:
+        num_drafts = list(metadata.num_draft_tokens)
+        if max(num_drafts, default=0) == 0:
             return self.forward(logits, sampling_metadata)
-        mask = layout.bitmask(self._take_grammar_bitmask(logits.shape[0]))
-        ids = layout.draft_token_ids(metadata.draft_token_ids)
-        probs = layout.draft_probs(draft_probs)
+        mask = self._take_grammar_bitmask(logits.shape[0])
+        flat = (logits, metadata.draft_token_ids, draft_probs, mask)
         if sampling_metadata is not self.runner.input_batch.sampling_metadata:
-            batch = self._profile_batch(ids.shape[0], logits.shape[1])
-            out = self._verify(layout.logits(logits), batch, ids, probs, mask)
+            batch = self._profile_batch(len(num_drafts), logits.shape[1])
+            out = self._verify(batch, flat, num_drafts)
             return _vllm_output(out.token_ids, out.logprobs)
         batch = self.mirror.sync(self.runner.input_batch, self.runner.requests)
-        out = self._verify(layout.logits(logits), batch, ids, probs, mask)
+        out = self._verify(batch, flat, num_drafts)
         self._any_flagged(out.valid, batch, out.raise_on_invalid)
         batch.append(out.token_ids)
-        self.speculation.record(layout, out.num_emitted)
+        self.speculation.record(num_drafts, out.num_emitted)
         return _vllm_output(out.token_ids, out.logprobs)
 
-    def _verify(self, logits, batch, ids, probs, mask):
-        """corelib's verify with the engine's method (a backend written before verify's
-        ``method`` argument is called without it: it verifies by the token rule)."""
-        if self.verify_method == "token":
-            return self.corelib.verify(logits, batch, ids, probs, mask)
-        return self.corelib.verify(logits, batch, ids, probs, mask, method=self.verify_method)
+    def _verify(self, batch: SamplingBatch, flat: tuple, num_drafts: list[int]) -> VerifyOutput:
+        """corelib's verify of vLLM's flat tensors (logits, draft ids, draft probabilities,
+        bitmask) with the engine's method. A backend written before verify's flat form (its
+        ``num_drafts`` argument) gets them padded; one written before its ``method`` argument
+        is called without it (it verifies by the token rule)."""
+        method = {} if self.verify_method == "token" else {"method": self.verify_method}
+        logits, ids, probs, mask = flat
+        if self.takes_flat_drafts:
+            return self.corelib.verify(logits, batch, ids, probs, mask, num_drafts=num_drafts, **method)
+        layout = DraftLayout.of(num_drafts, self.corelib.device)
+        logits, ids, probs, mask = padded_arguments(layout, logits, batch, ids, probs, mask)
+        return self.corelib.verify(logits, batch, ids, probs, mask, **method)
 
     # ------------------------------------------------------------------ structured outputs
     def receive_grammar_bitmask(self, mask: torch.Tensor) -> None:

@@ -8,9 +8,9 @@ drafters without them, such as ngram, and for draft models that draft greedily).
 expects int32 ``[rows, K + 1]`` tokens padded with -1 (K the step's most drafts) and, when a
 request asks for logprobs, one logprobs row per (row, slot).
 
-``DraftLayout`` maps these onto corelib's ``[rows, K + 1, ...]`` slots and
-``CorelibRejectionSampler`` is the object the runner calls; corelib's ``verify`` and the batch
-append happen in ``CorelibSampler.verify_drafts``.
+This is corelib's flat form of ``verify`` (``corelib.drafts``): ``CorelibSampler.verify_drafts``
+passes the tensors as vLLM made them, with each row's draft count, and appends the emitted
+tokens to the batch; ``CorelibRejectionSampler`` is the object the runner calls.
 
 vLLM's ``rejection_sample_method`` chooses corelib's verification rule (``verify_method``):
 ``"standard"`` is corelib's token rule, ``"block"`` its block verification (rows without draft
@@ -21,12 +21,12 @@ tests) follows no rule that keeps the target distribution and is refused.
 from __future__ import annotations
 
 import inspect
-from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
 
-NO_DRAFT = -1
+from ...transfer import upload
+
 STANDARD_REJECTION, BLOCK_REJECTION = "standard", "block"
 # vLLM's rejection_sample_method -> the method of corelib's verify.
 VERIFY_METHODS = {STANDARD_REJECTION: "token", BLOCK_REJECTION: "block"}
@@ -53,68 +53,6 @@ def verify_method(speculative_config: Any, sampler: Any) -> str:
     return method
 
 
-@dataclass
-class DraftLayout:
-    """Where each row's slots are in vLLM's flat speculative tensors, for ``B`` rows with at
-    most ``K`` drafts. All index tensors are int64 on the logits' device."""
-
-    num_drafts: list[int]        # per row, on the host
-    slot_rows: torch.Tensor      # [B, K + 1]: the logits row of each slot; a row's slots past
-                                 # its own drafts repeat its bonus row (verify ignores them)
-    draft_rows: torch.Tensor     # [B, K]: the flat draft index of each slot (clamped past a
-                                 # row's drafts; ``has_draft`` tells)
-    has_draft: torch.Tensor      # bool [B, K]
-
-    @classmethod
-    def of(cls, num_drafts: list[int], device: torch.device) -> "DraftLayout":
-        counts = torch.tensor(num_drafts, dtype=torch.long)
-        K = int(counts.max()) if len(num_drafts) else 0
-        slots = torch.arange(K + 1)
-        first_logits_row = torch.cumsum(counts + 1, 0) - (counts + 1)
-        slot_rows = first_logits_row[:, None] + torch.minimum(slots[None, :], counts[:, None])
-        first_draft = torch.cumsum(counts, 0) - counts
-        has_draft = slots[None, :K] < counts[:, None]
-        draft_rows = (first_draft[:, None] + slots[None, :K]).clamp(max=max(int(counts.sum()) - 1, 0))
-        return cls(list(num_drafts), slot_rows.to(device, non_blocking=True),
-                   draft_rows.to(device, non_blocking=True), has_draft.to(device, non_blocking=True))
-
-    @property
-    def max_drafts(self) -> int:
-        return self.has_draft.shape[1]
-
-    @property
-    def uniform(self) -> bool:
-        """Every row has K drafts: vLLM's flat rows are already ``[B, K + 1]`` in order."""
-        return all(n == self.max_drafts for n in self.num_drafts)
-
-    def logits(self, flat: torch.Tensor) -> torch.Tensor:
-        """``[B, K + 1, V]`` from vLLM's ``[sum(1 + drafts), V]`` target logits: a view when
-        every row has K drafts, else a copy of whole rows (corelib's verify never writes to
-        its logits). ``index_select`` copies each row as one block, where indexing with a
-        ``[B, K + 1]`` tensor went element by element at twice the time."""
-        B, V = len(self.num_drafts), flat.shape[-1]
-        if self.uniform:
-            return flat.reshape(B, self.max_drafts + 1, V)
-        return flat.index_select(0, self.slot_rows.reshape(-1)).view(B, self.max_drafts + 1, V)
-
-    def bitmask(self, flat: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-        """int32 ``[B, K + 1, W]`` from a bitmask at the logits' rows (or None)."""
-        return None if flat is None else flat.to(self.slot_rows.device, non_blocking=True)[self.slot_rows]
-
-    def draft_token_ids(self, flat: torch.Tensor) -> torch.Tensor:
-        """int64 ``[B, K]`` drafts, -1 after each row's own. vLLM may pad a row's drafts with -1
-        itself (drafts the grammar rejected); whatever follows a -1 counts as padding too."""
-        ids = flat.to(torch.long)[self.draft_rows]
-        ids = torch.where(self.has_draft, ids, NO_DRAFT)
-        kept = torch.cumprod((ids >= 0).to(torch.int32), dim=1).to(torch.bool)
-        return torch.where(kept, ids, NO_DRAFT)
-
-    def draft_probs(self, flat: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-        """float32 ``[B, K, V]`` from vLLM's ``[sum(drafts), V]`` draft probabilities (None
-        stays None). Slots without a draft hold another slot's row, which verify ignores."""
-        return None if flat is None else flat[self.draft_rows].to(torch.float32)
-
-
 class SpeculationStats:
     """Running totals of the verification steps, kept on the device (reading them waits on it):
     rows that had drafts, their drafts, the drafts accepted, and accepted drafts by position."""
@@ -126,13 +64,14 @@ class SpeculationStats:
         self.accepted_tokens = torch.zeros((), dtype=torch.long, device=device)
         self.accepted_by_position = torch.zeros(0, dtype=torch.long, device=device)
 
-    def record(self, layout: DraftLayout, num_emitted: torch.Tensor) -> None:
-        """One step: ``num_emitted`` int64 ``[B]`` from corelib's verify. A row accepted
-        ``num_emitted - 1`` drafts (vLLM's count too); rows without drafts are not counted."""
-        K = layout.max_drafts
+    def record(self, num_drafts: list[int], num_emitted: torch.Tensor) -> None:
+        """One step: each row's drafts, and ``num_emitted`` int64 ``[B]`` from corelib's
+        verify. A row accepted ``num_emitted - 1`` drafts (vLLM's count too); rows without
+        drafts are not counted."""
+        K = max(num_drafts, default=0)
         if K == 0:
             return
-        counts = torch.tensor(layout.num_drafts, dtype=torch.long).to(self.device, non_blocking=True)
+        counts = upload(num_drafts, self.device, torch.long)
         drafted = counts > 0
         accepted = torch.minimum((num_emitted - 1).clamp(min=0), counts) * drafted
         self.verified_rows += drafted.sum()

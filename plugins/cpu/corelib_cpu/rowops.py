@@ -62,23 +62,30 @@ def top_values(x: torch.Tensor, width: int, maxima: Optional[torch.Tensor] = Non
 
 
 def first_argmax(x: torch.Tensor, maxima: Optional[torch.Tensor] = None,
-                 top: Optional[torch.Tensor] = None) -> torch.Tensor:
+                 top: Optional[torch.Tensor] = None, rows: Optional[torch.Tensor] = None) -> torch.Tensor:
     """int64 [n]: the lowest index of each row's maximum (``torch.argmax``'s answer) for x
     float32 [n, V] (``maxima``: its :func:`group_maxima`, when the caller has them; ``top``:
     float32 [n, 1], the rows' maxima when the caller knows them and they hold no NaN). Rows
     holding a NaN go to torch.argmax (which returns the NaN). Small tensors (at most
-    ``ARGMAX_ELEMENTS``) go to torch.argmax too: its one call beats the group search's dozen."""
-    n, V = x.shape
+    ``ARGMAX_ELEMENTS``) go to torch.argmax too: its one call beats the group search's dozen.
+
+    ``rows``: int64 [n], the rows are ``x[rows]`` (x float32 [m, V], contiguous; ``maxima``
+    and ``top`` are then the n rows'), read where they are."""
+    V = x.shape[1]
     if V < 4 * GROUP or x.numel() <= ARGMAX_ELEMENTS:
-        return torch.argmax(x, dim=-1)
-    maxima = group_maxima(x) if maxima is None else maxima
+        ids = torch.argmax(x, dim=-1)
+        return ids if rows is None else ids.index_select(0, rows)
+    if maxima is None:
+        maxima = group_maxima(x) if rows is None else group_maxima(x).index_select(0, rows)
     if top is None:
         top = maxima.amax(dim=-1, keepdim=True)
         if bool(torch.isnan(top).any()):
-            return torch.argmax(x, dim=-1)
+            ids = torch.argmax(x, dim=-1)
+            return ids if rows is None else ids.index_select(0, rows)
     group = (maxima == top).to(torch.uint8).argmax(dim=-1, keepdim=True)   # first such group
     cols = group_columns(group, V)
-    inside = (x.gather(1, cols) == top).to(torch.uint8).argmax(dim=-1, keepdim=True)
+    values = x.gather(1, cols) if rows is None else x.reshape(-1)[rows[:, None] * V + cols]
+    inside = (values == top).to(torch.uint8).argmax(dim=-1, keepdim=True)
     return cols.gather(1, inside)[:, 0]
 
 

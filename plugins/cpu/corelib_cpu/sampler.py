@@ -140,15 +140,32 @@ class Cut:
 
 
 @dataclass
+class SourceRows:
+    """A block's logits not gathered yet: its row r is ``source[rows[r]]`` (the caller's
+    float32 rows, per-request logits or verify's flat slots), until a stage reads ``Block.x``
+    and they are gathered into ``buffer`` (float32 [n, V], the workspace's)."""
+
+    source: torch.Tensor
+    rows: torch.Tensor
+    buffer: torch.Tensor
+
+    def gather(self) -> torch.Tensor:
+        return torch.index_select(self.source, 0, self.rows, out=self.buffer)
+
+    def maxima(self) -> torch.Tensor:
+        """The block's group maxima, from the source rows it reads (each once, however many
+        block rows read it), never gathering the rows themselves."""
+        low, high = (int(v) for v in torch.aminmax(self.rows))
+        return group_maxima(self.source[low:high + 1]).index_select(0, self.rows - low)
+
+
+@dataclass
 class Block:
     """What the template passes between the stages of one block: its logits and what the
     filters have decided so far (see the module docstring)."""
 
     state: BlockState
-    x: torch.Tensor                      # float32 [n, V]: the logits after the stages so far;
-                                         # candidate rows: see cand; rows with a cut: masked
-                                         # when read, see cuts; undivided when the block
-                                         # divides candidates only (plan.candidates_only)
+    _x: Optional[torch.Tensor]           # see x
     owned: bool                          # x is ours to write (else the caller's rows)
     cand: Optional[Candidates] = None
     cuts: dict = field(default_factory=dict)     # block row -> (its latest Cut, place in it)
@@ -162,7 +179,22 @@ class Block:
     weights: list = field(default_factory=list)  # (whole rows, float32 [m, V] their draw
                                                  # weights: the final distribution, unnormalised)
     dropped: bool = False                        # a stage dropped tokens in bulk (-inf)
+    unread: Optional[SourceRows] = None          # x's rows while not gathered (_x None)
     _maxima: Optional[torch.Tensor] = None
+
+    @property
+    def x(self) -> torch.Tensor:
+        """float32 [n, V]: the logits after the stages so far; candidate rows: see cand; rows
+        with a cut: masked when read, see cuts; undivided when the block divides candidates
+        only (plan.candidates_only). Gathered on first read when ``unread`` holds them
+        (``maxima`` and ``argmax`` read them where they are)."""
+        if self._x is None:
+            self._x, self.unread = self.unread.gather(), None
+        return self._x
+
+    @x.setter
+    def x(self, value: torch.Tensor) -> None:
+        self._x, self.unread = value, None
 
     @property
     def plan(self) -> BlockPlan:
@@ -175,7 +207,7 @@ class Block:
     def maxima(self) -> torch.Tensor:
         """x's group maxima (``rowops.group_maxima``), computed once until x changes."""
         if self._maxima is None:
-            self._maxima = group_maxima(self.x)
+            self._maxima = self.unread.maxima() if self.unread is not None else group_maxima(self.x)
         return self._maxima
 
     def changed(self) -> None:
@@ -276,8 +308,10 @@ class CpuSampler(Sampler):
         slots per row, which a block never splits)."""
         plan = self.plan(logits, batch, s, slots)
         keys = plan.row_keys(s)
-        request_index = batch.request_index(s.num_rows) if logits.shape[0] != s.num_rows else None
-        return block_states(s, plan.blocks, keys, request_index)
+        logits_rows = s.logits_rows
+        if logits_rows is None and logits.shape[0] != s.num_rows:
+            logits_rows = batch.request_index(s.num_rows)
+        return block_states(s, plan.blocks, keys, logits_rows)
 
     def plan(self, logits: torch.Tensor, batch: SamplingBatch, s: StepState, slots: int = 1) -> StepPlan:
         """The step's host facts (see ``plan.StepPlan``), kept by a ``CpuBatch`` until its
@@ -298,17 +332,22 @@ class CpuSampler(Sampler):
     def working_copy(self, logits: torch.Tensor, batch: SamplingBatch, s: BlockState) -> Block:
         """Step 2, lazily: a Block whose x is the caller's float32 rows when they can be read
         as they are (copied into the workspace by :meth:`own` before any write), else a
-        float32 copy in the workspace (per-request logits expanded to rows). Never writes
-        ``logits``."""
+        float32 copy in the workspace (the rows ``s.logits_rows`` names: per-request logits
+        expanded to rows, verify's flat slots). Never writes ``logits``."""
         bp = s.plan
-        if s.request_index is None:
+        if s.logits_rows is None:
             rows = logits[bp.r0:bp.r1]
             if rows.dtype == torch.float32 and rows.is_contiguous():
                 return Block(s, rows, owned=False)
-        else:
-            rows = logits.index_select(0, s.request_index[bp.r0:bp.r1])
         x = self.workspace.take("x", (bp.n, logits.shape[1]))
-        return Block(s, x.copy_(rows), owned=True)
+        if s.logits_rows is None:
+            return Block(s, x.copy_(rows), owned=True)
+        if logits.dtype != torch.float32:
+            return Block(s, x.copy_(logits.index_select(0, s.logits_rows)), owned=True)
+        unread = SourceRows(logits, s.logits_rows, x)
+        if reads_logits_once(s):        # group maxima and argmax read the rows where they are
+            return Block(s, None, owned=True, unread=unread)
+        return Block(s, unread.gather(), owned=True)
 
     def own(self, blk: Block) -> torch.Tensor:
         """blk.x as our copy, ready to be written in place."""
@@ -492,6 +531,8 @@ class CpuSampler(Sampler):
     def argmax(self, x: Block) -> torch.Tensor:
         """Step 9: int64 [n], the lowest id among each row's maxima, from the group maxima
         (and the row maxima, when step 5's are still x's)."""
+        if x.unread is not None:
+            return first_argmax(x.unread.source, x.maxima(), x.top, rows=x.unread.rows)
         return first_argmax(x.x, x.maxima(), x.top)
 
     def apply_temperature(self, x: Block, s: StepState) -> Block:

@@ -7,7 +7,7 @@ so a step slices only what its stages read), the custom stages' inputs sliced th
 host flags that say which stages the block's own rows use (a stage no row of the block uses is
 skipped, as the template skips a stage no row of the batch uses). It also carries what the
 cpu's stages need besides the core's state: the block's plan (:class:`~corelib_cpu.plan.BlockPlan`),
-its rows' seeded keys and the per-request logits index.
+its rows' seeded keys and the logits row of each of its rows.
 """
 
 from __future__ import annotations
@@ -21,30 +21,30 @@ from .plan import BlockPlan
 
 
 def block_states(s: StepState, plans: list, keys: Optional[torch.Tensor],
-                 request_index: Optional[torch.Tensor]) -> list:
+                 logits_rows: Optional[torch.Tensor]) -> list:
     """The states the template runs on, one per block (``plans``: the step's BlockPlans): a
     :class:`BlockState` each, or, when one block holds every row of the step, the step state
-    itself with the block's ``plan``, ``keys`` and ``request_index`` set on it (its flags are
+    itself with the block's ``plan``, ``keys`` and ``logits_rows`` set on it (its flags are
     the block's already; this spares the one block of a small batch the wrapper's cost)."""
     if len(plans) == 1 and plans[0].r0 == 0 and plans[0].r1 == s.num_rows:
-        s.plan, s.keys, s.request_index, s.undrawn = plans[0], keys, request_index, frozenset()
+        s.plan, s.keys, s.logits_rows, s.undrawn = plans[0], keys, logits_rows, frozenset()
         return [s]
     # the step's host values every block shares (its flags, the logprobs asked for, ...)
     shared = {name: getattr(s, name) for name in _SHARED}
     if not s.stages:
         shared["stages"] = ()
-    return [BlockState(s, plan, keys, request_index, shared) for plan in plans]
+    return [BlockState(s, plan, keys, logits_rows, shared) for plan in plans]
 
 
 class BlockState:
     """Rows ``plan.r0:plan.r1`` of step state ``s`` (duck-types ``StepState``).
 
     ``keys``: int32 [B] row keys of the whole step (or None when no row is seeded);
-    ``request_index``: int64 [B] rows -> per-request logits rows, or None when the logits have
-    one row per batch row."""
+    ``logits_rows``: int64 [B], the logits row of each row of the step (per-request logits,
+    verify's flat form), or None when row i reads logits row i; the block keeps its own."""
 
     def __init__(self, s: StepState, plan: BlockPlan, keys: Optional[torch.Tensor],
-                 request_index: Optional[torch.Tensor], shared: Optional[dict] = None):
+                 logits_rows: Optional[torch.Tensor], shared: Optional[dict] = None):
         whole = plan.r0 == 0 and plan.r1 == s.num_rows
         if shared:
             self.__dict__.update(shared)
@@ -53,7 +53,7 @@ class BlockState:
         self.plan = plan
         self.undrawn = frozenset()     # verification sets it (``sampler.undrawn_slots``)
         self.keys = keys if keys is None or whole else keys[plan.r0:plan.r1]
-        self.request_index = request_index
+        self.logits_rows = logits_rows if logits_rows is None or whole else logits_rows[plan.r0:plan.r1]
         self.num_rows = plan.n
         # The block's own flags; those of optional state the batch holds (penalties, masks,
         # bias, DRY, stages) stay the step's: rows that do not use it hold neutral values.

@@ -312,3 +312,34 @@ def test_steps_that_read_their_logits_once_run_as_one_block():
         assert torch.equal(cpu.sample(logits, mine).token_ids, reference.sample(logits, ref).token_ids)
         got, want = cpu.verify(slots, mine, drafts), reference.verify(slots, ref, drafts)
         assert torch.equal(got.token_ids, want.token_ids) and torch.equal(got.num_emitted, want.num_emitted)
+
+
+@pytest.mark.parametrize("nan", [False, True], ids=["finite", "nan-slot"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_verify_reads_flat_slots_where_they_are(dtype, nan):
+    """verify's flat form on an all-greedy step reads the caller's rows without gathering
+    them (group maxima once per source row, the argmax through the row index): tokens and
+    counts equal the reference's on the padded slots, ties included, and the caller's logits
+    stay as they were. A NaN slot (its row stops before it) gathers them, as do other dtypes
+    than float32; same tokens."""
+    vocab, num_drafts = 20000, [3, 0, 2, 1, 3, 3]
+    starts = [sum(num_drafts[:r]) + r for r in range(len(num_drafts))]
+    flat = torch.randn(sum(num_drafts) + 6, vocab, generator=torch.Generator().manual_seed(9))
+    flat[starts[3], [70, 17000]] = 9.0                               # a tie: the lower id wins
+    if nan:
+        flat[starts[4] + 2, 11] = float("nan")                       # row 4 stops before slot 2
+    flat = flat.to(dtype)
+    drafts = [flat[s:s + k].float().argmax(dim=-1) for s, k in zip(starts, num_drafts)]
+    drafts[5][2] = (drafts[5][2] + 1) % vocab                        # row 5's last draft is wrong
+    padded = torch.stack([flat[s + torch.arange(4).clamp(max=k)] for s, k in zip(starts, num_drafts)])
+    padded_ids = torch.full((6, 3), -1)
+    for r, d in enumerate(drafts):
+        padded_ids[r, :len(d)] = d
+    before = flat.clone()
+    requests = [(f"g{i}", SamplingParams(temperature=0.0), [5], None) for i in range(6)]
+    cpu, reference = CpuSampler(), Sampler("cpu")
+    got = cpu.verify(flat, build(cpu, requests, vocab), torch.cat(drafts), num_drafts=num_drafts)
+    want = reference.verify(padded, build(reference, requests, vocab), padded_ids)
+    assert torch.equal(got.token_ids, want.token_ids)
+    assert got.num_emitted.tolist() == want.num_emitted.tolist() == [4, 1, 3, 2, 2 if nan else 4, 3]
+    assert torch.equal(flat.isnan(), before.isnan()) and torch.equal(flat.nan_to_num(), before.nan_to_num())

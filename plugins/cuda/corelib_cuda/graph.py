@@ -48,6 +48,7 @@ from typing import Callable, Optional, Sequence
 import torch
 from corelib import SamplerOutput, SamplingBatch, StepState
 from corelib.bitmask import bitmask_width
+from corelib.drafts import DraftLayout, padded_arguments
 from corelib.sampler import Drafts, Logprobs, VerifyOutput
 
 from .batch import FilterBounds
@@ -254,12 +255,19 @@ class GraphedSampler:
     # ------------------------------------------------------------------ verify
     def verify(self, logits: torch.Tensor, batch: SamplingBatch, draft_token_ids: torch.Tensor,
                draft_probs: Optional[torch.Tensor] = None,
-               token_bitmask: Optional[torch.Tensor] = None, method: str = "token") -> VerifyOutput:
+               token_bitmask: Optional[torch.Tensor] = None, method: str = "token",
+               num_drafts=None) -> VerifyOutput:
         """As ``CudaSampler.verify``, replaying a verify step captured per (padded rows, K, method):
         logits ``[B, K + 1, V]``, draft_token_ids int64 ``[B, K]`` (-1 padding a row's tail),
         draft_probs None or float32 ``[B, K, V]``, token_bitmask None or int32
         ``[B, K + 1, ceil(V / 32)]``. Arguments are checked (and draft ids on the host
-        validated) eagerly before the replay, exactly as the sampler checks them."""
+        validated) eagerly before the replay, exactly as the sampler checks them. With
+        ``num_drafts`` (the flat form, ``corelib.drafts``) they are checked and padded on the
+        device first: the graph's buffers have one shape per (rows, K)."""
+        if num_drafts is not None:
+            layout = DraftLayout.of(num_drafts, self.device)
+            logits, draft_token_ids, draft_probs, token_bitmask = padded_arguments(
+                layout, logits, batch, draft_token_ids, draft_probs, token_bitmask)
         drafts = self.sampler.check_drafts(logits, batch, draft_token_ids, draft_probs, method)
         B, S, V = logits.shape
         size = self.padded_size(B)

@@ -355,7 +355,8 @@ def test_verify_state_reads_nothing_on_the_host(sampler):
 
 def test_verify_and_append_read_nothing_on_the_host_with_device_tensors():
     """The whole cycle on the meta device: requests join (add), rows move (swap_rows,
-    remove), verify + append + sample + append, per-request logits, device and host bitmasks.
+    remove), verify (padded and flat) + append + sample + append, per-request logits, device
+    and host bitmasks.
     Meta tensors are not on the host, so the code takes its accelerator branches (draft and
     appended ids are not validated on the host), no value can be read, and every upload the
     batch and the sampler make is checked: pageable or blocking copies, host data built into
@@ -380,6 +381,13 @@ def test_verify_and_append_read_nothing_on_the_host_with_device_tensors():
                 out = runner.verify(logits, batch, drafts, probs, token_bitmask=mask,
                                     method="block" if with_probs else "token")
                 batch.append(out.token_ids)
+                counts = [4, 0, 2, 1, 3]                # the flat form, as engines hold it
+                flat = runner.verify(torch.randn(15, V, device="meta"), batch,
+                                     torch.zeros(10, dtype=torch.long, device="meta"),
+                                     torch.rand(10, V, device="meta") if with_probs else None,
+                                     token_bitmask=torch.zeros(15, V // 32, dtype=torch.int32, device="meta"),
+                                     num_drafts=counts)
+                batch.append(flat.token_ids)
                 host_mask = torch.full((5, V // 32), -1, dtype=torch.int32)
                 step = runner.sample(torch.randn(5, V, device="meta"), batch, token_bitmask=host_mask)
                 batch.append(step.token_ids)

@@ -23,6 +23,7 @@ from typing import Iterable, Optional, Sequence
 import torch
 from corelib.batch import SamplingBatch
 from corelib.bitmask import bitmask_width
+from corelib.drafts import DraftLayout, padded_arguments
 from corelib.params import MAX_LOGPROBS, SamplingParams
 from corelib.sampler import (
     INVALID_TOKEN,
@@ -180,7 +181,8 @@ class TpuSampler(Sampler):
 
     def verify(self, logits: torch.Tensor, batch: SamplingBatch, draft_token_ids: torch.Tensor,
                draft_probs: Optional[torch.Tensor] = None,
-               token_bitmask: Optional[torch.Tensor] = None, method: str = "token") -> VerifyOutput:
+               token_bitmask: Optional[torch.Tensor] = None, method: str = "token",
+               num_drafts=None) -> VerifyOutput:
         """``Sampler.verify`` with K + 1 slots per row in one graph per (bucket, K, draft
         probabilities given or not, and with them ``method``), then one transfer;
         returns CPU tensors.
@@ -193,10 +195,22 @@ class TpuSampler(Sampler):
         the next configured one (its extra slots hold no draft and are cut from the result).
         K = 0 is ``sample``. Draft ids on the device are not read back: out-of-range ones flag their
         row, as in the core. method: "token" or "block" (``Sampler.verify``).
+
+        num_drafts: the flat form (``corelib.drafts``), padded to ``[rows, K + 1, ...]`` first.
+        Its gather depends on the flat row count ``sum(k) + rows``, so it compiles a graph per
+        count, which warm-up does not cover (docs/tpu.md): engines on TPU pass the padded form.
         """
         if method not in VERIFY_METHODS:
             raise ValueError(f"verify: method must be one of {VERIFY_METHODS}, got {method!r}")
         self._check_batch(batch)
+        if num_drafts is not None:
+            layout = DraftLayout.of(num_drafts)
+            with self.guard.watch(f"verify's flat form ({layout.num_slots} logits rows, "
+                                  f"K {layout.max_drafts})"):
+                logits, draft_token_ids, draft_probs, token_bitmask = padded_arguments(
+                    layout, logits, batch, draft_token_ids, draft_probs, token_bitmask)
+                xla.launch([t for t in (logits, draft_token_ids, draft_probs, token_bitmask)
+                            if t is not None])
         n, S, V = self._check_verify_logits(logits, batch)
         K = S - 1
         rows = logits.shape[0]

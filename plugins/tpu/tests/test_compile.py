@@ -296,6 +296,19 @@ def test_strict_mode_raises_for_an_unconfigured_k(warm_verify):
         sampler.verify(_logits(1, 0, slots=4), batch, torch.tensor([[3, 4, 5]]))
 
 
+def test_strict_mode_names_the_flat_forms_gather(warm_verify):
+    """verify's flat form gathers its logits into the padded slots with a graph per flat row
+    count, which warm-up does not compile: strict mode raises naming it (docs/tpu.md)."""
+    sampler, _ = warm_verify
+    batch = sampler.new_batch(V)
+    batch.add("a", SamplingParams(seed=1))
+    batch.add("b", SamplingParams(temperature=0.0))
+    flat = torch.randn(4, V).to(xla_device())                       # 2 + 0 drafts, 2 bonus slots
+    with pytest.raises(RecompilationError, match=r"verify's flat form \(4 logits rows, K 2\)"):
+        sampler.verify(flat, batch, torch.tensor([3, 4]), num_drafts=[2, 0])
+    assert batch.generated_counts() == [0, 0]
+
+
 def _step_graphs_hlo(sampler: TpuSampler, bucket: int, vocab: int):
     """(what, HLO text) of every sample and verify graph of ``bucket`` rows, unoptimised as
     torch-xla lowers them (nothing is compiled)."""

@@ -52,7 +52,8 @@ def test_the_engines_verification_is_corelibs_block_rule(block_draft_llm):
             rows.add(f"r{i}", corelib.SamplingParams(seed=i), prompt_token_ids=[1])
         return rows
 
-    ours = sampler._verify(logits, batch(), drafts, draft_probs, None)
+    flat = (logits.reshape(-1, V), drafts.reshape(-1), draft_probs.reshape(-1, V), None)
+    ours = sampler._verify(batch(), flat, [K] * B)         # vLLM's flat tensors
     block = backend.verify(logits, batch(), drafts, draft_probs, method="block")
     token = backend.verify(logits, batch(), drafts, draft_probs)
     assert torch.equal(ours.token_ids, block.token_ids)

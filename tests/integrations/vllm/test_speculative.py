@@ -34,29 +34,6 @@ LENGTH = 20
 SPEC_PROMPTS = [[1, 17, 42, 99, 7, 17, 42, 99, 7], [1, 300, 301, 300, 301]] + PROMPTS
 
 
-def test_draft_layout_regroups_vllms_flat_tensors():
-    """Rows with 2, 0 and 3 drafts: vLLM's logits hold 3 + 1 + 4 rows, its drafts 5 ids; each
-    row's slots past its drafts repeat its bonus row and its drafts pad with -1 (a -1 from
-    vLLM itself makes the rest of the row padding)."""
-    import torch
-
-    from corelib.integrations.vllm.speculative import DraftLayout
-    layout = DraftLayout.of([2, 0, 3], torch.device("cpu"))
-    logits = torch.arange(8.0)[:, None].expand(8, 5)
-    assert layout.logits(logits)[:, :, 0].tolist() == [[0, 1, 2, 2], [3, 3, 3, 3], [4, 5, 6, 7]]
-    drafts = torch.tensor([10, 11, 20, -1, 22], dtype=torch.int32)
-    assert layout.draft_token_ids(drafts).tolist() == [[10, 11, -1], [-1, -1, -1], [20, -1, -1]]
-    probs = torch.arange(5.0)[:, None].expand(5, 5)
-    regrouped = layout.draft_probs(probs)[:, :, 0]       # slots without a draft: ignored
-    assert regrouped[0, :2].tolist() == [0, 1] and regrouped[2].tolist() == [2, 3, 4]
-    mask = torch.arange(8, dtype=torch.int32)[:, None]
-    assert layout.bitmask(mask)[:, :, 0].tolist() == [[0, 1, 2, 2], [3, 3, 3, 3], [4, 5, 6, 7]]
-    uniform = DraftLayout.of([2, 2], torch.device("cpu"))      # vLLM's rows as they are
-    flat = torch.arange(6.0)[:, None].expand(6, 5)
-    assert uniform.logits(flat)[:, :, 0].tolist() == [[0, 1, 2], [3, 4, 5]]
-    assert uniform.logits(flat).data_ptr() == flat.data_ptr()
-
-
 def test_drafts_are_verified_by_corelib(ngram_llm):
     runner = runner_of(ngram_llm)
     assert isinstance(runner.sampler, CorelibSampler)
