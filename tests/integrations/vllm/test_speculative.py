@@ -41,6 +41,34 @@ def test_drafts_are_verified_by_corelib(ngram_llm):
     assert runner.rejection_sampler.sampler is runner.sampler
 
 
+def test_vllms_flat_tensors_reach_verify_unpadded_or_padded_for_older_backends(ngram_llm, monkeypatch):
+    """The sampler hands vLLM's flat tensors to verify's flat form; a backend whose verify has
+    no num_drafts argument gets them padded to [rows, K + 1, ...] instead: the same tokens."""
+    import torch
+
+    sampler = runner_of(ngram_llm).sampler
+    assert sampler.takes_flat_drafts
+    backend, counts, V = sampler.corelib, [2, 0, 3, 1], 512
+    g = torch.Generator().manual_seed(5)
+    logits = torch.randn(sum(counts) + 4, V, generator=g) * 3
+    drafts = torch.randint(0, V, (sum(counts),), generator=g, dtype=torch.int32)
+    drafts[0] = int(logits[0].argmax())                      # row 0 accepts its first draft
+    drafts[3] = -1                                           # vLLM ends row 2's drafts early
+
+    def batch():
+        rows = backend.new_batch(V)
+        for i in range(4):
+            rows.add(f"r{i}", corelib.SamplingParams(temperature=0.0 if i % 2 == 0 else 0.8, seed=i),
+                     prompt_token_ids=[1])
+        return rows
+
+    flat = sampler._verify(batch(), (logits, drafts, None, None), counts)
+    monkeypatch.setattr(sampler, "takes_flat_drafts", False)
+    padded = sampler._verify(batch(), (logits, drafts, None, None), counts)
+    assert flat.token_ids.tolist() == padded.token_ids.tolist()
+    assert flat.num_emitted[0] >= 2 and flat.num_emitted[2] == 1
+
+
 # ---------------------------------------------------------------------- ngram: no draft probs
 def test_greedy_with_speculation_equals_plain_decoding(ngram_llm, corelib_llm, vllm_llm):
     params = vllm_params(temperature=0.0, max_tokens=LENGTH)
