@@ -363,35 +363,41 @@ class SamplingBatch:
         self._changed()
         return rows
 
-    def remove(self, request_id: str) -> None:
-        """Drop a request's rows; the last rows move into the freed places."""
-        request = self._lookup(request_id)
-        holes = sorted(request.rows)
-        del self._requests[request_id]
-        hole_set = set(holes)
-        last = len(self._row_keys)
-        keep_tail = [r for r in range(last - len(holes), last) if r not in hole_set]
-        targets = [h for h in holes if h < last - len(holes)]
-        # Each surviving tail row fills one hole below the new end.
-        if targets:
-            self._move_rows(keep_tail, targets)
-            for s, d in zip(keep_tail, targets):
-                self._row_keys[d] = self._row_keys[s]
-                self._row_params[d] = self._row_params[s]
-                self._generated[d] = self._generated[s]
-                rid, child = self._row_keys[d]
-                self._requests[rid].rows[child] = d
-        new_len = last - len(holes)
-        freed = list(range(new_len, last))
-        del self._row_keys[new_len:]
-        del self._row_params[new_len:]
-        del self._generated[new_len:]
-        self._reset_rows(freed)
+    def remove(self, *request_ids: str) -> None:
+        """Drop requests' rows; the last rows move into the freed places.
+
+        Several requests leave as if removed one at a time in the given order (an engine's
+        requests that finished in one step), with one move and one reset of the per-row state
+        for all of them. Raises ``UnknownRequestError`` for an id that is not in the batch
+        and ValueError for an id given twice, before anything changes.
+        """
+        requests = [self._lookup(request_id) for request_id in request_ids]
+        if len(set(request_ids)) != len(request_ids):
+            repeated = next(rid for rid in request_ids if request_ids.count(rid) > 1)
+            raise ValueError(f"remove: request {repeated!r} is given more than once")
+        if not requests:
+            return
+        old_len = len(self._row_keys)
+        origin = removal_order(old_len, [request.rows for request in requests])
+        for request in requests:
+            del self._requests[request.request_id]
+        moved = [(o, d) for d, o in enumerate(origin) if o != d]
+        if moved:
+            self._move_rows([o for o, _ in moved], [d for _, d in moved])
+        new_len = len(origin)
+        for rows in (self._row_keys, self._row_params, self._generated):
+            sources = [rows[o] for o, _ in moved]
+            for (_, d), value in zip(moved, sources):
+                rows[d] = value
+            del rows[new_len:]
+        for _, d in moved:
+            rid, child = self._row_keys[d]
+            self._requests[rid].rows[child] = d
+        self._reset_rows(list(range(new_len, old_len)))
         self._changed()
 
     def clear(self) -> None:
-        for request_id in list(self._requests):
-            self.remove(request_id)
+        self.remove(*self._requests)
 
     def swap_rows(self, a: int, b: int) -> None:
         """Exchange rows ``a`` and ``b`` with all their state, so the batch's rows follow an
@@ -1212,6 +1218,26 @@ class SamplingBatch:
             index += [0] * (n - len(index))
             self._request_index = upload(index, self.device, torch.long)
         return self._request_index
+
+
+def removal_order(num_rows: int, leaving: list[list[int]]) -> list[int]:
+    """The rows left after removing requests one at a time (``leaving``: each request's rows,
+    numbered before any removal), as ``origin[new_row] = old_row``. Each removal moves the
+    surviving rows among its last ``len(rows)`` rows, lowest first, into its holes below the
+    new end, lowest first. Host row numbers only: the state moves once, afterwards."""
+    origin = list(range(num_rows))
+    where: dict[int, int] = {}          # old row -> its row now, for rows that moved
+    for rows in leaving:
+        holes = sorted(where.pop(row, row) for row in rows)
+        last = len(origin)
+        end = last - len(holes)
+        hole_set = set(holes)
+        tail = [r for r in range(end, last) if r not in hole_set]
+        for source, hole in zip(tail, (h for h in holes if h < end)):
+            origin[hole] = origin[source]
+            where[origin[hole]] = hole
+        del origin[end:]
+    return origin
 
 
 # Neutral (padding) values of the optional tensors: inert for every stage.

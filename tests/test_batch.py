@@ -1,5 +1,7 @@
 """Batch state: continuous batching, parallel sampling, running counts, resumption."""
 
+import random
+
 import pytest
 import torch
 
@@ -34,6 +36,71 @@ def test_remove_moves_last_rows_into_the_hole_and_keeps_their_state(batch):
         assert s.top_k[row] == p.effective_top_k and s.child[row] == child
         assert s.position[row] == 1
     assert batch.step_state(8).temperature[3:].tolist() == [1.0] * 5  # freed rows are neutral
+
+
+def _random_params(rng):
+    """A request's parameters drawing on every kind of per-row state the batch keeps."""
+    choices = [
+        dict(seed=rng.randrange(100), temperature=0.5),
+        dict(n=rng.randint(2, 3), top_k=4, seed=rng.randrange(100)),
+        dict(repetition_penalty=1.2, frequency_penalty=0.5, presence_penalty=0.1),
+        dict(bad_words=[[3, 4], [5]], min_tokens=2, stop_token_ids=[7]),
+        dict(logit_bias={2: 1.5, 9: -1.0}, allowed_token_ids=[1, 2, 9, 11]),
+        dict(dry_multiplier=0.8, dry_allowed_length=1, top_p=0.9),
+        dict(temperature=0.0, thinking_budget=3,
+             thinking_start_token_ids=[12], thinking_end_token_ids=[13]),
+    ]
+    return SamplingParams(**rng.choice(choices))
+
+
+def _batch_state(batch, num_rows):
+    s = batch.step_state(num_rows)      # the freed rows too: they must be neutral
+    tensors = {k: v.clone() for k, v in vars(s).items() if isinstance(v, torch.Tensor)}
+    return batch.rows, {rid: batch.rows_of(rid) for rid, _ in batch.rows}, \
+        batch.generated_counts(), tensors
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_removing_several_requests_at_once_equals_one_at_a_time(seed):
+    rng = random.Random(seed)
+    requests = [(f"r{i}", _random_params(rng), [rng.randrange(1, V) for _ in range(rng.randint(0, 5))])
+                for i in range(rng.randint(3, 9))]
+    leaving = rng.sample([rid for rid, _, _ in requests], rng.randint(1, len(requests)))
+    one_by_one, at_once = (Sampler("cpu").new_batch(vocab_size=V, eos_token_id=31) for _ in range(2))
+    for batch in (one_by_one, at_once):
+        for rid, params, prompt in requests:
+            batch.add(rid, params, prompt_token_ids=prompt)
+        for step in range(3):
+            batch.append([(7 * row + step) % V for row in range(len(batch))])
+    rows_before = len(one_by_one)
+    for rid in leaving:
+        one_by_one.remove(rid)
+    at_once.remove(*leaving)
+    want, got = _batch_state(one_by_one, rows_before), _batch_state(at_once, rows_before)
+    assert got[:3] == want[:3], leaving
+    for name, tensor in want[3].items():
+        assert torch.equal(got[3][name], tensor), (name, leaving)
+    for batch in (one_by_one, at_once):     # and they go on alike
+        if len(batch):
+            batch.append([row % V for row in range(len(batch))])
+    assert _batch_state(at_once, rows_before)[2:3] == _batch_state(one_by_one, rows_before)[2:3]
+
+
+def test_removing_several_checks_every_id_before_anything_leaves(batch):
+    batch.add("a", SamplingParams(seed=1))
+    batch.add("b", SamplingParams(n=2, frequency_penalty=0.5))
+    before = _batch_state(batch, 3)
+    with pytest.raises(KeyError, match="request 'zzz' is not in the batch"):
+        batch.remove("a", "zzz")
+    with pytest.raises(ValueError, match="request 'b' is given more than once"):
+        batch.remove("b", "a", "b")
+    after = _batch_state(batch, 3)
+    assert after[:3] == before[:3]
+    assert all(torch.equal(after[3][k], v) for k, v in before[3].items())
+    batch.remove()                          # nothing leaves: an engine's quiet step
+    assert batch.rows == [("a", 0), ("b", 0), ("b", 1)]
+    batch.remove("b", "a")
+    assert batch.rows == [] and batch.num_requests == 0
 
 
 def test_swap_rows_moves_every_piece_of_state(batch):

@@ -401,6 +401,28 @@ class ConformanceSuite(EngineConformance):
                                     f"otherwise (now at row {batch.rows.index(key)}; "
                                     f"{self._first_difference(got, straight[key])})")
 
+    def test_removing_several_requests_at_once_equals_one_at_a_time(self, sampler):
+        requests = self._seeded_requests()
+        # s-plain leaves row 0 (the last row moves there), s-n3 its three rows at the end,
+        # s-topp a middle row that the penalty request below it moves into
+        leaving = ("s-plain", "s-n3", "s-topp")
+        one_by_one, at_once = (self.build(sampler, requests, eos_token_id=6) for _ in range(2))
+        for batch in (one_by_one, at_once):
+            self._run_steps(sampler, batch, steps=2)
+        for request_id in leaving:
+            one_by_one.remove(request_id)
+        at_once.remove(*leaving)
+        if at_once.rows != one_by_one.rows:
+            violation("remove", f"remove{leaving} left rows {at_once.rows}; removing them one at "
+                                f"a time left {one_by_one.rows}")
+        want = self._run_steps(sampler, one_by_one, steps=3, first_step=2)
+        got = self._run_steps(sampler, at_once, steps=3, first_step=2)
+        for key, tokens in want.items():
+            if got[key] != tokens:
+                violation("remove", f"{self.describe_request(requests, *key)} drew {got[key]} "
+                                    f"after remove{leaving}, {tokens} when they left one at a "
+                                    f"time ({self._first_difference(got[key], tokens)})")
+
     # ------------------------------------------------------------------ batch forms
     def test_per_request_logits_serve_all_children(self, sampler):
         requests = [("a", SamplingParams(n=3, seed=1), [], None), ("b", SamplingParams(seed=2), [], None),

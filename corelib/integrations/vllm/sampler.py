@@ -31,6 +31,7 @@ from __future__ import annotations
 import inspect
 import logging
 import weakref
+from collections import deque
 from typing import Any, Optional
 
 import torch
@@ -142,24 +143,27 @@ class BatchMirror:
         """Remove the requests that left vLLM's batch or whose state differs from vLLM's, in
         the order that closes the holes as vLLM's ``condense`` does: a stale last row is
         dropped, otherwise the lowest stale row is removed and the last row moves into it
-        (vLLM moves its last remaining request into its lowest hole)."""
+        (vLLM moves its last remaining request into its lowest hole). The moved row is never
+        stale (else it would have been dropped first), so the other stale rows stay where
+        they are: their order is found on row numbers alone, and one ``remove`` takes them."""
         counts = self.batch.generated_counts()
-        stale = set()
+        stale = deque()                     # (row, request id), rows ascending
         for row, (request_id, _) in enumerate(self.batch.rows):
             vllm_row = rows_now.get(request_id)
             if vllm_row is None or not self._matches(request_id, requests[request_id],
                                                      counts[row], outputs[vllm_row]):
-                stale.add(request_id)
+                stale.append((row, request_id))
+        order, last_row = [], self.batch.num_rows - 1
         while stale:
-            row_of = {request_id: self.batch.rows_of(request_id)[0] for request_id in stale}
-            last = max(stale, key=row_of.__getitem__)
-            victim = last if row_of[last] == self.batch.num_rows - 1 else min(stale, key=row_of.__getitem__)
-            self.batch.remove(victim)
-            stale.discard(victim)
+            _, victim = stale.pop() if stale[-1][0] == last_row else stale.popleft()
+            order.append(victim)
+            last_row -= 1
+        self.batch.remove(*order)
+        for victim in order:
             del self._added[victim]
             if self.processors:
                 self.processors.forget(victim)
-            self.moves["removed"] += 1
+        self.moves["removed"] += len(order)
 
     def _matches(self, request_id: str, state: Any, generated: int, output_ids: list[int]) -> bool:
         params, prompt_length = self._added[request_id]

@@ -165,16 +165,15 @@ class CpuBatch(SamplingBatch):
             self._penalty_requests += 1
         return rows
 
-    def remove(self, request_id: str) -> None:
-        uses_penalties = self.params_of(request_id).uses_penalties
+    def remove(self, *request_ids: str) -> None:
+        leaving = sum(self.params_of(request_id).uses_penalties for request_id in request_ids)
         old_len = self.num_rows
-        super().remove(request_id)          # moves the slots of the rows it moves
+        super().remove(*request_ids)        # moves the slots of the rows it moves
+        self._penalty_requests -= leaving   # once the core took every id (it checks first)
         self._plans.clear()
         self._ensure_rows(old_len)
         self._slot_len[self.num_rows:old_len] = 0
         self._slot_rows[self.num_rows:old_len] = False
-        if uses_penalties:
-            self._penalty_requests -= 1
 
     def _appended(self, columns: list, every: bool) -> None:
         """``append``'s tokens into the slots, once the core has checked them and advanced its

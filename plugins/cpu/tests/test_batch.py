@@ -81,3 +81,26 @@ def test_append_after_plain_rows_outgrow_the_slots():
         batch.add(f"plain-{i}", SamplingParams(), [1])
     batch.append(torch.arange(batch.num_rows))
     assert slot_state(batch) == dense_state(batch)
+
+
+def test_requests_leaving_together_leave_the_slots_of_one_at_a_time():
+    g = torch.Generator().manual_seed(1)
+    batches = [CpuBatch(V), CpuBatch(V)]
+    for batch in batches:
+        batch.add("a", SamplingParams(**PEN), [5, 6, 5, 7])
+        batch.add("plain", SamplingParams(), [1, 2])
+        batch.add("kids", SamplingParams(n=3, presence_penalty=0.5), list(range(100, 140)))
+        batch.add("b", SamplingParams(**PEN), [], [4, 4, 4])
+        batch.add("c", SamplingParams(frequency_penalty=1.0), [9])
+    for step in range(5):
+        tokens = torch.randint(0, 60, (batches[0].num_rows,), generator=g)
+        for batch in batches:
+            batch.append(tokens)
+    one_by_one, at_once = batches
+    for request_id in ("a", "kids", "plain"):
+        one_by_one.remove(request_id)
+    at_once.remove("a", "kids", "plain")
+    assert at_once.rows == one_by_one.rows == [("c", 0), ("b", 0)]
+    assert slot_state(at_once) == slot_state(one_by_one) == dense_state(at_once)
+    at_once.remove("b", "c")                    # the last penalty requests: no slots are read
+    assert not at_once.has_penalty_slots
