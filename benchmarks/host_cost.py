@@ -18,8 +18,9 @@ penalty histories move on; vLLM's output lists are extended outside its timing, 
 runner does). The ratio is vLLM's median over corelib's: >= 1 means corelib is no slower.
 
 It also times the vLLM adapter's own per-step work, ``BatchMirror.sync`` (corelib's batch
-brought to the rows of vLLM's ``InputBatch``), at steady state and with one request leaving
-and one joining every step. Without vLLM only the corelib samplers are timed.
+brought to the rows of vLLM's ``InputBatch``), at steady state, with one request leaving
+and one joining every step, and with B requests joining an empty batch at once and leaving it
+at once. Without vLLM only the corelib samplers are timed.
 
     python benchmarks/host_cost.py                                  # main venv: corelib alone
     .venv-vllm/bin/python benchmarks/host_cost.py                   # with vLLM: the ratios
@@ -194,56 +195,84 @@ def bench_samplers(name: str, B: int, steps: int, vllm, clock) -> dict:
 
 
 # ---------------------------------------------------------------------- the mirror
-def bench_mirror(B: int, steps: int, churn: bool, clock) -> float:
-    """Median ms of ``BatchMirror.sync`` per step for B requests of vLLM's InputBatch (one
-    leaving and one joining every step when ``churn``)."""
-    from vllm import SamplingParams as VllmParams
-    from vllm.v1.worker.gpu_input_batch import CachedRequestState, InputBatch
+class MirrorBench:
+    """A vLLM ``InputBatch`` with room for ``rows`` requests and corelib's mirror of it."""
 
-    from corelib.integrations.vllm.sampler import BatchMirror
+    def __init__(self, rows: int):
+        from vllm.v1.worker.gpu_input_batch import InputBatch
 
-    input_batch = InputBatch(max_num_reqs=B + 1, max_model_len=4096, max_num_batched_tokens=4096,
-                             device=torch.device("cpu"), vocab_size=V, block_sizes=[16],
-                             max_num_blocks_per_req=[8])
-    requests: dict = {}
-    mirror = BatchMirror(corelib.get_sampler("cpu"), V, "raw")
-    counter = [0]
+        from corelib.integrations.vllm.sampler import BatchMirror
 
-    def new_request() -> str:
-        i = counter[0]
-        counter[0] += 1
+        self.input_batch = InputBatch(max_num_reqs=rows, max_model_len=4096,
+                                      max_num_batched_tokens=4096, device=torch.device("cpu"),
+                                      vocab_size=V, block_sizes=[16], max_num_blocks_per_req=[8])
+        self.requests: dict = {}
+        self.mirror = BatchMirror(corelib.get_sampler("cpu"), V, "raw")
+        self.counter = 0
+
+    def new_request(self) -> str:
+        from vllm import SamplingParams as VllmParams
+        from vllm.v1.worker.gpu_input_batch import CachedRequestState
+
+        i = self.counter
+        self.counter += 1
         rid = f"req-{i}"
-        requests[rid] = CachedRequestState(
+        self.requests[rid] = CachedRequestState(
             req_id=rid, prompt_token_ids=prompt_of(i), mm_features=[],
             sampling_params=VllmParams(temperature=1.0, seed=1000 + i), generator=None,
             block_ids=([i],), num_computed_tokens=0, output_token_ids=[])
-        input_batch.add_request(requests[rid])
+        self.input_batch.add_request(self.requests[rid])
         return rid
 
+    def leave(self, rid: str) -> None:
+        self.input_batch.remove_request(rid)
+        del self.requests[rid]
+
+    def timed_sync(self, clock) -> tuple[float, object]:
+        """ms of ``sync`` and the step state built after it (the batch writes the rows of
+        requests that joined when the state is next read), and the batch."""
+        self.input_batch.condense()
+        self.input_batch.refresh_metadata()
+        start = clock()
+        batch = self.mirror.sync(self.input_batch, self.requests)
+        batch.step_state()
+        return (clock() - start) * 1e3, batch
+
+
+def bench_mirror_burst(B: int, rounds: int, clock) -> tuple[float, float]:
+    """Median ms of the sync in which B requests join an empty batch at once, and of the one
+    in which they all leave (a batch of prompts submitted together, finishing together)."""
+    bench = MirrorBench(B)
+    joins, leaves = [], []
+    for _ in range(rounds + 1):
+        rids = [bench.new_request() for _ in range(B)]
+        joins.append(bench.timed_sync(clock)[0])
+        for rid in rids:
+            bench.leave(rid)
+        leaves.append(bench.timed_sync(clock)[0])
+    return statistics.median(joins[1:]), statistics.median(leaves[1:])
+
+
+def bench_mirror(B: int, steps: int, churn: bool, clock) -> float:
+    """Median ms of ``BatchMirror.sync`` per step for B requests of vLLM's InputBatch (one
+    leaving and one joining every step when ``churn``), with the step state built after it."""
+    bench = MirrorBench(B + 1)
     for _ in range(B):
-        new_request()
-    input_batch.condense()
-    input_batch.refresh_metadata()
-    mirror.sync(input_batch, requests)
+        bench.new_request()
+    bench.timed_sync(clock)
     times = []
     gen = torch.Generator().manual_seed(0)
     for i in range(steps + 5):
         if churn:
-            leaving = input_batch.req_ids[int(torch.randint(B, (1,), generator=gen))]
-            input_batch.remove_request(leaving)
-            del requests[leaving]
-            new_request()
-            input_batch.condense()
-            input_batch.refresh_metadata()
-        start = clock()
-        batch = mirror.sync(input_batch, requests)
-        elapsed = clock() - start
+            bench.leave(bench.input_batch.req_ids[int(torch.randint(B, (1,), generator=gen))])
+            bench.new_request()
+        elapsed, batch = bench.timed_sync(clock)
         tokens = torch.randint(0, V, (len(batch),), generator=gen)
         batch.append(tokens)                               # the sampler's append (timed above)
-        for row, rid in enumerate(input_batch.req_ids):    # the runner keeps the tokens
-            requests[rid].output_token_ids.append(int(tokens[row]))
+        for row, rid in enumerate(bench.input_batch.req_ids):   # the runner keeps the tokens
+            bench.requests[rid].output_token_ids.append(int(tokens[row]))
         if i >= 5:
-            times.append(elapsed * 1e3)
+            times.append(elapsed)
     return statistics.median(times)
 
 
@@ -329,13 +358,14 @@ def main(argv=None) -> int:
             cells += [f"{t['vllm'] / t[k]:.2f}" for k in keys if k != "vllm"]
         print("| " + " | ".join(cells) + " |")
     if vllm is not None and not args.no_mirror:
-        print("\nvLLM adapter: BatchMirror.sync per step (ms)")
-        print("| B | steady | one leaves, one joins |")
-        print("|---|---|---|")
+        print("\nvLLM adapter: BatchMirror.sync per step (ms), with the step state after it")
+        print("| B | steady | one leaves, one joins | B join at once | B leave at once |")
+        print("|---|---|---|---|---|")
         for B in batch_sizes:
             steady = bench_mirror(B, args.steps, False, clock)
             churn = bench_mirror(B, args.steps, True, clock)
-            print(f"| {B} | {steady:.3f} | {churn:.3f} |")
+            join, leave = bench_mirror_burst(B, max(5, args.steps // 30), clock)
+            print(f"| {B} | {steady:.3f} | {churn:.3f} | {join:.3f} | {leave:.3f} |")
     return 0
 
 

@@ -208,6 +208,11 @@ class SamplingBatch:
         self._row_params: list[SamplingParams] = []
         self._generated: list[int] = []
         self._capacity = 0
+        # Per-row values of rows added since the state was last read, by tensor name, for
+        # the rows from ``_pending_first`` on: written by ``_tensors`` (one write per
+        # tensor for every row that joined, instead of one per tensor and request)
+        self._pending: dict[str, list] = {}
+        self._pending_first = 0
         self._tensors: dict[str, torch.Tensor] = {}
         self._request_index: Optional[torch.Tensor] = None
         self._flags: Optional[dict] = None
@@ -344,7 +349,7 @@ class SamplingBatch:
         rows = list(range(first, first + params.n))
         # All or nothing: an allocation that fails half-way (a huge n or vocabulary) must not
         # leave tensors of different capacities or widths behind, nor half-written free rows.
-        saved_tensors, saved_capacity = dict(self._tensors), self._capacity
+        saved_tensors, saved_capacity = dict(self._store), self._capacity
         try:
             self._ensure_capacity(first + params.n)
             self._allocate_optional_state(params, prompt, outputs)
@@ -841,6 +846,41 @@ class SamplingBatch:
         return upload(token_bitmask.reshape(-1, width), self.device)
 
     # ------------------------------------------------------------------ internals
+    @property
+    def _tensors(self) -> dict[str, torch.Tensor]:
+        """Every per-row tensor by name, with the values of rows added since the last read
+        written first. Everything that reads or moves rows goes through here; only ``add``'s
+        own writes to other tensors than the pending ones use ``_store`` directly."""
+        if self._pending:
+            self._write_pending()
+        return self._store
+
+    @_tensors.setter
+    def _tensors(self, tensors: dict[str, torch.Tensor]) -> None:
+        self._store = tensors
+
+    def _stage_row_values(self, first: int, values: dict[str, list]) -> None:
+        """Keep per-row values of rows ``first, first + 1, ...`` (one list per tensor name, as
+        long as the rows) for the next read of the state. Rows join at the end, so the rows
+        added between two reads follow each other."""
+        pending = self._pending
+        if pending and first != self._pending_first + len(next(iter(pending.values()))):
+            self._write_pending()
+        if not pending:
+            self._pending_first = first
+        for name, column in values.items():
+            pending.setdefault(name, []).extend(column)
+
+    def _write_pending(self) -> None:
+        pending, self._pending = self._pending, {}
+        first = self._pending_first
+        for name, values in pending.items():
+            rows = self._store[name][first:first + len(values)]
+            if len(values) == 1:
+                rows.fill_(values[0])
+            else:
+                rows.copy_(upload(values, self.device, rows.dtype))
+
     def _changed(self) -> None:
         self._forget_views()
         self._request_index = None
@@ -933,8 +973,9 @@ class SamplingBatch:
 
     def _allocate_optional_state(self, params: SamplingParams, prompt: list[int],
                                  outputs: list[list[int]]) -> None:
-        """Create (or widen) the optional tensors this request needs."""
-        V, t = self.vocab_size, self._tensors
+        """Create (or widen) the optional tensors this request needs (none of them is a
+        pending one: the checks read the store as it is)."""
+        V, t = self.vocab_size, self._store
         if params.uses_dry:
             longest = len(prompt) + max(len(out) for out in outputs)
             self._history_bound = max(self._history_bound, longest)
@@ -1025,7 +1066,7 @@ class SamplingBatch:
                     outputs: list[list[int]], child_offset: int = 0) -> None:
         n = len(rows)
         sl = slice(rows[0], rows[0] + n)
-        t, dev = self._tensors, self.device
+        t, dev = self._store, self.device     # the tensors below are not pending ones
         seed_lo, seed_hi = split_seed(params.seed) if params.seed is not None else (0, 0)
         scalar_values = {
             "temperature": params.temperature,
@@ -1053,10 +1094,6 @@ class SamplingBatch:
             "thinking_budget": (thinking.NO_BUDGET if params.thinking_budget is None
                                 else min(params.thinking_budget, _INT32_MAX)),
         }
-        for name, value in scalar_values.items():
-            t[name][sl] = value
-        t["child"][sl] = torch.arange(child_offset, child_offset + n, dtype=torch.int32, device=dev)
-        t["position"][sl] = upload([len(o) for o in outputs], dev, torch.int32)
 
         V = self.vocab_size
         if "output_counts" in t:
@@ -1124,6 +1161,11 @@ class SamplingBatch:
             self._write_stage(sl, spec, args, prompt, outputs)
         for spec, _ in self._engine_stages.values():
             self._write_stage(sl, spec, spec.args(), prompt, outputs)
+        # Last, once nothing above can fail: a failed add leaves no pending values behind
+        values = {name: [value] * n for name, value in scalar_values.items()}
+        values["child"] = list(range(child_offset, child_offset + n))
+        values["position"] = [len(o) for o in outputs]
+        self._stage_row_values(rows[0], values)
 
     def _write_history(self, sl: slice, params: SamplingParams, prompt: list[int],
                        outputs: list[list[int]]) -> None:

@@ -298,3 +298,23 @@ def test_the_example_stage_bans_repeats_with_the_installed_plugin(monkeypatch):
         assert tokens == [29, 28, 27, 26]
     finally:
         reset_default_registry(None)
+
+
+def test_an_add_that_fails_in_a_stage_leaves_the_rows_that_joined_before_it(registry):
+    wrong_init = StageState("seen", torch.int32, lambda v: (v,),
+                            lambda prompt, output, args, vocab: torch.zeros(3, dtype=torch.int32),
+                            count_token)
+    registry.register(StagePlugin(StageSpec("bad-init", "after_penalties", Times, ban_seen,
+                                            state=(wrong_init,))), "faulty")
+    batch = REF.new_batch(V)
+    add(batch, "a", temperature=0.5, seed=3)
+    add(batch, "b", n=2, top_k=4)           # joined since the state was last read
+    for n in (1, 40):                       # 40 rows: the batch grows, then shrinks back
+        with pytest.raises(StageError, match="state 'seen' init returned shape"):
+            add(batch, "bad", n=n, stage_args={"bad-init": {}}, temperature=0.25, min_tokens=7)
+    s = batch.step_state(5)
+    assert s.temperature.tolist() == [0.5, 1.0, 1.0, 1.0, 1.0]
+    assert s.top_k.tolist() == [0, 4, 4, 0, 0] and s.child.tolist() == [0, 0, 1, 0, 0]
+    assert s.min_tokens.tolist() == [0] * 5 and s.seeded.tolist() == [True] + [False] * 4
+    add(batch, "c", top_p=0.5)
+    assert batch.step_state().top_p.tolist() == [1.0, 1.0, 1.0, 0.5]

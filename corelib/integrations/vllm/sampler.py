@@ -115,10 +115,14 @@ class BatchMirror:
         if self._unchanged(order, outputs, requests):
             return self.batch
         order, self._synced_order = list(order), []     # no steady state until this sync ends
-        self._drop_stale(input_batch.req_id_to_index, outputs, requests)
+        left, changed = self._stale(input_batch.req_id_to_index, outputs, requests)
+        self._drop(changed)                 # added again below, from vLLM's state
         for row, request_id in enumerate(order):
             if request_id not in self._added:
                 self._add(request_id, requests[request_id], outputs[row])
+        # After the joins: vLLM put a new request into the lowest free row, which is where
+        # the last row moves when the lowest stale row leaves (one move, no swap after it)
+        self._drop(left)
         self._follow(order)
         self._synced_order = order
         return self.batch
@@ -126,7 +130,7 @@ class BatchMirror:
     def _unchanged(self, order: list[str], outputs: list, requests: dict[str, Any]) -> bool:
         """The steady state, checked without building anything per row: the same requests in
         the same rows as after the last sync, each with the state it was added with and as
-        many generated tokens as vLLM holds (``_matches`` for every row)."""
+        many generated tokens as vLLM holds (what ``_stale`` checks row by row)."""
         if order != self._synced_order:
             return False
         if self.batch.generated_counts() != [len(ids) for ids in outputs[:len(order)]]:
@@ -139,20 +143,32 @@ class BatchMirror:
                 return False
         return True
 
-    def _drop_stale(self, rows_now: dict[str, int], outputs: list, requests: dict[str, Any]) -> None:
-        """Remove the requests that left vLLM's batch or whose state differs from vLLM's, in
-        the order that closes the holes as vLLM's ``condense`` does: a stale last row is
-        dropped, otherwise the lowest stale row is removed and the last row moves into it
-        (vLLM moves its last remaining request into its lowest hole). The moved row is never
-        stale (else it would have been dropped first), so the other stale rows stay where
-        they are: their order is found on row numbers alone, and one ``remove`` takes them."""
-        counts = self.batch.generated_counts()
-        stale = deque()                     # (row, request id), rows ascending
+    def _stale(self, rows_now: dict[str, int], outputs: list,
+               requests: dict[str, Any]) -> tuple[deque, deque]:
+        """The requests that left vLLM's batch, and those whose state differs from vLLM's
+        (their sampled token was discarded, or vLLM changed them): ``(row, request id)`` each,
+        rows ascending."""
+        counts, added = self.batch.generated_counts(), self._added
+        left, changed = deque(), deque()
         for row, (request_id, _) in enumerate(self.batch.rows):
             vllm_row = rows_now.get(request_id)
-            if vllm_row is None or not self._matches(request_id, requests[request_id],
-                                                     counts[row], outputs[vllm_row]):
-                stale.append((row, request_id))
+            if vllm_row is None:
+                left.append((row, request_id))
+                continue
+            params, prompt_length = added[request_id]
+            state = requests[request_id]
+            if (state.sampling_params is not params or state.num_prompt_tokens != prompt_length
+                    or counts[row] != len(outputs[vllm_row])):
+                changed.append((row, request_id))
+        return left, changed
+
+    def _drop(self, stale: deque) -> None:
+        """Remove ``stale`` (``(row, request id)``, rows ascending) in the order that closes
+        the holes as vLLM's ``condense`` does: a stale last row is dropped, otherwise the
+        lowest stale row is removed and the last row moves into it (vLLM moves its last
+        remaining request into its lowest hole). The moved row is never stale (else it would
+        have been dropped first), so the other stale rows stay where they are: the order is
+        found on row numbers alone, and one ``remove`` takes them all."""
         order, last_row = [], self.batch.num_rows - 1
         while stale:
             _, victim = stale.pop() if stale[-1][0] == last_row else stale.popleft()
@@ -164,11 +180,6 @@ class BatchMirror:
             if self.processors:
                 self.processors.forget(victim)
         self.moves["removed"] += len(order)
-
-    def _matches(self, request_id: str, state: Any, generated: int, output_ids: list[int]) -> bool:
-        params, prompt_length = self._added[request_id]
-        return (state.sampling_params is params and state.num_prompt_tokens == prompt_length
-                and generated == len(output_ids))
 
     def _add(self, request_id: str, state: Any, output_ids: list[int]) -> None:
         if PLACEHOLDER_TOKEN in output_ids:
