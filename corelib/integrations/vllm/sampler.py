@@ -6,13 +6,14 @@ requests (lowest free row first), emptied by finished or preempted ones, closed 
 ``BatchMirror.sync`` brings a ``corelib.SamplingBatch`` to the same rows before each step
 without rebuilding it:
 
-- a request that left vLLM's batch is ``remove``d; corelib's ``remove`` moves the last row
-  into the hole, and the removals go in the order that makes this vLLM's ``condense``, so a
-  step that only loses requests needs no further move;
 - a request whose history no longer matches vLLM's (its sampled token was discarded after a
   partial prefill, or vLLM changed it) is removed and added again from vLLM's own state;
 - a request that joined is ``add``ed with vLLM's prompt and output tokens, so a preempted and
   resumed request continues its penalties, min-tokens and seeded positions;
+- the requests that left vLLM's batch are ``remove``d together, after the joins: corelib's
+  ``remove`` moves the last row into each hole, and the joins and removals go in the order
+  that makes this vLLM's placing of new requests into the lowest freed rows and its
+  ``condense``, so a step that only adds and loses requests needs one move of rows in all;
 - where the rows then differ from vLLM's order, ``swap_rows`` exchanges them.
 
 After sampling (or verifying drafts), the mirror appends the emitted tokens, which vLLM keeps
@@ -117,11 +118,16 @@ class BatchMirror:
         order, self._synced_order = list(order), []     # no steady state until this sync ends
         left, changed = self._stale(input_batch.req_id_to_index, outputs, requests)
         self._drop(changed)                 # added again below, from vLLM's state
-        for row, request_id in enumerate(order):
-            if request_id not in self._added:
-                self._add(request_id, requests[request_id], outputs[row])
-        # After the joins: vLLM put a new request into the lowest free row, which is where
-        # the last row moves when the lowest stale row leaves (one move, no swap after it)
+        joining = [(row, request_id) for row, request_id in enumerate(order)
+                   if request_id not in self._added]
+        # vLLM put its first new requests into the lowest rows the leaving ones freed and
+        # appended the others. Added in this order, the ones that fill holes are the last rows,
+        # lowest first, when ``_drop`` moves the last row into each lowest hole: the rows then
+        # match vLLM's with one move for all of them and no swap.
+        filling = min(len(left), len(joining))
+        into_holes = joining[:filling][::-1]
+        for row, request_id in joining[filling:] + into_holes:
+            self._add(request_id, requests[request_id], outputs[row])
         self._drop(left)
         self._follow(order)
         self._synced_order = order

@@ -92,6 +92,25 @@ def test_removals_alone_need_no_row_moves(seed):
         assert moves == {"added": 0, "removed": len(remove), "swapped": 0}
 
 
+@pytest.mark.parametrize("seed", range(20))
+def test_joins_and_leaves_of_one_step_need_no_swap(seed):
+    """vLLM puts new requests into the lowest rows freed in the same step, in order, appends
+    the others and condenses the remaining holes. The mirror adds and removes in the order
+    that lands every row where vLLM has it: one ``remove`` for the leaving requests, no swap."""
+    rng = random.Random(seed)
+    engine = Engine()
+    engine.step(add=[engine.new_request() for _ in range(rng.randint(1, 10))])
+    for _ in range(8):
+        running = list(engine.input_batch.req_ids)
+        remove = rng.sample(running, rng.randint(0, len(running)))
+        room = MAX_REQS - len(running) + len(remove)
+        add = [engine.new_request() for _ in range(rng.randint(0, room))]
+        if running:
+            engine.decode()
+        moves = engine.step(remove=remove, add=add)
+        assert moves == {"added": len(add), "removed": len(remove), "swapped": 0}
+
+
 def test_additions_into_holes_and_swaps_are_followed():
     engine = Engine()
     ids = [engine.new_request() for _ in range(6)]
