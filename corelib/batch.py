@@ -2,8 +2,10 @@
 
 The host keeps the bookkeeping (which request owns which row, its parameters, how many tokens
 each row has generated); the device keeps every per-row tensor a stage reads. Adding a request
-writes only its own rows; removing one moves the last rows into the freed places (as vLLM's
-input batch does), so no operation rebuilds every row, and ``append`` updates running counts
+writes only its own rows (its per-row values wait on the host until the state is next read,
+so the requests that join between two steps take one write per tensor); removing requests
+moves the last rows into the freed places (as vLLM's input batch does), one move for all the
+requests of a call, so no operation rebuilds every row, and ``append`` updates running counts
 instead of re-reading histories.
 """
 
