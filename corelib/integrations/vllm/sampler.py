@@ -117,7 +117,11 @@ class BatchMirror:
             return self.batch
         order, self._synced_order = list(order), []     # no steady state until this sync ends
         left, changed = self._stale(input_batch.req_id_to_index, outputs, requests)
-        self._drop(changed)                 # added again below, from vLLM's state
+        if changed:                         # added again below, from vLLM's state
+            self._drop(changed)
+            # where the leaving requests are now: last rows moved into the changed ones' holes
+            left = deque(sorted((self.batch.rows_of(request_id)[0], request_id)
+                                for _, request_id in left))
         joining = [(row, request_id) for row, request_id in enumerate(order)
                    if request_id not in self._added]
         # vLLM put its first new requests into the lowest rows the leaving ones freed and
