@@ -868,6 +868,7 @@ class SamplingBatch:
         pending = self._pending
         if pending and first != self._pending_first + len(next(iter(pending.values()))):
             self._write_pending()
+            pending = self._pending             # a new, empty one
         if not pending:
             self._pending_first = first
         for name, column in values.items():

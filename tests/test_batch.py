@@ -302,3 +302,11 @@ def test_child_offset_keys_the_seeded_draw_and_is_checked(batch):
         with pytest.raises(ValueError, match=r"request 'x': child_offset must be an int in \[0, 2\*\*31 - n\]"):
             batch.add("x", SamplingParams(n=2), child_offset=bad)
     assert "x" not in batch
+
+
+def test_staged_rows_that_do_not_follow_the_pending_ones_write_those_first(batch):
+    # No public operation makes such rows (every row change reads the state first); the
+    # batch still keeps both sets of values rather than dropping one.
+    batch.add("a", SamplingParams(temperature=0.5))
+    batch._stage_row_values(3, {"temperature": [0.25]})
+    assert batch.step_state(4).temperature.tolist() == [0.5, 1.0, 1.0, 0.25]
