@@ -140,7 +140,7 @@ class BatchMirror:
     def _unchanged(self, order: list[str], outputs: list, requests: dict[str, Any]) -> bool:
         """The steady state, checked without building anything per row: the same requests in
         the same rows as after the last sync, each with the state it was added with and as
-        many generated tokens as vLLM holds (what ``_stale`` checks row by row)."""
+        many generated tokens as vLLM holds (``_matches`` for every row)."""
         if order != self._synced_order:
             return False
         if self.batch.generated_counts() != [len(ids) for ids in outputs[:len(order)]]:
@@ -158,19 +158,21 @@ class BatchMirror:
         """The requests that left vLLM's batch, and those whose state differs from vLLM's
         (their sampled token was discarded, or vLLM changed them): ``(row, request id)`` each,
         rows ascending."""
-        counts, added = self.batch.generated_counts(), self._added
+        counts = self.batch.generated_counts()
         left, changed = deque(), deque()
         for row, (request_id, _) in enumerate(self.batch.rows):
             vllm_row = rows_now.get(request_id)
             if vllm_row is None:
                 left.append((row, request_id))
                 continue
-            params, prompt_length = added[request_id]
-            state = requests[request_id]
-            if (state.sampling_params is not params or state.num_prompt_tokens != prompt_length
-                    or counts[row] != len(outputs[vllm_row])):
+            if not self._matches(request_id, requests[request_id], counts[row], outputs[vllm_row]):
                 changed.append((row, request_id))
         return left, changed
+
+    def _matches(self, request_id: str, state: Any, generated: int, output_ids: list[int]) -> bool:
+        params, prompt_length = self._added[request_id]
+        return (state.sampling_params is params and state.num_prompt_tokens == prompt_length
+                and generated == len(output_ids))
 
     def _drop(self, stale: deque) -> None:
         """Remove ``stale`` (``(row, request id)``, rows ascending) in the order that closes
