@@ -16,11 +16,9 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
-import time
 
 import torch
 from corelib.bench import make_logits
@@ -29,8 +27,7 @@ from corelib_cpu.sampler import CpuSampler
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from cpu_grid import GRID_CONFIGS, SEEDED, make_batch  # noqa: E402
-
-CLOCKS = {"wall": time.perf_counter, "thread": time.thread_time}
+from harness import add_clock_argument, clock_from, interleaved, load_average, medians  # noqa: E402
 
 
 def load_base(revision: str, folder: str):
@@ -54,19 +51,15 @@ def main(argv=None) -> int:
     parser.add_argument("--profiles", default="flat,peaked")
     parser.add_argument("--repeats", type=int, default=5, help="timed calls per cell and side")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
-    parser.add_argument("--clock", choices=sorted(CLOCKS), default="wall",
-                        help="wall time, or the calling thread's CPU time (leaves out the time "
-                             "other processes hold the core on a loaded machine)")
+    add_clock_argument(parser)
     args = parser.parse_args(argv)
-    if args.clock == "thread" and args.threads != 1:
-        parser.error("--clock thread counts the calling thread only: use --threads 1")
-    clock = CLOCKS[args.clock]
+    clock = clock_from(args, parser, args.threads)
     torch.set_num_threads(args.threads)
     V = args.vocab_size
     with tempfile.TemporaryDirectory() as folder:
         Base = load_base(args.base, folder)
         print(f"base {args.base} vs this checkout, V = {V}, {args.threads} thread(s), {args.clock} "
-              f"clock, median of {args.repeats}, load average {os.getloadavg()[0]:.2f} at start")
+              f"clock, median of {args.repeats}, load average {load_average():.2f} at start")
         print(f"{'config':20s} {'B':>4s} {'logits':7s} {'base ms':>9s} {'now ms':>9s} {'base/now':>8s}")
         for profile in args.profiles.split(","):
             for config in args.configs.split(","):
@@ -76,16 +69,14 @@ def main(argv=None) -> int:
                     base_batch, now_batch = make_batch(base, config, B, V), make_batch(now, config, B, V)
                     same = torch.equal(base.sample(logits, base_batch).token_ids,
                                        now.sample(logits, now_batch).token_ids)
-                    base_ms, now_ms = [], []
-                    for _ in range(args.repeats):
-                        for sampler, batch, times in ((base, base_batch, base_ms), (now, now_batch, now_ms)):
-                            start = clock()
-                            sampler.sample(logits, batch)
-                            times.append((clock() - start) * 1000.0)
-                    b, n = statistics.median(base_ms), statistics.median(now_ms)
+                    # the sample calls above were the warm-up
+                    m = medians(interleaved({"base": lambda: base.sample(logits, base_batch),
+                                             "now": lambda: now.sample(logits, now_batch)},
+                                            args.repeats, warmup=0, clock=clock))
+                    b, n = m["base"], m["now"]
                     seeded = f"  seeded tokens equal: {same}" if config in SEEDED else ""
                     print(f"{config:20s} {B:4d} {profile:7s} {b:9.3f} {n:9.3f} {b / n:7.2f}x{seeded}", flush=True)
-        print(f"load average {os.getloadavg()[0]:.2f} at end")
+        print(f"load average {load_average():.2f} at end")
     return 0
 
 

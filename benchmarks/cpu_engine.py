@@ -22,11 +22,9 @@ Nothing here asserts a time; the test suites check the results.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
-import time
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 from corelib import SamplingParams
@@ -34,9 +32,10 @@ from corelib.bench import machine_description, make_logits
 from corelib.bitmask import pack_bitmask
 
 from corelib_cpu.sampler import CpuSampler
+from harness import CLOCKS, add_clock_argument, interleaved, load_average, timed
+from harness import medians as medians_of
 
 V = 128256
-CLOCKS = {"wall": time.perf_counter, "thread": time.thread_time}
 clock = CLOCKS["wall"]
 
 #: The step the new samplers are added to: whole rows (no top-k), so each stage meets the
@@ -58,21 +57,10 @@ STEPS = {
 TARGETS = {"bitmask": 1.0, "verify": 1.5, "samplers": 1.0, "dry_4096": 2.0}
 
 
-def timed(fn: Callable[[], object]) -> float:
-    start = clock()
-    fn()
-    return (clock() - start) * 1000.0
-
-
 def medians(calls: dict, repeats: int) -> dict:
-    """Median ms of each named call, the calls alternating so they share the machine's load."""
-    times = {name: [] for name in calls}
-    for fn in calls.values():   # warm-up: workspace buffers, plans, lazy imports
-        fn()
-    for _ in range(repeats):
-        for name, fn in calls.items():
-            times[name].append(timed(fn))
-    return {name: statistics.median(t) for name, t in times.items()}
+    """Median ms of each named call, the calls alternating so they share the machine's load,
+    after one warm-up round (workspace buffers, plans, lazy imports)."""
+    return medians_of(interleaved(calls, repeats, warmup=1, clock=clock))
 
 
 def batch_of(sampler: CpuSampler, rows: int, params: dict, seeded: bool = False,
@@ -219,7 +207,7 @@ def profile_cell(spec: str, repeats: int = 5):
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         for _ in range(repeats):
             step()
-    print(f"{spec}: {repeats} calls profiled, {statistics.median([timed(step) for _ in range(repeats)]):.2f} ms a call")
+    print(f"{spec}: {repeats} calls profiled, {statistics.median([timed(step, clock=clock) for _ in range(repeats)]):.2f} ms a call")
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15))
 
 
@@ -228,9 +216,7 @@ def main(argv=None) -> int:
     parser.add_argument("--parts", default="bitmask,verify,samplers")
     parser.add_argument("--batch-sizes", default="32")
     parser.add_argument("--repeats", type=int, default=7, help="timed calls per cell and variant")
-    parser.add_argument("--clock", choices=sorted(CLOCKS), default="wall",
-                        help="wall time, or the calling thread's CPU time (leaves out the time "
-                             "other processes hold the core on a loaded machine)")
+    add_clock_argument(parser)
     parser.add_argument("--profile", help="part:config:B, e.g. samplers:typical_p:32")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
@@ -241,11 +227,11 @@ def main(argv=None) -> int:
         return 0
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     print(f"{machine_description()}, 1 torch thread, {args.clock} clock, V = {V}, median of "
-          f"{args.repeats}, load average {os.getloadavg()[0]:.2f} at start")
+          f"{args.repeats}, load average {load_average():.2f} at start")
     parts = {"bitmask": bitmask_part, "verify": verify_part, "samplers": samplers_part}
     for part in args.parts.split(","):
         parts[part](batch_sizes, args.repeats)
-    print(f"\nload average {os.getloadavg()[0]:.2f} at end")
+    print(f"\nload average {load_average():.2f} at end")
     return 0
 
 

@@ -32,6 +32,7 @@ from corelib import Sampler, SamplingParams
 from corelib.bench import CONFIGS, GENERATED, PROMPT_LEN, SEEDED_CONFIGS, machine_description, make_logits
 
 from corelib_cpu.sampler import CpuSampler
+from harness import Summary, load_average, samples
 
 # Every row seeded: the draws whose noise the contract fixes (whole rows for random and
 # top_p, the top-k candidates for top_k_top_p).
@@ -94,17 +95,6 @@ def make_batch(sampler: Sampler, config: str, batch_size: int, vocab_size: int):
     return batch
 
 
-def timed(fn: Callable[[], object], repeats: int, warmup: int = 1) -> list[float]:
-    for _ in range(warmup):
-        fn()
-    samples = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        samples.append((time.perf_counter() - start) * 1000.0)
-    return samples
-
-
 def peak_extra_memory(fn: Callable[[], object]) -> float:
     """Bytes: the high-water mark of torch's CPU allocations during fn(), from
     torch.profiler's memory events (allocations inside ops, frees as they happen), replayed
@@ -131,18 +121,18 @@ def bench_cell(reference: Optional[Sampler], config: str, B: int, V: int, profil
     cpu = CpuSampler()          # a fresh workspace: the cell's memory is its own
     logits = make_logits(B, V, profile)
     batch = make_batch(cpu, config, B, V)
-    cpu_samples = timed(lambda: cpu.sample(logits, batch), repeats)
+    cpu_times = Summary.of(samples(lambda: cpu.sample(logits, batch), repeats))
     peak = peak_extra_memory(lambda: cpu.sample(logits, batch)) + cpu.workspace.nbytes()
-    clone_ms = statistics.median(timed(lambda: logits.clone(), max(repeats, 9)))
+    clone_ms = statistics.median(samples(lambda: logits.clone(), max(repeats, 9)))
     target = torch.empty_like(logits)
-    copy_ms = statistics.median(timed(lambda: target.copy_(logits), max(repeats, 9)))
+    copy_ms = statistics.median(samples(lambda: target.copy_(logits), max(repeats, 9)))
     reference_ms = None
     if reference is not None:
         ref_batch = make_batch(reference, config, B, V)
-        reference_ms = statistics.median(timed(lambda: reference.sample(logits, ref_batch),
-                                               max(1, repeats // 3), warmup=1 if B * V < 2**22 else 0))
+        reference_ms = statistics.median(samples(lambda: reference.sample(logits, ref_batch),
+                                                 max(1, repeats // 3), warmup=1 if B * V < 2**22 else 0))
     logits_bytes = logits.numel() * logits.element_size()
-    return Cell(config, B, V, profile, statistics.median(cpu_samples), min(cpu_samples),
+    return Cell(config, B, V, profile, cpu_times.median, cpu_times.min,
                 reference_ms, clone_ms, copy_ms, peak / logits_bytes)
 
 
@@ -257,11 +247,11 @@ def profile_cell(spec: str) -> None:
     batch = make_batch(cpu, config, B, V)
     for _ in range(2):
         cpu.sample(logits, batch)
-    ms = statistics.median(timed(lambda: cpu.sample(logits, batch), 15))
+    ms = statistics.median(samples(lambda: cpu.sample(logits, batch), 15))
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         for _ in range(5):
             cpu.sample(logits, batch)
-    clone_ms = statistics.median(timed(lambda: logits.clone(), 9))
+    clone_ms = statistics.median(samples(lambda: logits.clone(), 9))
     table = prof.key_averages()
     calls = sum(event.count for event in table) / 5
     print(f"{spec}: {ms:.3f} ms per step (median of 15), one clone() = {clone_ms:.3f} ms; "
@@ -298,7 +288,7 @@ def main(argv=None) -> int:
         parser.error(f"unknown configs {unknown}; choose from {', '.join(GRID_CONFIGS)}")
     repeats = args.repeats or (3 if args.quick else 7)
 
-    description = f"{machine_description()}, load average {os.getloadavg()[0]:.2f} at start"
+    description = f"{machine_description()}, load average {load_average():.2f} at start"
     print(description)
     reference = None if args.no_reference else Sampler("cpu")
     cells = []
@@ -310,7 +300,7 @@ def main(argv=None) -> int:
         sys.stderr.write(f"\r{i + 1}/{len(order)} {config} B={B} V={V} {profile}        ")
         sys.stderr.flush()
     sys.stderr.write("\n")
-    description += f", {os.getloadavg()[0]:.2f} at end, {time.perf_counter() - started:.0f} s"
+    description += f", {load_average():.2f} at end, {time.perf_counter() - started:.0f} s"
     print(format_table(cells))
     print("\nTargets (V = 128256):")
     for line in targets(cells):

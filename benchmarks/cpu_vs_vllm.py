@@ -27,7 +27,6 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import argparse
 import statistics
 import sys
-import time
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -36,6 +35,7 @@ from corelib import SamplingParams
 from corelib.bench import machine_description, make_logits
 
 from corelib_cpu.sampler import CpuSampler
+from harness import add_clock_argument, clock_from, load_average, load_vllm, timed, vllm_metadata
 
 V = 128256
 BATCH_SIZES = (1, 8, 32, 128)
@@ -77,48 +77,6 @@ class Cell:
         return None if self.vllm_ms is None or self.base_ms is None else self.vllm_ms / self.base_ms
 
 
-def load_vllm():
-    """vLLM's Sampler class and its metadata types, or None when vLLM is not importable."""
-    try:
-        from vllm.v1.sample.logits_processor import LogitsProcessors
-        from vllm.v1.sample.metadata import SamplingMetadata
-        from vllm.v1.sample.sampler import Sampler
-    except Exception as exc:   # ImportError, or a vLLM build that fails to initialise
-        print(f"vLLM is not importable ({type(exc).__name__}: {exc}); timing corelib alone",
-              file=sys.stderr)
-        return None
-    return Sampler, SamplingMetadata, LogitsProcessors
-
-
-def vllm_metadata(vllm, params: dict, seeded: bool, B: int):
-    """SamplingMetadata for B random rows with ``params`` (a generator per row when seeded,
-    as vLLM's input batch builds it for requests with a seed)."""
-    _, SamplingMetadata, LogitsProcessors = vllm
-    generators = {}
-    if seeded:
-        for i in range(B):
-            generators[i] = torch.Generator().manual_seed(100_003 + i)
-    top_k, top_p = params.get("top_k"), params.get("top_p")
-    return SamplingMetadata(
-        temperature=torch.full((B,), float(params.get("temperature", 1.0))),
-        all_greedy=False,
-        all_random=True,
-        top_p=None if top_p is None else torch.full((B,), float(top_p)),
-        top_k=None if top_k is None else torch.full((B,), int(top_k), dtype=torch.int32),
-        generators=generators,
-        max_num_logprobs=None,
-        no_penalties=True,
-        prompt_token_ids=None,
-        frequency_penalties=torch.zeros(B),
-        presence_penalties=torch.zeros(B),
-        repetition_penalties=torch.ones(B),
-        output_token_ids=[[] for _ in range(B)],
-        allowed_token_ids_mask=None,
-        bad_words_token_ids={},
-        logitsprocs=LogitsProcessors(),
-    )
-
-
 def corelib_batch(sampler: CpuSampler, params: dict, seeded: bool, B: int):
     batch = sampler.new_batch(V)
     for i in range(B):
@@ -127,7 +85,7 @@ def corelib_batch(sampler: CpuSampler, params: dict, seeded: bool, B: int):
     return batch
 
 
-def bench_cell(vllm, name: str, B: int, repeats: int, Base=None) -> Cell:
+def bench_cell(vllm, name: str, B: int, repeats: int, clock, Base=None) -> Cell:
     params, seeded = CONFIGS[name]
     logits = make_logits(B, V, "flat")
     sampler = CpuSampler()
@@ -142,7 +100,9 @@ def bench_cell(vllm, name: str, B: int, repeats: int, Base=None) -> Cell:
         base_step()
     vllm_step = None
     if vllm is not None:
-        vllm_sampler, metadata = vllm[0](), vllm_metadata(vllm, params, seeded, B)
+        # the metadata as vLLM's input batch builds it (a generator per row when seeded)
+        seeds = [100_003 + i for i in range(B)] if seeded else None
+        vllm_sampler, metadata = vllm.Sampler(), vllm_metadata(vllm, B, params, seeds=seeds)
         spare = [logits.clone() for _ in range(2 * repeats + 1)]   # vLLM works in place on its input
         vllm_step = lambda: vllm_sampler(spare.pop(), metadata)              # noqa: E731
     corelib_step()                                                          # warm-up
@@ -151,33 +111,23 @@ def bench_cell(vllm, name: str, B: int, repeats: int, Base=None) -> Cell:
     corelib_times, vllm_times, base_times = [], [], []
     for i in range(repeats):
         if base_step is None:
-            corelib_times.append(timed(corelib_step))
+            corelib_times.append(timed(corelib_step, clock=clock))
             if vllm_step is not None:
-                vllm_times.append(timed(vllm_step))
+                vllm_times.append(timed(vllm_step, clock=clock))
             continue
         # Each corelib side runs right after a vLLM call, as in the loop without --base: the
         # call after vLLM's pays for the caches and memory vLLM's sort left behind (2-3x at
         # B = 32), so taking turns in one rotation would compare positions, not code.
         if vllm_step is not None:
-            vllm_times.append(timed(vllm_step))
-        corelib_times.append(timed(corelib_step))
+            vllm_times.append(timed(vllm_step, clock=clock))
+        corelib_times.append(timed(corelib_step, clock=clock))
         if vllm_step is not None:
-            vllm_times.append(timed(vllm_step))
-        base_times.append(timed(base_step))
-    clone_ms = statistics.median(timed(logits.clone) for _ in range(max(repeats, 9)))
+            vllm_times.append(timed(vllm_step, clock=clock))
+        base_times.append(timed(base_step, clock=clock))
+    clone_ms = statistics.median(timed(logits.clone, clock=clock) for _ in range(max(repeats, 9)))
     return Cell(name, B, statistics.median(corelib_times),
                 statistics.median(vllm_times) if vllm_times else None, clone_ms,
                 statistics.median(base_times) if base_times else None)
-
-
-CLOCKS = {"wall": time.perf_counter, "thread": time.thread_time}
-clock = CLOCKS["wall"]
-
-
-def timed(fn: Callable[[], object]) -> float:
-    start = clock()
-    fn()
-    return (clock() - start) * 1000.0
 
 
 def table(cells: list[Cell], batch_sizes, value: Callable[[Cell], str], last: Optional[Callable[[str], str]] = None) -> str:
@@ -216,15 +166,9 @@ def main(argv=None) -> int:
     parser.add_argument("--no-vllm", action="store_true", help="time corelib alone")
     parser.add_argument("--base", help="also time the cpu plugin of this git revision, in the same "
                                        "calls' rotation (benchmarks/cpu_ab.py's loader)")
-    parser.add_argument("--clock", choices=sorted(CLOCKS), default="wall",
-                        help="wall time (default), or the calling thread's CPU time: on a loaded "
-                             "machine it leaves out the time other processes hold the core "
-                             "(one torch thread only: other threads' work is not counted)")
+    add_clock_argument(parser)
     args = parser.parse_args(argv)
-    if args.clock == "thread" and args.threads != 1:
-        parser.error("--clock thread counts the calling thread only: use --threads 1")
-    global clock
-    clock = CLOCKS[args.clock]
+    clock = clock_from(args, parser, args.threads)
     torch.set_num_threads(args.threads)
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     names = list(CONFIGS)
@@ -233,10 +177,9 @@ def main(argv=None) -> int:
     vllm = None if args.no_vllm else load_vllm()
     version = ""
     if vllm is not None:
-        import vllm as vllm_module
-        version = f", vLLM {vllm_module.__version__}"
+        version = f", vLLM {vllm.version}"
     print(f"{machine_description()}{version}, {args.threads} torch thread(s), {args.clock} clock, V = {V}, "
-          f"flat logits, median of {args.repeats or '15 (B <= 8) or 5'} calls; load average {os.getloadavg()[0]:.2f} at start")
+          f"flat logits, median of {args.repeats or '15 (B <= 8) or 5'} calls; load average {load_average():.2f} at start")
     Base = None
     if args.base:
         import tempfile
@@ -247,11 +190,11 @@ def main(argv=None) -> int:
     for name in names:
         for B in batch_sizes:
             repeats = args.repeats or (15 if B <= 8 else 5)
-            cells.append(bench_cell(vllm, name, B, repeats, Base))
+            cells.append(bench_cell(vllm, name, B, repeats, clock, Base))
             sys.stderr.write(f"\r{len(cells)}/{len(names) * len(batch_sizes)}   ")
             sys.stderr.flush()
     sys.stderr.write("\n")
-    print(f"load average {os.getloadavg()[0]:.2f} at end\n")
+    print(f"load average {load_average():.2f} at end\n")
     if vllm is not None:
         print("vLLM time / corelib cpu time (higher is better for corelib)\n")
         print(table(cells, batch_sizes, lambda c: f"{c.ratio:.1f}x", lambda n: TARGETS[n][1]))

@@ -46,14 +46,14 @@ import io
 import pstats
 import statistics
 import sys
-import time
-from typing import Callable, Optional
+from typing import Callable
 
 import torch
 
 import corelib
 from corelib import SamplingParams
 from corelib.bench import machine_description, make_logits
+from harness import add_clock_argument, clock_from, load_average, load_vllm, timed_call, vllm_metadata
 
 V = 512
 BATCH_SIZES = (32, 256)
@@ -107,49 +107,15 @@ def cuda_sampler():
 
 
 # ---------------------------------------------------------------------- vLLM's sampler
-def load_vllm():
-    try:
-        from vllm.v1.sample.logits_processor import LogitsProcessors
-        from vllm.v1.sample.metadata import SamplingMetadata
-        from vllm.v1.sample.sampler import Sampler
-    except Exception as exc:
-        print(f"vLLM is not importable ({type(exc).__name__}: {exc}); timing corelib alone",
-              file=sys.stderr)
-        return None
-    return Sampler, SamplingMetadata, LogitsProcessors
-
-
 def vllm_step(vllm, name: str, B: int):
     """(one call of vLLM's Sampler on a copy of the logits, the runner's bookkeeping after it):
     the metadata as vLLM's input batch builds it for B requests of config ``name``."""
-    Sampler, SamplingMetadata, LogitsProcessors = vllm
     params = CONFIGS[name]
-    generators = {}
-    if name == "seeded":
-        generators = {i: torch.Generator().manual_seed(100_003 + i) for i in range(B)}
-    penalties = name == "penalties"
+    seeds = [100_003 + i for i in range(B)] if name == "seeded" else None
     outputs: list[list[int]] = [[] for _ in range(B)]
-    top_k, top_p = params.get("top_k"), params.get("top_p")
-    metadata = SamplingMetadata(
-        temperature=torch.full((B,), float(params.get("temperature", 1.0))),
-        all_greedy=False,
-        all_random=True,
-        top_p=None if top_p is None else torch.full((B,), float(top_p)),
-        top_k=None if top_k is None else torch.full((B,), int(top_k), dtype=torch.int32),
-        generators=generators,
-        max_num_logprobs=params.get("logprobs"),
-        no_penalties=not penalties,
-        prompt_token_ids=(torch.tensor([prompt_of(i) for i in range(B)], dtype=torch.long)
-                          if penalties else None),
-        frequency_penalties=torch.full((B,), float(params.get("frequency_penalty", 0.0))),
-        presence_penalties=torch.full((B,), float(params.get("presence_penalty", 0.0))),
-        repetition_penalties=torch.full((B,), float(params.get("repetition_penalty", 1.0))),
-        output_token_ids=outputs,
-        allowed_token_ids_mask=None,
-        bad_words_token_ids={},
-        logitsprocs=LogitsProcessors(),
-    )
-    sampler = Sampler()
+    metadata = vllm_metadata(vllm, B, params, seeds=seeds,
+                             prompts=[prompt_of(i) for i in range(B)], outputs=outputs)
+    sampler = vllm.Sampler()
     buffer = torch.empty((B, V))
 
     def prepare(logits):
@@ -165,9 +131,6 @@ def vllm_step(vllm, name: str, B: int):
 
 
 # ---------------------------------------------------------------------- the timing loop
-CLOCKS = {"wall": time.perf_counter, "thread": time.thread_time}
-
-
 def bench_samplers(name: str, B: int, steps: int, vllm, clock) -> dict:
     """Median ms per step of every sampler, interleaved step by step."""
     logits_pool = [make_logits(B, V, "flat", seed=s) for s in range(8)]
@@ -184,13 +147,11 @@ def bench_samplers(name: str, B: int, steps: int, vllm, clock) -> dict:
         for key, (prepare, step, after) in contenders.items():
             if prepare is not None:
                 prepare(logits)
-            start = clock()
-            tokens = step(logits)
-            elapsed = clock() - start
+            elapsed, tokens = timed_call(step, logits, clock=clock)
             if after is not None:
                 after(tokens)
             if i >= 5:                          # warm-up steps
-                times[key].append(elapsed * 1e3)
+                times[key].append(elapsed)
     return {k: statistics.median(v) for k, v in times.items()}
 
 
@@ -233,10 +194,12 @@ class MirrorBench:
         requests that joined when the state is next read), and the batch."""
         self.input_batch.condense()
         self.input_batch.refresh_metadata()
-        start = clock()
+        return timed_call(self._sync, clock=clock)
+
+    def _sync(self):
         batch = self.mirror.sync(self.input_batch, self.requests)
         batch.step_state()
-        return (clock() - start) * 1e3, batch
+        return batch
 
 
 def bench_mirror_burst(B: int, rounds: int, clock) -> tuple[float, float]:
@@ -322,13 +285,13 @@ def main(argv=None) -> int:
     parser.add_argument("--configs", default=",".join(SHORT.values()),
                         help="comma-separated: " + ",".join(SHORT.values()))
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--clock", choices=sorted(CLOCKS), default="wall")
+    add_clock_argument(parser)
     parser.add_argument("--no-mirror", action="store_true", help="skip the adapter's sync")
     parser.add_argument("--profile", metavar="CONFIG:B", help="cProfile the cpu step")
     parser.add_argument("--digest", action="store_true", help="seeded tokens' digest")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
-    clock = CLOCKS[args.clock]
+    clock = clock_from(args, parser, args.threads)
     if args.digest:
         print(digest(40))
         return 0
@@ -341,7 +304,7 @@ def main(argv=None) -> int:
     names = [n for n, s in SHORT.items() if s in args.configs.split(",")]
     vllm = load_vllm()
     print(f"{machine_description()}; {torch.get_num_threads()} torch thread(s); V = {V}; "
-          f"median of {args.steps} steps ({args.clock} clock); load {os.getloadavg()[0]:.1f}")
+          f"median of {args.steps} steps ({args.clock} clock); load {load_average():.1f}")
     rows = []
     for name in names:
         for B in batch_sizes:

@@ -204,6 +204,8 @@ def main(argv=None) -> int:
 
     _setup_environment()
     import torch
+    from harness import load_average, medians
+    load_at_start = load_average()
     torch.set_num_threads(args.threads)
     sys.path.insert(0, str(ROOT / "tests" / "integrations" / "vllm"))
     import tiny_llama
@@ -243,16 +245,17 @@ def main(argv=None) -> int:
         for _ in range(args.repeats):
             for name, (llm, timer) in engines.items():
                 results[name].append(run_once(llm, timer, prompts, params))
-        medians = {name: {key: statistics.median(r[key] for r in runs) for key in runs[0]}
-                   for name, runs in results.items()}
-        for name, m in medians.items():
+        per_engine = {name: medians({key: [r[key] for r in runs] for key in runs[0]})
+                      for name, runs in results.items()}
+        for name, m in per_engine.items():
             rows.append(dict(workload=workload, seeding=seeding, sampler=name, vocab=args.vocab,
                              requests=args.requests, tokens=args.tokens, **m,
-                             ratio=m["tokens_per_s"] / medians["vllm"]["tokens_per_s"],
-                             wall_ratio=m["wall_tokens_per_s"] / medians["vllm"]["wall_tokens_per_s"]))
+                             ratio=m["tokens_per_s"] / per_engine["vllm"]["tokens_per_s"],
+                             wall_ratio=m["wall_tokens_per_s"] / per_engine["vllm"]["wall_tokens_per_s"]))
     print(f"vLLM CPU engine, tiny Llama (vocab {args.vocab}), {args.requests} concurrent requests x "
           f"{args.tokens} tokens, {torch.get_num_threads()} torch thread(s), median of {args.repeats}"
-          + (", ngram speculation (3 drafts)" if args.speculative else ""))
+          + (", ngram speculation (3 drafts)" if args.speculative else "")
+          + f"; load average {load_at_start:.2f} at start, {load_average():.2f} at end")
     print(f"{'workload':<12} {'seeding':<9} {'sampler':<12} {'tokens/s':>9} {'vs vLLM':>8} "
           f"{'step ms':>8} {'sampler ms':>11} {'share':>6} {'wall tokens/s':>14} {'wall vs vLLM':>13}"
           + (f" {'accepted':>9} {'repeats':>8}" if args.speculative else ""))
