@@ -6,7 +6,8 @@
 
 Every number comes from the same run and process, so the ratios compare like with like. Times
 are per call (mean over ``--iters`` back-to-back calls, median of ``--repeats``), measured with
-CUDA events on a GPU. Rows:
+CUDA events on a GPU. Each batch size's row is printed, and ``--json`` rewritten, as soon as
+it is measured, so a run cut short keeps every batch size it finished. Rows:
 
 - ``sort``: a sort-based torch sampler (temperature, one full sort, top-k by rank, top-p by
   cumulative sum, exponential-race draw), the usual way without custom kernels;
@@ -40,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -120,7 +122,8 @@ def flashinfer_module(device: torch.device):
     return sampling
 
 
-def run(device: torch.device, batch_sizes: list[int], V: int, iters: int, repeats: int) -> list[dict]:
+def run(device: torch.device, batch_sizes: list[int], V: int, iters: int, repeats: int,
+        emit: Callable[[dict], None] = lambda row: None) -> list[dict]:
     samplers: dict[str, object] = {
         "reference": Sampler(device),
         "cuda": CudaSampler(device),
@@ -151,7 +154,7 @@ def run(device: torch.device, batch_sizes: list[int], V: int, iters: int, repeat
                 batch = build_batch(sampler, B, V, params, gen)
                 row[f"{name}/{config}"] = time_call(lambda: sampler.sample(logits, batch), device, iters, repeats)
         rows.append(row)
-        print(f"# B={B} done", file=sys.stderr)
+        emit(row)
     return rows
 
 
@@ -166,7 +169,7 @@ def random_bitmask(rows: int, V: int, gen: torch.Generator) -> torch.Tensor:
 
 
 def run_engine(device: torch.device, batch_sizes: list[int], V: int, K: int, iters: int,
-               repeats: int) -> list[dict]:
+               repeats: int, emit: Callable[[dict], None] = lambda row: None) -> list[dict]:
     """The engine-feature rows (bitmask, new samplers, verification); see the module docstring."""
     from corelib_cuda.bitmask import apply_token_bitmask_, torch_apply_token_bitmask_
     sampler = CudaSampler(device)
@@ -206,24 +209,31 @@ def run_engine(device: torch.device, batch_sizes: list[int], V: int, K: int, ite
             row["verify-graph"] = time_call(lambda: graphs.verify(spec_logits, unseeded, drafts, probs),
                                             device, iters, repeats)
         rows.append(row)
-        print(f"# engine B={B} done", file=sys.stderr)
+        emit(row)
     return rows
+
+
+ENGINE_HEAD = ["B", "K", "plain", "mask", "mask-kernel", "mask-torch", "samplers", "rows", "verify",
+               "verify-q", "verify-q-torch", "verify-graph", "mask/plain", "samplers/plain",
+               "verify/rows", "verify-q/rows", "fi/torch verify-q"]
+
+
+def engine_line(r: dict) -> str:
+    """One row of the engine-feature table (ms, then ratios)."""
+    vals = [str(r["B"]), str(r["K"])] + [_ms(r.get(k)) for k in ENGINE_HEAD[2:12]]
+    vals += [_x(ratio(r, "mask", "plain")), _x(ratio(r, "samplers", "plain")),
+             _x(ratio(r, "verify", "rows")), _x(ratio(r, "verify-q", "rows")),
+             _x(ratio(r, "verify-q", "verify-q-torch"))]
+    return "| " + " | ".join(vals) + " |"
 
 
 def engine_summary(rows: list[dict]) -> str:
     """A markdown table of the engine-feature times (ms) and their ratios."""
-    head = ["B", "K", "plain", "mask", "mask-kernel", "mask-torch", "samplers", "rows", "verify",
-            "verify-q", "verify-q-torch", "verify-graph", "mask/plain", "samplers/plain",
-            "verify/rows", "verify-q/rows", "fi/torch verify-q"]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    return "\n".join([_head(ENGINE_HEAD)] + [engine_line(r) for r in rows])
 
-    for r in rows:
-        vals = [str(r["B"]), str(r["K"])] + [_ms(r.get(k)) for k in head[2:12]]
-        vals += [_x(ratio(r, "mask", "plain")), _x(ratio(r, "samplers", "plain")),
-                 _x(ratio(r, "verify", "rows")), _x(ratio(r, "verify-q", "rows")),
-                 _x(ratio(r, "verify-q", "verify-q-torch"))]
-        lines.append("| " + " | ".join(vals) + " |")
-    return "\n".join(lines)
+
+def _head(head: list[str]) -> str:
+    return "| " + " | ".join(head) + " |\n" + "|" + "---|" * len(head)
 
 
 def _ms(v: Optional[float]) -> str:
@@ -240,24 +250,27 @@ def ratio(row: dict, num: str, den: str) -> Optional[float]:
     return None
 
 
+SUMMARY_HEAD = ["B", "sort", "reference", "fi-bare", "fi-bare-rows", "cuda", "cuda-fast", "cuda-graph",
+                "cuda-torch", "full", "seeded", "sort/cuda", "cuda/fi-bare", "fast/fi-bare",
+                "graph/fi-bare", "full/cuda"]
+
+
 def summary(rows: list[dict]) -> str:
     """A markdown table of times (ms) and the target ratios."""
-    head = ["B", "sort", "reference", "fi-bare", "fi-bare-rows", "cuda", "cuda-fast", "cuda-graph",
-            "cuda-torch", "full", "seeded", "sort/cuda", "cuda/fi-bare", "fast/fi-bare",
-            "graph/fi-bare", "full/cuda"]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    return "\n".join([_head(SUMMARY_HEAD)] + [summary_line(r) for r in rows])
 
-    for r in rows:
-        cfg = "top_k_top_p"
-        vals = [str(r["B"]), _ms(r.get("sort")), _ms(r.get(f"reference/{cfg}")), _ms(r.get("fi-bare")),
-                _ms(r.get("fi-bare-rows")), _ms(r.get(f"cuda/{cfg}")), _ms(r.get(f"cuda-fast/{cfg}")),
-                _ms(r.get(f"cuda-graph/{cfg}")), _ms(r.get(f"cuda-torch/{cfg}")), _ms(r.get("cuda/full")),
-                _ms(r.get("cuda/top_k_top_p_seeded")),
-                _x(ratio(r, "sort", f"cuda/{cfg}")), _x(ratio(r, f"cuda/{cfg}", "fi-bare")),
-                _x(ratio(r, f"cuda-fast/{cfg}", "fi-bare")), _x(ratio(r, f"cuda-graph/{cfg}", "fi-bare")),
-                _x(ratio(r, "cuda/full", f"cuda/{cfg}"))]
-        lines.append("| " + " | ".join(vals) + " |")
-    return "\n".join(lines)
+
+def summary_line(r: dict) -> str:
+    """One row of the sampling table (ms, then the target ratios)."""
+    cfg = "top_k_top_p"
+    vals = [str(r["B"]), _ms(r.get("sort")), _ms(r.get(f"reference/{cfg}")), _ms(r.get("fi-bare")),
+            _ms(r.get("fi-bare-rows")), _ms(r.get(f"cuda/{cfg}")), _ms(r.get(f"cuda-fast/{cfg}")),
+            _ms(r.get(f"cuda-graph/{cfg}")), _ms(r.get(f"cuda-torch/{cfg}")), _ms(r.get("cuda/full")),
+            _ms(r.get("cuda/top_k_top_p_seeded")),
+            _x(ratio(r, "sort", f"cuda/{cfg}")), _x(ratio(r, f"cuda/{cfg}", "fi-bare")),
+            _x(ratio(r, f"cuda-fast/{cfg}", "fi-bare")), _x(ratio(r, f"cuda-graph/{cfg}", "fi-bare")),
+            _x(ratio(r, "cuda/full", f"cuda/{cfg}"))]
+    return "| " + " | ".join(vals) + " |"
 
 
 def main(argv=None) -> int:
@@ -279,18 +292,29 @@ def main(argv=None) -> int:
         return 2
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     engine_sizes = [int(b) for b in args.engine_batch_sizes.split(",") if b]
+    results = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+               "torch": torch.__version__, "rows": [], "engine": []}
+
+    def emit(kind: str, line: Callable[[dict], str]) -> Callable[[dict], None]:
+        # Each batch size is printed and saved as it finishes: a run cut short keeps them.
+        def emit_row(row: dict) -> None:
+            results[kind].append(row)
+            print(line(row), flush=True)
+            if args.json:
+                with open(args.json + ".tmp", "w") as f:
+                    json.dump(results, f, indent=1)
+                os.replace(args.json + ".tmp", args.json)
+        return emit_row
+
     # The engine table first: the main table (the longer run) prints last.
-    engine = run_engine(device, engine_sizes, args.vocab, args.k, args.iters, args.repeats)
-    if engine:
-        print(engine_summary(engine))
+    if engine_sizes:
+        print(_head(ENGINE_HEAD), flush=True)
+        run_engine(device, engine_sizes, args.vocab, args.k, args.iters, args.repeats,
+                   emit("engine", engine_line))
         print()
-    rows = [] if args.skip_main else run(device, batch_sizes, args.vocab, args.iters, args.repeats)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-                       "torch": torch.__version__, "rows": rows, "engine": engine}, f, indent=1)
-    if rows:
-        print(summary(rows))
+    if not args.skip_main:
+        print(_head(SUMMARY_HEAD), flush=True)
+        run(device, batch_sizes, args.vocab, args.iters, args.repeats, emit("rows", summary_line))
     return 0
 
 

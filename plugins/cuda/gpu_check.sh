@@ -1,61 +1,123 @@
 #!/usr/bin/env bash
-# The cuda backend's GPU check: setup, the GPU tests, the benchmark, then a short table (last).
-#   bash plugins/cuda/gpu_check.sh            # from the repo root, on a machine with an NVIDIA GPU
-# Downloads nothing. It uses the python3 there (PYTHON=... to choose another); when pydantic is
-# missing it installs pydantic and its dependencies from the wheels carried in .whl/ (made by
-# plugins/cuda/gpu_wheels.sh; --no-index --find-links, so pip resolves them there), and it
-# installs this tree's corelib and corelib-cuda (no deps: torch stays the machine's; no build
-# isolation) into a scratch folder so the plugin's entry point exists.
+# The cuda backend's GPU check: setup, start-up (FlashInfer's first compile timed), the sync /
+# graph / bitmask tests, the FlashInfer and torch-path tests, the benchmark, the conformance
+# suite on the GPU, then a summary built from what each section left under $OUT.
+#   bash plugins/cuda/gpu_check.sh                          # repo root, a machine with an NVIDIA GPU
+#   CORELIB_GPU_CHECK_DRY=1 PYTHON=.venv/bin/python bash plugins/cuda/gpu_check.sh   # no GPU: dry run
+#
+# Downloads nothing. It uses the python3 there (PYTHON=... to choose another). What it installs
+# goes into a new folder each run (`pip install --target` into a folder that exists skips the
+# copy, so a rerun would import the first run's code): pydantic and its dependencies from the
+# wheels in .whl/ when pydantic is missing, the trimmed FlashInfer bundle in .whl/flashinfer/
+# when FlashInfer is missing (both made by plugins/cuda/gpu_wheels.sh), then this tree's corelib
+# and corelib-cuda (no deps: torch stays the machine's; no build isolation).
 #
 # Budget: a GPU session has about 15 minutes of device time in all, machine start included, so
-# this check stops well under 10: BUDGET (default 480 s) is split into sections, each cut off
-# by `timeout` at what is left of its share, and the seconds each took are printed:
-#   setup 60 s | start-up 150 s (FlashInfer's self-test: a FlashInfer without precompiled
-#   kernels JIT-compiles them here, timed) | tests 200 s | benchmark what is left (<= 140 s)
-# The tests cover the engine features and issue 16's checks: no host sync in verify / append /
-# bitmask steps and membership changes (torch.cuda.set_sync_debug_mode("error") plus the
-# pageable-copy detector), graph capture of sample and verify steps into one shared pool (its
-# memory in the stats), FlashInfer's draws and chain verification against the torch path, an
-# overflowing row flagged on both paths, strided draft probabilities, the Triton bitmask kernel
-# (and its start-up launch) on CUDA tensors, and, with two or more GPUs, a sampler on cuda:1
-# while cuda:0 is current (skipped otherwise; the summary says which).
+# the check stops within BUDGET (default 480 s). Each section is cut at its share (at most what
+# is left) by SIGINT, so pytest still writes its report and JUnit XML; every section writes its
+# own files under $OUT as it goes, so a cut section loses only itself:
+#   setup 60 s | start-up 150 s (FlashInfer's self-test: a FlashInfer without precompiled kernels
+#   compiles its sampling module with nvcc here, timed) | gpu tests 90 s (host syncs, graphs,
+#   bitmask) | flashinfer + torch-path tests 60 s | benchmark 100 s (each batch size printed and
+#   written to bench.json as it finishes) | conformance on the GPU, what is left
+# TestConformanceOnCuda is left out when the sampler runs its torch path: it would repeat
+# TestTorchPathOnCuda test for test. The CPU-tensor conformance classes are CI's.
+#
+# Dry run (CORELIB_GPU_CHECK_DRY=1): the same sections in the same order on a machine without a
+# GPU (the GPU tests skip, the benchmark runs on CPU tensors at a small vocabulary, FlashInfer's
+# sampling module is planned, not compiled), to check the script itself.
 set -uo pipefail
 start=$SECONDS
 BUDGET=${BUDGET:-480}
+DRY=${CORELIB_GPU_CHECK_DRY:-0}
 PY=${PYTHON:-python3}
+WHEELS=${CORELIB_WHEELS:-.whl}
 OUTDIR=${OUT:-/tmp/corelib-gpu-check}
-SITE=/tmp/corelib-site
-mkdir -p "$OUTDIR" "$SITE"
+SITE=$(mktemp -d "${TMPDIR:-/tmp}/corelib-site.XXXXXX")
+mkdir -p "$OUTDIR"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
 : >"$OUTDIR/sections.txt"
+if [ "$DRY" = 1 ]; then
+  DEVICE=cpu; BENCH_ARGS=(--device cpu --vocab 4096 --batch-sizes 1,4 --engine-batch-sizes 1,4 --iters 2 --repeats 1)
+  # No GPU to report an architecture: FlashInfer plans its modules for an H100's.
+  export FLASHINFER_CUDA_ARCH_LIST=${FLASHINFER_CUDA_ARCH_LIST:-9.0}
+else
+  DEVICE=cuda; BENCH_ARGS=(--batch-sizes 1,32,128 --engine-batch-sizes 1,32,128 --iters 10 --repeats 3)
+fi
+# FlashInfer's JIT cache in $OUT's sibling, not the home folder: a rerun on a warm machine
+# reuses it, a fresh machine starts cold either way.
+export FLASHINFER_WORKSPACE_BASE=${FLASHINFER_WORKSPACE_BASE:-/tmp/corelib-flashinfer}
 
-# section NAME SHARE: seconds this section may take (its share, at most what the budget has left)
 left() { echo $((BUDGET - (SECONDS - start))); }
 limit() { local share=$1 rest; rest=$(left); [ "$rest" -lt "$share" ] && share=$rest; [ "$share" -lt 1 ] && share=1; echo "$share"; }
-done_section() { echo "$1: $(($SECONDS - $2)) s (limit $3 s; $(left) s of $BUDGET left)" | tee -a "$OUTDIR/sections.txt"; }
+done_section() {  # name, start, limit, rc
+  echo "$1: $((SECONDS - $2)) s (limit $3 s, rc $4$([ "$4" = 124 ] && echo ': cut at its limit'); $(left) s of $BUDGET left)" \
+    | tee -a "$OUTDIR/sections.txt"
+}
+# SIGINT, not SIGTERM: pytest then stops, prints its summary and writes its JUnit XML. Python
+# ignores SIGINT when it starts with SIGINT ignored (a background job), so the handler is
+# installed explicitly; -k: killed when it has not stopped 10 s later.
+cut() { local lim=$1; shift; timeout -s INT -k 10 "$lim" "$@"; }
+PYTEST=(-c 'import signal, sys, pytest; signal.signal(signal.SIGINT, signal.default_int_handler); sys.exit(pytest.main(sys.argv[1:]))')
+tests() {  # section name, share, pytest arguments...
+  local name=$1 share=$2 t=$SECONDS lim rc; shift 2
+  lim=$(limit "$share")
+  cut "$lim" "$PY" "${PYTEST[@]}" -q -rs -s -p no:cacheprovider --import-mode=importlib \
+    --junitxml="$OUTDIR/junit-$name.xml" "$@" 2>&1 | tee "$OUTDIR/tests-$name.log"
+  rc=${PIPESTATUS[0]}
+  done_section "tests-$name" "$t" "$lim" "$rc"
+}
 
-# -- setup
-t=$SECONDS; lim=$(limit 60)
+# -- setup (into a new folder: see the header)
+t=$SECONDS; lim=$(limit 60); setup_rc=0
+echo "installing into $SITE" | tee "$OUTDIR/install.log"
 if ! "$PY" -c "import pydantic" 2>/dev/null; then
-  if compgen -G ".whl/*.whl" >/dev/null; then
-    timeout "$lim" "$PY" -m pip install -q --no-index --find-links .whl --no-compile --target "$SITE" \
-      pydantic >"$OUTDIR/install.log" 2>&1 || { cat "$OUTDIR/install.log"; exit 3; }
+  if compgen -G "$WHEELS/*.whl" >/dev/null; then
+    cut "$lim" "$PY" -m pip install -q --no-index --find-links "$WHEELS" --no-compile --target "$SITE" \
+      pydantic >>"$OUTDIR/install.log" 2>&1 || setup_rc=3
   else
-    echo "pydantic is missing and .whl/ holds no wheels: run plugins/cuda/gpu_wheels.sh where PyPI is reachable" >&2
-    exit 3
+    echo "pydantic is missing and $WHEELS/ holds no wheels: run plugins/cuda/gpu_wheels.sh where PyPI is reachable" | tee -a "$OUTDIR/install.log" >&2
+    setup_rc=3
   fi
 fi
-timeout "$lim" "$PY" -m pip install -q --no-index --no-deps --no-build-isolation --target "$SITE" . ./plugins/cuda \
-  >>"$OUTDIR/install.log" 2>&1 || { cat "$OUTDIR/install.log"; exit 3; }
-"$PY" -c "import pydantic, typing_extensions, corelib, corelib_cuda" || { echo "the install left an import broken" >&2; exit 3; }
-done_section setup "$t" "$lim"
+# The bundle when FlashInfer is missing, or always in a dry run (to check the bundle itself).
+if compgen -G "$WHEELS/flashinfer/*.whl" >/dev/null && { [ "$DRY" = 1 ] || ! "$PY" -c "import flashinfer" 2>/dev/null; }; then
+  echo "FlashInfer bundle: $(cd "$WHEELS/flashinfer" && ls *.whl | tr '\n' ' ')" | tee -a "$OUTDIR/install.log"
+  cut "$lim" "$PY" -m pip install -q --no-index --no-deps --no-compile --target "$SITE" "$WHEELS"/flashinfer/*.whl \
+    >>"$OUTDIR/install.log" 2>&1 || setup_rc=3
+fi
+cut "$lim" "$PY" -m pip install -q --upgrade --no-index --no-deps --no-build-isolation --target "$SITE" . ./plugins/cuda \
+  >>"$OUTDIR/install.log" 2>&1 || setup_rc=3
+# What is imported must be this tree's code (corelib comes from the tree itself when run from
+# its root), and the plugin's entry point this run's install.
+"$PY" - "$SITE" <<'PY' 2>&1 | tee -a "$OUTDIR/install.log"
+import filecmp, importlib.metadata as md, pathlib, sys
+import pydantic, corelib, corelib_cuda
+site = pathlib.Path(sys.argv[1]).resolve()
+for module, tree in ((corelib, pathlib.Path("corelib")), (corelib_cuda, pathlib.Path("plugins/cuda/corelib_cuda"))):
+    where = pathlib.Path(module.__file__).resolve().parent
+    files = sorted(p.relative_to(tree) for p in tree.rglob("*.py"))
+    differ = [str(f) for f in files if not filecmp.cmp(tree / f, where / f, shallow=False)]
+    print(f"{module.__name__}: imported from {where}; {len(files) - len(differ)} of {len(files)} files match the tree")
+    if differ:
+        sys.exit(f"{module.__name__} is not this tree's: {differ[:5]}")
+dist = pathlib.Path(md.distribution("corelib-cuda")._path).resolve()
+print(f"corelib-cuda's entry point from {dist}")
+if not dist.is_relative_to(site):
+    sys.exit("the plugin's entry point is not this run's install")
+PY
+[ "${PIPESTATUS[0]}" -ne 0 ] && setup_rc=3
+[ "$setup_rc" -ne 0 ] && tail -20 "$OUTDIR/install.log"
+done_section setup "$t" "$lim" "$setup_rc"
+[ "$setup_rc" -ne 0 ] && { "$PY" plugins/cuda/gpu_report.py "$OUTDIR"; exit 3; }
 
 # -- start-up: versions, the probe, the bitmask launch, FlashInfer's self-test (timed)
 t=$SECONDS; lim=$(limit 150)
-timeout "$lim" "$PY" - <<'PY' 2>&1 | tee "$OUTDIR/env.txt"
-import time, torch, corelib
+cut "$lim" "$PY" - "$DEVICE" "$OUTDIR" <<'PY' 2>&1 | tee "$OUTDIR/env.txt"
+import os, pathlib, sys, time, torch, corelib
 from corelib_cuda import CudaSampler
 from corelib_cuda.probe import probe, import_flashinfer
+device, out = sys.argv[1], pathlib.Path(sys.argv[2])
 print(f"torch {torch.__version__}, CUDA {torch.version.cuda}, GPUs {torch.cuda.device_count()} x "
       f"{torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'none'}")
 try:
@@ -66,50 +128,49 @@ except Exception as exc:
 version, error = import_flashinfer()
 cache = "-"
 if error is None:
+    import flashinfer
     from flashinfer.jit.env import has_flashinfer_jit_cache
     cache = "yes" if has_flashinfer_jit_cache() else "no (kernels JIT-compile on first use)"
+    print(f"flashinfer from {pathlib.Path(flashinfer.__file__).parent}")
 print(f"triton {triton_version}; flashinfer {version or error}; precompiled flashinfer kernels: {cache}")
+if error is None and device == "cpu":
+    # No nvcc run without a GPU: plan the modules the backend uses and check their sources.
+    from flashinfer.jit.sampling import gen_sampling_module
+    from flashinfer.jit.topk import gen_topk_module
+    for gen in (gen_sampling_module, gen_topk_module):
+        spec = gen()
+        spec.write_ninja()
+        missing = [str(s) for s in spec.sources if not pathlib.Path(s).is_file()]
+        print(f"flashinfer module {spec.name}: planned, {len(spec.sources)} sources "
+              f"({'all present' if not missing else 'MISSING ' + ', '.join(missing)}), {spec.ninja_path}")
 t0 = time.perf_counter()
 print("cuda backend:", probe().reason)
 print(f"probe (bitmask launch included): {time.perf_counter() - t0:.1f} s")
 for attempt in ("first", "second"):
     t0 = time.perf_counter()
-    sampler = CudaSampler("cuda")
+    sampler = CudaSampler(device)
     setup = ", ".join(f"{k} {v:.1f} s" for k, v in sampler.flashinfer_setup_s.items()) or "-"
-    print(f"{attempt} CudaSampler: {time.perf_counter() - t0:.1f} s (FlashInfer self-test: {setup}); "
-          f"path {sampler.path}; bitmask {sampler.bitmask_path}")
+    print(f"{attempt} CudaSampler: {time.perf_counter() - t0:.1f} s (FlashInfer self-test, the first "
+          f"one compiling: {setup}); path {sampler.path} ({sampler.path_reason}); bitmask {sampler.bitmask_path}")
+(out / "path.txt").write_text(sampler.path + "\n")
 PY
 startup_rc=${PIPESTATUS[0]}
-done_section start-up "$t" "$lim"
+done_section start-up "$t" "$lim" "$startup_rc"
 
-# -- tests (the conformance classes that run on CPU tensors are CI's; here they only cost time)
-t=$SECONDS; lim=$(limit 200)
-timeout "$lim" "$PY" -m pytest -q -rs -s -p no:cacheprovider --import-mode=importlib plugins/cuda/tests \
-  -k "not TestTorchPathOnCpu and not TestGraphRunnerOnCpu and not TestConformanceOnTheFlashInferPath" \
-  2>&1 | tee "$OUTDIR/tests.log"
-tests_rc=${PIPESTATUS[0]}
-done_section tests "$t" "$lim"
+# -- tests: the sync, graph and bitmask checks first, FlashInfer's and the torch path's next
+tests gpu 90 plugins/cuda/tests/test_gpu.py plugins/cuda/tests/test_graph.py plugins/cuda/tests/test_bitmask.py
+tests flashinfer 60 plugins/cuda/tests/test_flashinfer_adapter.py plugins/cuda/tests/test_discovery.py \
+  plugins/cuda/tests/test_torch_path.py -k "not TestConformanceOnTheFlashInferPath"
 
-# -- benchmark: the engine table first, so a cut-off run still measures it
-t=$SECONDS; lim=$(limit 140)
-timeout "$lim" "$PY" benchmarks/cuda_sampling.py --json "$OUTDIR/bench.json" 2>&1 | tee "$OUTDIR/bench.log"
+# -- benchmark: each batch size printed and in bench.json as soon as it finishes
+t=$SECONDS; lim=$(limit 100)
+cut "$lim" "$PY" benchmarks/cuda_sampling.py "${BENCH_ARGS[@]}" --json "$OUTDIR/bench.json" 2>&1 | tee "$OUTDIR/bench.log"
 bench_rc=${PIPESTATUS[0]}
-done_section benchmark "$t" "$lim"
+done_section benchmark "$t" "$lim" "$bench_rc"
 
-echo
-echo "== corelib-cuda GPU check ($((SECONDS - start)) s of $BUDGET) =="
-cat "$OUTDIR/env.txt" | head -8
-cat "$OUTDIR/sections.txt"
-echo "tests (rc $tests_rc): $(grep -E '(passed|failed|error)' "$OUTDIR/tests.log" | tail -1)"
-grep -E '^(FAILED|ERROR)' "$OUTDIR/tests.log" | head -20
-grep -E '^graph stats:' "$OUTDIR/tests.log" | head -2
-if grep -q "needs two GPUs" "$OUTDIR/tests.log"; then
-  echo "multi-device (sampler on cuda:1): skipped, fewer than two GPUs"
-else
-  echo "multi-device (sampler on cuda:1): ran with the tests above"
-fi
-echo "benchmark (rc $bench_rc), ms per call, V=128256; engine features (K=4):"
-sed -n '/^| B | K |/,/^$/p' "$OUTDIR/bench.log" | grep '^|' || echo "(no engine table)"
-echo "sampling:"
-sed -n '/^| B | sort |/,$p' "$OUTDIR/bench.log" | grep '^|' || echo "(no sampling table)"
-[ "$startup_rc" -eq 0 ] && [ "$tests_rc" -eq 0 ] && [ "$bench_rc" -eq 0 ]
+# -- conformance on the GPU, last (the longest section; a cut one still reports what ran)
+skip="not TestTorchPathOnCpu and not TestGraphRunnerOnCpu"
+[ "$(cat "$OUTDIR/path.txt" 2>/dev/null)" = flashinfer ] || skip="$skip and not TestConformanceOnCuda"
+tests conformance "$(left)" plugins/cuda/tests/test_conformance.py -k "$skip"
+
+"$PY" plugins/cuda/gpu_report.py "$OUTDIR" | tee "$OUTDIR/summary.txt"
