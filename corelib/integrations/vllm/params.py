@@ -17,13 +17,16 @@ vLLM's field is derived, the mapping takes vLLM's derived value:
   the budget forces;
 - ``logprobs`` keeps its value, -1 (every token) included.
 
-corelib's own samplers that vLLM has no field for come through ``extra_args``: a key that
-is a ``corelib.SamplingParams`` field absent from vLLM's ``SamplingParams`` is passed on
-(validated by corelib); a key vLLM itself reads is left to vLLM; ``child_offset`` is the
-child index a request draws as (``SamplingBatch.add``'s argument); any other key is an error,
-unless the engine runs custom logits processors, which read their settings from
-``extra_args`` too (then other keys are theirs).
-So is a vLLM feature that would change sampling and that corelib does not implement.
+corelib's own samplers that vLLM has no field for come through ``extra_args``, under one key
+of corelib's: ``extra_args["corelib"]`` is a dict of ``corelib.SamplingParams`` fields absent
+from vLLM's ``SamplingParams`` (validated by corelib; any other key in it is an error naming
+it). Every other key of ``extra_args`` belongs to other code (vLLM itself, custom logits
+processors, plugins, the user) and passes through untouched, except two spellings corelib
+reads at the top level: ``child_offset``, the child index a request draws as
+(``SamplingBatch.add``'s argument), and, for requests written before the ``"corelib"`` key,
+the name of a field that ``"corelib"`` takes (``extra_args={"dry_multiplier": 0.8}``),
+validated as there. A field set both ways is an error.
+A vLLM feature that would change sampling and that corelib does not implement is refused.
 """
 
 from __future__ import annotations
@@ -42,6 +45,8 @@ GREEDY_TEMPERATURE = 1e-5
 VLLM_EXTRA_ARGS = frozenset({"kv_transfer_params", "ec_transfer_params", "kv_cache_report_mode"})
 # The extra_args key of the child index a request draws as (parallel sampling).
 CHILD_OFFSET = "child_offset"
+# The extra_args key whose dict holds corelib's own fields (other keys belong to other code).
+CORELIB_KEY = "corelib"
 # corelib fields that vLLM sets otherwise: the budget is vLLM's thinking_token_budget, the
 # markers are the engine's reasoning config (one set per engine, as vLLM has it).
 THINKING_FIELDS = frozenset({"thinking_budget", "thinking_start_token_ids",
@@ -102,13 +107,11 @@ def extra_args_fields(vllm_params_type: type) -> frozenset[str]:
 
 
 def corelib_params(params: Any, vocab_size: Optional[int] = None,
-                   custom_processors: bool = False,
                    thinking: Optional[ThinkingMarkers] = None) -> SamplingParams:
     """The ``corelib.SamplingParams`` that sample what ``params`` (a vLLM ``SamplingParams``)
     asks for. Raises ``ValueError`` naming the parameter when corelib cannot honour it or a
     value is out of corelib's range, and for token ids (and a number of logprobs) beyond
-    ``vocab_size`` when given. ``custom_processors``: the engine runs custom logits
-    processors, so an ``extra_args`` key that is neither corelib's nor vLLM's is left to them.
+    ``vocab_size`` when given. ``extra_args`` keys that are not corelib's are left alone.
     ``thinking``: the engine's reasoning markers (``thinking_markers``), which a
     ``thinking_token_budget`` needs."""
     _reject_unsupported(params)
@@ -130,7 +133,7 @@ def corelib_params(params: Any, vocab_size: Optional[int] = None,
         "logprobs": params.logprobs,
     }
     fields.update(_thinking_fields(params, thinking))
-    fields.update(_extra_fields(params, custom_processors))
+    fields.update(_extra_fields(params))
     offset = child_offset(params)
     if offset + params.n - 1 > _INT32_MAX:
         raise ValueError(f"extra_args[{CHILD_OFFSET!r}]: {offset} + n - 1 exceeds 2**31 - 1")
@@ -205,27 +208,41 @@ def _thinking_fields(params: Any, thinking: Optional[ThinkingMarkers]) -> dict[s
             "thinking_forced_token_ids": list(thinking.forced)}
 
 
-def _extra_fields(params: Any, custom_processors: bool) -> dict[str, Any]:
+def _extra_fields(params: Any) -> dict[str, Any]:
+    """corelib's fields in ``params.extra_args``: the dict under ``"corelib"`` (every key in it
+    must be one), and the names of those fields at the top level (the spelling from before that
+    key). Other top-level keys belong to other code and are not read."""
     extra = params.extra_args or {}
+    nested = extra.get(CORELIB_KEY, {})
+    if not isinstance(nested, dict):
+        raise ValueError(f"extra_args[{CORELIB_KEY!r}] must be a dict of corelib sampling "
+                         f"parameters, got {type(nested).__name__} {nested!r}")
     allowed = extra_args_fields(type(params))
     fields = {}
-    for key, value in extra.items():
-        if key in VLLM_EXTRA_ARGS or key == CHILD_OFFSET:
-            continue
-        if key in allowed:
-            fields[key] = value
-        elif key in THINKING_FIELDS:
-            raise ValueError(f"extra_args[{key!r}]: the reasoning budget is vLLM's "
-                             f"thinking_token_budget, its markers the engine's reasoning config")
-        elif key in SamplingParams.model_fields:
-            raise ValueError(f"extra_args[{key!r}]: {key} is a field of vLLM's SamplingParams; "
-                             f"set it there")
-        elif not custom_processors:
-            raise ValueError(
-                f"extra_args[{key!r}] is not a corelib sampling parameter (corelib reads "
-                f"{sorted(allowed | {CHILD_OFFSET}) or 'none'} from extra_args; vLLM reads "
-                f"{sorted(VLLM_EXTRA_ARGS)})")
+    for key, value in nested.items():
+        where = f"extra_args[{CORELIB_KEY!r}][{key!r}]"
+        _check_corelib_key(key, where, allowed)
+        fields[key] = value
+    for key in allowed.intersection(extra):
+        if key in fields:
+            raise ValueError(f"extra_args[{key!r}]: {key} is also set in "
+                             f"extra_args[{CORELIB_KEY!r}]; set it once")
+        fields[key] = extra[key]
     return fields
+
+
+def _check_corelib_key(key: Any, where: str, allowed: frozenset[str]) -> None:
+    """Raise ValueError, naming ``where``, when ``key`` is not a field corelib takes from
+    ``extra_args`` (``allowed``)."""
+    if key in allowed:
+        return
+    if key in THINKING_FIELDS:
+        raise ValueError(f"{where}: the reasoning budget is vLLM's thinking_token_budget, its "
+                         f"markers the engine's reasoning config")
+    if key in SamplingParams.model_fields:
+        raise ValueError(f"{where}: {key} is a field of vLLM's SamplingParams; set it there")
+    raise ValueError(f"{where} is not a corelib sampling parameter (corelib reads "
+                     f"{sorted(allowed) or 'none'} from extra_args[{CORELIB_KEY!r}])")
 
 
 def _describe(exc: pydantic.ValidationError) -> str:

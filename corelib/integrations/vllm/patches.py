@@ -32,6 +32,10 @@ each hook wraps or replaces one vLLM function, in the process that imports its m
 - ``vllm.sampling_params.SamplingParams._validate_spec_decode``: vLLM refuses min_p and
   logit_bias under speculative decoding (its rejection sampler skips them); corelib applies
   every stage at every verification slot, so with ``CORELIB_VLLM`` set they are accepted;
+- ``llvmlite.binding.ffi`` (loaded with numba: the cpu backend's kernels, vLLM's ngram
+  drafter): its library object answers dunder names with AttributeError instead of a wrapped
+  C symbol, so vLLM's CPU worker start, which reads ``vars()`` of every module-level value,
+  can start a second engine in the process;
 - ``vllm.v1.engine.core.EngineCore`` (``install_guard``, whether or not the variable is set
   when vLLM loads its plugins): an engine core started with ``CORELIB_VLLM`` set installs the
   hooks above if this process has not (the variable was set after vLLM loaded its plugins,
@@ -75,6 +79,7 @@ SCHEDULER_MODULE = "vllm.v1.core.sched.scheduler"
 SAMPLING_PARAMS_MODULE = "vllm.sampling_params"
 PROPOSER_MODULE = "vllm.v1.spec_decode.llm_base_proposer"
 ENGINE_CORE_MODULE = "vllm.v1.engine.core"
+LLVMLITE_FFI_MODULE = "llvmlite.binding.ffi"
 # The attribute of a ModelRunnerOutput that carries the step's flagged requests (request id ->
 # why) from the worker to the scheduler; it travels with the output (pickled between processes).
 FAILURES_ATTRIBUTE = "corelib_failures"
@@ -101,6 +106,7 @@ def install() -> None:
     when_imported(SCHEDULER_MODULE, _patch_scheduler)
     when_imported(SAMPLING_PARAMS_MODULE, _patch_spec_decode_validation)
     when_imported(PROPOSER_MODULE, _patch_proposer)
+    when_imported(LLVMLITE_FFI_MODULE, _patch_llvmlite_library)
     install_guard()
 
 
@@ -182,9 +188,7 @@ def _patch_input_processor(module) -> None:
         try:
             thinking = (None if params.thinking_token_budget is None else
                         thinking_markers(processor.vllm_config.reasoning_config, vocab_size))
-            corelib_params(params, vocab_size,
-                           custom_processors=runs_custom_processors(processor.model_config),
-                           thinking=thinking)
+            corelib_params(params, vocab_size, thinking=thinking)
         except ValueError as exc:
             raise VLLMValidationError(f"corelib sampler ({ENV_VAR}): {exc}") from exc
     _wrap_after(module.InputProcessor, "process_inputs", after_process)
@@ -276,20 +280,24 @@ def _qualified(kind: type) -> str:
     return f"{kind.__module__}.{kind.__qualname__}"
 
 
-def runs_custom_processors(model_config: Any) -> bool:
-    """Whether an engine of ``model_config`` runs custom logits processors: named in its
-    config, or installed as ``vllm.logits_processors`` entry points (vLLM loads them all)."""
-    if model_config.logits_processors:
-        return True
-    return _processor_plugins_installed()
+def _patch_llvmlite_library(module) -> None:
+    """llvmlite's library object (``llvmlite.binding.ffi.lib``, loaded with numba: by the cpu
+    backend's kernels, by vLLM's ngram drafter) answers every attribute it lacks with a wrapped
+    C symbol of the library, ``__dict__`` included. vLLM's CPU worker start scans the namespace
+    of every loaded module and reads ``vars()`` of each value, which then fails on that object:
+    no second engine could start in a process that loaded numba. Afterwards the object answers
+    dunder names as a plain object without them does (AttributeError): the library has no C
+    symbol of that form, so nothing llvmlite or numba looks up changes."""
+    library = module._lib_wrapper
+    if _is_hook(library.__getattr__):
+        return
+    symbol = library.__getattr__
 
-
-@functools.lru_cache(maxsize=None)
-def _processor_plugins_installed() -> bool:
-    from importlib.metadata import entry_points
-
-    from vllm.v1.sample.logits_processor import LOGITSPROCS_GROUP
-    return bool(entry_points(group=LOGITSPROCS_GROUP))
+    def getattr_without_dunders(lib, name):
+        if name.startswith("__") and name.endswith("__"):
+            raise AttributeError(f"{type(lib).__name__!r} object has no attribute {name!r}")
+        return symbol(lib, name)
+    _install(library, "__getattr__", functools.wraps(symbol)(getattr_without_dunders))
 
 
 def _patch_proposer(module) -> None:

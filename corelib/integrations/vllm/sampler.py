@@ -201,9 +201,7 @@ class BatchMirror:
         if state.prompt_token_ids is None and state.sampling_params.repetition_penalty != 1.0:
             raise ValueError(f"request {request_id!r}: repetition_penalty needs the prompt's "
                              f"token ids, but the prompt was given as embeddings")
-        params = corelib_params(state.sampling_params, self.vocab_size,
-                                custom_processors=self.processors is not None,
-                                thinking=self.thinking)
+        params = corelib_params(state.sampling_params, self.vocab_size, thinking=self.thinking)
         if self.processors:
             self.processors.admit(request_id)
         self.batch.add(request_id, params, prompt_token_ids=state.prompt_token_ids or (),

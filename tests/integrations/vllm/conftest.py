@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 HERE = Path(__file__).parent
-sys.path.insert(0, str(HERE))   # tiny_llama and vllm_cpu, shared with the benchmark
+sys.path.insert(0, str(HERE))   # tiny_llama, shared with the benchmark
 HAVE_VLLM = importlib.util.find_spec("vllm") is not None
 if not HAVE_VLLM:
     if os.environ.get("CORELIB_REQUIRE_VLLM"):
@@ -33,11 +33,6 @@ else:
     # CORELIB_VLLM is set, whichever engine a test starts first.
     from vllm.plugins import load_general_plugins
     load_general_plugins()
-
-    # vLLM's CPU build cannot start an engine in a process that started an ngram engine;
-    # the suite starts many (vllm_cpu).
-    import vllm_cpu
-    vllm_cpu.allow_engines_after_ngram()
 
 MAX_NUM_SEQS = 4   # fewer than most tests' prompts: requests join and leave mid-generation
 # KV cache per engine: room for 64k tokens of the tiny model, far more than the tests use. The

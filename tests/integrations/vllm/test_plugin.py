@@ -17,13 +17,14 @@ from vllm.inputs import TokensPrompt
 import corelib
 from corelib.integrations.vllm import register
 from corelib.integrations.vllm.params import (
+    CORELIB_KEY,
     VLLM_EXTRA_ARGS,
     UnsupportedParameterError,
     corelib_params,
     extra_args_fields,
 )
 
-from conftest import make_llm
+from conftest import PROMPTS, make_llm, run, vllm_params
 from tiny_llama import EOS
 
 
@@ -87,11 +88,14 @@ def test_extra_args_cover_every_corelib_only_field():
     assert set(EXTRA_ARGS) == extra_args_fields(VllmParams)
 
 
+@pytest.mark.parametrize("spelling", ["under corelib's key", "at the top level"])
 @pytest.mark.parametrize("field", sorted(EXTRA_ARGS))
-def test_extra_args_pass_corelib_only_fields(field):
-    """The value reaches corelib as corelib itself reads it (and differs from the default)."""
+def test_extra_args_pass_corelib_only_fields(field, spelling):
+    """The value reaches corelib as corelib itself reads it (and differs from the default),
+    under ``extra_args["corelib"]`` and in the older top-level spelling alike."""
     value = EXTRA_ARGS[field]
-    mapped = corelib_params(VllmParams(extra_args={field: value}))
+    extra = {CORELIB_KEY: {field: value}} if spelling.startswith("under") else {field: value}
+    mapped = corelib_params(VllmParams(extra_args=extra))
     assert field in mapped.model_fields_set
     assert getattr(mapped, field) == getattr(corelib.SamplingParams(**{field: value}), field)
     assert getattr(mapped, field) != getattr(corelib.SamplingParams(), field)
@@ -103,8 +107,18 @@ def test_extra_args_keys_vllm_reads_are_left_to_vllm():
 
 
 @pytest.mark.parametrize("kwargs, match", [
-    (dict(extra_args={"mirostat_tau": 5.0}), "extra_args\\['mirostat_tau'\\] is not a corelib"),
-    (dict(extra_args={"temperature": 0.5}), "field of vLLM's SamplingParams; set it there"),
+    (dict(extra_args={CORELIB_KEY: {"no_such_field": 5.0}}),
+     "extra_args\\['corelib'\\]\\['no_such_field'\\] is not a corelib sampling parameter"),
+    (dict(extra_args={CORELIB_KEY: {"temperature": 0.5}}),
+     "extra_args\\['corelib'\\]\\['temperature'\\]: temperature is a field of vLLM's SamplingParams"),
+    (dict(extra_args={CORELIB_KEY: {"thinking_budget": 4}}),
+     "extra_args\\['corelib'\\]\\['thinking_budget'\\]: the reasoning budget is vLLM's"),
+    (dict(extra_args={CORELIB_KEY: [("dry_multiplier", 0.5)]}),
+     "extra_args\\['corelib'\\] must be a dict of corelib sampling parameters, got list"),
+    (dict(extra_args={CORELIB_KEY: {"dry_multiplier": 0.5}, "dry_multiplier": 0.7}),
+     "extra_args\\['dry_multiplier'\\]: dry_multiplier is also set in extra_args\\['corelib'\\]"),
+    (dict(extra_args={CORELIB_KEY: {"dry_multiplier": -1.0}}), "dry_multiplier: .*0"),
+    (dict(extra_args={"typical_p": 1.5}), "typical_p: .*1"),
     (dict(logprob_token_ids=[1, 2]), "logprob_token_ids is not supported"),
     (dict(logprobs=600), "logprobs=600 exceeds the model's vocabulary of 512"),
     (dict(seed=-5), "seed must be in \\[0, 2\\*\\*63\\)"),
@@ -118,14 +132,17 @@ def test_what_corelib_cannot_honour_is_an_error(kwargs, match):
         corelib_params(VllmParams(**kwargs), vocab_size=512)
 
 
-def test_other_extra_args_keys_are_left_to_custom_logits_processors():
-    """An engine with custom logits processors: they read their own extra_args keys."""
-    params = VllmParams(extra_args={"target_token": 3, "dry_multiplier": 0.5})
-    with pytest.raises(ValueError, match="extra_args\\['target_token'\\] is not a corelib"):
-        corelib_params(params)
-    assert corelib_params(params, custom_processors=True) == corelib.SamplingParams(dry_multiplier=0.5)
-    with pytest.raises(ValueError, match="dry_multiplier"):       # corelib's keys stay checked
-        corelib_params(VllmParams(extra_args={"dry_multiplier": -1.0}), custom_processors=True)
+def test_extra_args_of_other_code_pass_through_untouched():
+    """Keys corelib does not own belong to logits processors, plugins or the user, as in
+    vLLM: corelib neither reads nor refuses them, whether or not the engine runs processors,
+    also where a key happens to be the name of a vLLM field."""
+    extra = {"target_token": 3, "temperature": 9, "my_plugin": {"x": [1]},
+             CORELIB_KEY: {"top_n_sigma": 1.5}, "dry_multiplier": 0.5}
+    params = VllmParams(extra_args=extra)
+    before = repr(params.extra_args)
+    assert corelib_params(params) == corelib.SamplingParams(top_n_sigma=1.5, dry_multiplier=0.5)
+    assert repr(params.extra_args) == before
+    assert corelib_params(VllmParams(extra_args={"target_token": 3})) == corelib.SamplingParams()
 
 
 def test_unsupported_is_a_value_error():
@@ -138,8 +155,9 @@ def test_a_bad_request_fails_alone_at_admission(corelib_llm):
     parameter, and the engine goes on serving."""
     prompt = [TokensPrompt(prompt_token_ids=[1, 2, 3])]
     with pytest.raises(VLLMValidationError,
-                       match="corelib sampler \\(CORELIB_VLLM\\): extra_args\\['foo'\\]"):
-        corelib_llm.generate(prompt, VllmParams(extra_args={"foo": 1}), use_tqdm=False)
+                       match="corelib sampler \\(CORELIB_VLLM\\): extra_args\\['corelib'\\]\\['foo'\\]"):
+        corelib_llm.generate(prompt, VllmParams(extra_args={CORELIB_KEY: {"foo": 1}}),
+                             use_tqdm=False)
     with pytest.raises(VLLMValidationError, match="logprob_token_ids"):
         corelib_llm.generate(prompt, VllmParams(logprob_token_ids=[4]), use_tqdm=False)
     # eos joins the stop ids only in vLLM's final parameters: the check sees those.
@@ -148,6 +166,19 @@ def test_a_bad_request_fails_alone_at_admission(corelib_llm):
                              use_tqdm=False)
     out = corelib_llm.generate(prompt, VllmParams(max_tokens=3, temperature=0.0), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 3
+
+
+def test_extra_args_meant_for_other_code_are_served_as_vllm_serves_them(corelib_llm, vllm_llm):
+    """vLLM ignores extra_args keys no processor reads; so does corelib: the request is served,
+    and samples what it samples without them (greedy: what vLLM's sampler samples too)."""
+    prompts = PROMPTS[:3]
+    other = {"target_token": 3, "temperature": 2.0, "my_plugin": {"on": True}}
+    greedy = run(corelib_llm, prompts, vllm_params(temperature=0.0))
+    assert run(corelib_llm, prompts, vllm_params(temperature=0.0, extra_args=other)) == greedy
+    assert run(vllm_llm, prompts, vllm_params(temperature=0.0, extra_args=other)) == greedy
+    seeded = dict(temperature=1.0, top_p=0.9, seed=5)
+    assert (run(corelib_llm, prompts, vllm_params(**seeded, extra_args=other))
+            == run(corelib_llm, prompts, vllm_params(**seeded)))
 
 
 def test_a_row_left_without_tokens_finishes_that_request_with_an_error(corelib_llm, model_dir):

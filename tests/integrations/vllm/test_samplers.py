@@ -29,10 +29,11 @@ VLLM_FIELDS = {"temperature", "seed"}
 
 
 def through_extra_args(case: dict):
-    """vLLM's parameters for a case: its vLLM fields as fields, corelib's in ``extra_args``."""
+    """vLLM's parameters for a case: its vLLM fields as fields, corelib's under corelib's key
+    of ``extra_args``."""
     fields = {k: v for k, v in case.items() if k in VLLM_FIELDS}
     extra = {k: v for k, v in case.items() if k not in VLLM_FIELDS}
-    return vllm_params(max_tokens=LENGTH, extra_args=extra, **fields)
+    return vllm_params(max_tokens=LENGTH, extra_args={"corelib": extra}, **fields)
 
 
 def plain(case: dict):
