@@ -209,8 +209,6 @@ def main(argv=None) -> int:
     torch.set_num_threads(args.threads)
     sys.path.insert(0, str(ROOT / "tests" / "integrations" / "vllm"))
     import tiny_llama
-    import vllm_cpu
-    vllm_cpu.allow_engines_after_ngram()    # two speculating engines in this process
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
