@@ -8,10 +8,10 @@ penalties, the distinct seen tokens in slots: ``slot_ids`` int64 ``[rows, S]`` a
 tokens), the first ``slot_len[row]`` slots being real. ``append`` updates them with ``[B, S]``
 work, never reading a history; ``remove`` moves them with the rows, as the core moves its own.
 
-Its step states carry the slots of their rows (:class:`CpuStepState`); a verification step's
-state (``speculative_state``) carries each slot's penalty slots advanced by the earlier
-drafts, and, asked with ``slots_only``, leaves out the dense ``[B, V]`` tensors the core would
-copy ``K + 1`` times.
+Its step states carry the slots of their rows (:class:`~corelib_cpu.state.CpuStepState`); a
+verification step's state (``speculative_state``) carries each slot's penalty slots advanced
+by the earlier drafts, and, asked with ``slots_only``, leaves out the dense ``[B, V]`` tensors
+the core would copy ``K + 1`` times.
 
 It also keeps the sampler's step plan (:meth:`CpuBatch.cached_plan`): facts derived from the
 rows' parameters, dropped whenever a request joins, leaves or moves (``add``, ``remove``,
@@ -22,26 +22,17 @@ from __future__ import annotations
 
 import dataclasses
 from collections import Counter
-from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
 import torch
 from corelib import SamplingBatch, SamplingParams, StepState
 
+from .state import CpuStepState, cpu_state
+
 _MIN_SLOTS = 64
 _MIN_ROWS = 8
 # The core's dense penalty state, which the sampler does not read when the slots exist.
 _DENSE_PENALTY_STATE = ("prompt_mask", "output_counts")
-
-
-@dataclass
-class CpuStepState(StepState):
-    """``StepState`` plus the penalty slots of its rows (see the module docstring): slot_ids
-    int64 ``[B, S]``, slot_counts int32 ``[B, S]``, slot_len int64 ``[B]``."""
-
-    slot_ids: Optional[torch.Tensor] = None
-    slot_counts: Optional[torch.Tensor] = None
-    slot_len: Optional[torch.Tensor] = None
 
 
 def with_slots(s: StepState, ids: torch.Tensor, counts: torch.Tensor, length: torch.Tensor) -> CpuStepState:
@@ -109,21 +100,21 @@ class CpuBatch(SamplingBatch):
                 self._slot_len[:num_rows])
 
     def _new_step_state(self, n: int) -> StepState:
-        """The core's step state, with the rows' penalty slots when some row uses penalties
-        (kept by the core with its views; ``_ensure_rows`` and ``_ensure_slots`` drop it when
-        they replace the slots)."""
+        """The core's step state as a ``CpuStepState``, with the rows' penalty slots when some
+        row uses penalties (kept by the core with its views; ``_ensure_rows`` and
+        ``_ensure_slots`` drop it when they replace the slots)."""
         if not self.has_penalty_slots:
-            return super()._new_step_state(n)
+            return cpu_state(super()._new_step_state(n))
         slots = self.penalty_slots(n)
         return with_slots(super()._new_step_state(n), *slots)
 
     def speculative_state(self, draft_token_ids: torch.Tensor, num_rows: Optional[int] = None,
                           *, slots_only: bool = False) -> StepState:
-        """The core's verification state, with each slot's penalty slots advanced by the
-        row's earlier drafts. ``slots_only``: leave out the dense penalty tensors (the core
+        """The core's verification state as a ``CpuStepState``, with each slot's penalty slots
+        advanced by the row's earlier drafts. ``slots_only``: leave out the dense penalty tensors (the core
         would copy each ``K + 1`` times; a sampler that reads the slots does not need them)."""
         if not self.has_penalty_slots:
-            return super().speculative_state(draft_token_ids, num_rows)
+            return cpu_state(super().speculative_state(draft_token_ids, num_rows))
         dense = {}
         if slots_only:
             dense = {name: self._tensors.pop(name) for name in _DENSE_PENALTY_STATE if name in self._tensors}

@@ -1,23 +1,22 @@
 """Verification's judges: the target distribution at the draft slots of one block, read
-from the block's candidates, cuts and whole rows (see ``corelib_cpu.sampler``).
+from the block's candidates, cuts and whole rows (see ``corelib_cpu.block``).
 
-:class:`SlotJudge` serves the token rule (``CpuSampler.rejection_sample``), :class:`BlockJudge`
-block verification (``CpuSampler.block_verify``).
+:class:`SlotJudge` serves the token rule (``Verification.rejection_sample``),
+:class:`BlockJudge` block verification (``Verification.block_verify``), both in
+``corelib_cpu.verification``.
 """
 
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
 import torch
 from corelib.sampler import NEG_INF
 
+from .block import Block
 from .draw import draw_from_weights, race_seeded_candidates, race_unseeded_candidates
 from .select import nucleus_contains
-
-if TYPE_CHECKING:
-    from .sampler import Block, CpuSampler
 
 #: Relative slack on the bounds of ``SlotJudge.bounded_test``: each float32 probability is
 #: within a few ulps of its exact value, so p(d), r(d) and the kept mass the reference sums
@@ -38,10 +37,11 @@ class SlotJudge:
     the candidates (the residual is 0 elsewhere). Whole rows use the reference's softmax of
     the slot's final row. Seeded residual draws race with the contract's noise over the
     residual's support, the reference's token; unseeded ones draw from the residual itself.
-    ``tokens`` int64 [n]: the draft judged at each row of the block (0 at bonus slots)."""
+    ``tokens`` int64 [n]: the draft judged at each row of the block (0 at bonus slots);
+    ``generator``: the sampler's, for the unseeded draws."""
 
-    def __init__(self, sampler: CpuSampler, blk: Block, tokens: torch.Tensor):
-        self.sampler, self.blk = sampler, blk
+    def __init__(self, blk: Block, tokens: torch.Tensor, generator: Optional[torch.Generator]):
+        self.blk, self.generator, self.workspace = blk, generator, blk.workspace
         self.V = blk.x.shape[1]
         cand = blk.cand
         self.at = {} if cand is None else {row: j for j, row in enumerate(cand.rows)}
@@ -60,11 +60,11 @@ class SlotJudge:
         valid until the next call)."""
         blk = self.blk
         place = self.at.get(row)
-        out = self.sampler.workspace.take("verify_p", (self.V,))
+        out = self.workspace.take("verify_p", (self.V,))
         if place is None:
-            self.sampler.densify(blk, [row])
+            blk.densify([row])
             return torch.softmax(blk.x[row], dim=-1, out=out)
-        x = self.sampler.workspace.take("verify_x", (self.V,)).fill_(NEG_INF)
+        x = self.workspace.take("verify_x", (self.V,)).fill_(NEG_INF)
         x.scatter_(0, blk.cand.ids[place], blk.cand.values[place])
         return torch.softmax(x, dim=-1, out=out)
 
@@ -76,7 +76,7 @@ class SlotJudge:
             if self.computed is not None and self.computed[0] == row:
                 w = self.computed[1]          # a rejected slot's weights, made by its ratio test
             else:
-                w = self.sampler.row_weights(self.blk, [row], "verify_weights")[0]
+                w = self.blk.row_weights([row], "verify_weights")[0]
                 self.computed = (row, w)      # the buffer holds them until the next row's
         total = self.totals.get(row)
         if total is None:
@@ -143,15 +143,15 @@ class SlotJudge:
         if place is None and not seeded:
             # max(w / S - q, 0) scaled by S: the residual's own distribution
             w, total = self.weights(row)
-            residual = torch.add(w, q, alpha=-total, out=self.sampler.workspace.take("verify_residual", (self.V,)))
-            token, ok = draw_from_weights(residual.clamp_(min=0.0)[None], self.sampler.generator)
+            residual = torch.add(w, q, alpha=-total, out=self.workspace.take("verify_residual", (self.V,)))
+            token, ok = draw_from_weights(residual.clamp_(min=0.0)[None], self.generator)
             if not bool(ok[0]):                        # all zero: p itself
-                token, _ = draw_from_weights(w[None], self.sampler.generator)
+                token, _ = draw_from_weights(w[None], self.generator)
             self.drawn.append((key, int(token[0])))
             return
         if place is None:
             p, ids = self.exact(row), None
-            residual = torch.sub(p, q, out=self.sampler.workspace.take("verify_residual", (self.V,)))
+            residual = torch.sub(p, q, out=self.workspace.take("verify_residual", (self.V,)))
         else:
             ids = self.blk.cand.ids[place]
             p = self.exact(row)[ids]
@@ -162,7 +162,7 @@ class SlotJudge:
         if seeded:
             token = self.race(row, residual, ids)
         else:
-            column = int(draw_from_weights(residual[None], self.sampler.generator)[0][0])
+            column = int(draw_from_weights(residual[None], self.generator)[0][0])
             token = column if ids is None else int(ids[column])
         self.drawn.append((key, token))
 
@@ -189,7 +189,7 @@ class SlotJudge:
             residual = (p - q).clamp_(min=0.0)
             empty = ~(residual > 0).any(dim=-1, keepdim=True)
             weights = torch.where(empty, p, residual)
-            column = race_unseeded_candidates(weights.log(), self.sampler.generator)
+            column = race_unseeded_candidates(weights.log(), self.generator)
             tokens = ids.gather(1, column)[:, 0].tolist()
             self.drawn += [(key, token) for (_, _, key), token in zip(self.batched, tokens)]
         return self.drawn
@@ -225,12 +225,12 @@ class BlockJudge(SlotJudge):
     mass R_i is summed only when every longer test failed; the residual drawn at tau is the
     one its test summed."""
 
-    def __init__(self, sampler: CpuSampler, blk: Block, drafts, spans: dict):
+    def __init__(self, blk: Block, drafts, spans: dict, generator: Optional[torch.Generator]):
         B, K = drafts.token_ids.shape
         self.S = K + 1
         ids = drafts.token_ids.clamp(min=0)
         self.tokens = torch.cat([ids, torch.zeros_like(ids[:, :1])], dim=1).view(-1)
-        super().__init__(sampler, blk, self.tokens)
+        super().__init__(blk, self.tokens, generator)
         self.spans = spans
         self.q = drafts.probs
         self.q_draft = self.q.gather(2, ids[..., None])[..., 0].tolist()     # q_j(d_j)
@@ -301,16 +301,16 @@ class BlockJudge(SlotJudge):
     def dense_probs(self, whole: list, candidates: list) -> torch.Tensor:
         """float32 [m, V]: the reference's softmax of the final rows of ``whole`` (block rows
         not in the candidate set) then ``candidates`` (candidate rows), into the workspace."""
-        sampler, blk = self.sampler, self.blk
+        workspace, blk = self.workspace, self.blk
         n = len(whole) + len(candidates)
-        logits = sampler.workspace.take("block_x", (n, self.V))
+        logits = workspace.take("block_x", (n, self.V))
         if whole:
-            sampler.densify(blk, whole)
+            blk.densify(whole)
             torch.index_select(blk.x, 0, torch.tensor(whole, dtype=torch.long), out=logits[:len(whole)])
         if candidates:
             places = torch.tensor([self.at[v] for v in candidates], dtype=torch.long)
             logits[len(whole):].fill_(NEG_INF).scatter_(1, blk.cand.ids[places], blk.cand.values[places])
-        return torch.softmax(logits, dim=-1, out=sampler.workspace.take("block_p", (n, self.V)))
+        return torch.softmax(logits, dim=-1, out=workspace.take("block_p", (n, self.V)))
 
     def bounded_stop(self, r: int, k: int, u: list) -> Optional[int]:
         """tau for row r from bounds on its weights (:meth:`draft_bounds`), or None when they
@@ -448,13 +448,13 @@ class BlockJudge(SlotJudge):
         elif ids is not None:
             self.candidate_draws.append(((r, tau), weights, ids))
         else:
-            self.drawn.append(((r, tau), int(draw_from_weights(weights[None], self.sampler.generator)[0][0])))
+            self.drawn.append(((r, tau), int(draw_from_weights(weights[None], self.generator)[0][0])))
 
     def residual_draws(self) -> list:
         """[((row, slot), token)] for every row that stopped before its last draft."""
         if self.candidate_draws:
             weights = torch.stack([weights for _, weights, _ in self.candidate_draws])
-            columns = race_unseeded_candidates(weights.log(), self.sampler.generator)[:, 0].tolist()
+            columns = race_unseeded_candidates(weights.log(), self.generator)[:, 0].tolist()
             self.drawn += [(key, int(ids[column]))
                            for (key, _, ids), column in zip(self.candidate_draws, columns)]
             self.candidate_draws = []

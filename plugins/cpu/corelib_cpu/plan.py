@@ -154,6 +154,15 @@ def make_plan(s: StepState, rows_per_block: int, sparse_penalties: bool) -> Step
     return StepPlan(B, blocks, key_prefix, sparse_penalties)
 
 
+def reads_logits_once(s: StepState) -> bool:
+    """Whether the step reads its logits in one pass: every row greedy, no logprobs, and no
+    stage that writes a copy (step 9's group maxima find each row's token and check step 3 at
+    once)."""
+    return (s.all_greedy and s.num_logprobs is None and not s.stages
+            and not (s.any_penalties or s.any_bias or s.any_allowed or s.any_bad_words
+                     or s.any_bitmask or s.any_dry or s.any_min_tokens or s.any_thinking))
+
+
 def _random_and(on: torch.Tensor, random: list) -> list:
     """bool per row: ``on`` (bool [B]) for random rows, False for greedy ones."""
     return [bool(a) and b for a, b in zip(on.tolist(), random)]

@@ -8,10 +8,17 @@ host flags that say which stages the block's own rows use (a stage no row of the
 skipped, as the template skips a stage no row of the batch uses). It also carries what the
 cpu's stages need besides the core's state: the block's plan (:class:`~corelib_cpu.plan.BlockPlan`),
 its rows' seeded keys and the logits row of each of its rows.
+
+Every field of both is declared: :class:`CpuStepState` (the step state of the cpu backend's
+batch, and of any step this backend runs: ``cpu_state``) declares the penalty slots and the
+fields a block's run sets; :class:`BlockState` declares its own and reads every other one from
+the step state's declared fields.
 """
 
 from __future__ import annotations
 
+import dataclasses
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -20,12 +27,43 @@ from corelib import StageInputs, StepState
 from .plan import BlockPlan
 
 
-def block_states(s: StepState, plans: list, keys: Optional[torch.Tensor],
+@dataclass
+class CpuStepState(StepState):
+    """``StepState`` plus what the cpu backend keeps with a step.
+
+    The penalty slots of its rows (``corelib_cpu.batch``; None when no row uses penalties):
+    ``slot_ids`` int64 ``[B, S]``, ``slot_counts`` int32 ``[B, S]``, ``slot_len`` int64
+    ``[B]``. The fields of a block's run (``block_states``, when one block holds every row of
+    the step): ``plan``, the block's :class:`~corelib_cpu.plan.BlockPlan`; ``keys`` int32
+    ``[B]``, the rows' seeded keys (None when no row is seeded); ``undrawn``, the rows whose
+    draw verification never reads (``verification.undrawn_slots``)."""
+
+    slot_ids: Optional[torch.Tensor] = None
+    slot_counts: Optional[torch.Tensor] = None
+    slot_len: Optional[torch.Tensor] = None
+    plan: Optional[BlockPlan] = None
+    keys: Optional[torch.Tensor] = None
+    undrawn: frozenset = frozenset()
+
+
+def cpu_state(s: StepState) -> CpuStepState:
+    """``s`` as a :class:`CpuStepState`: ``s`` itself when it is one, else a shallow copy whose
+    cpu fields hold their defaults (the copy shares ``s``'s tensors, as the core's per-step
+    copies do: no field is computed again)."""
+    if isinstance(s, CpuStepState):
+        return s
+    out = object.__new__(CpuStepState)
+    out.__dict__.update(s.__dict__)
+    return out
+
+
+def block_states(s: CpuStepState, plans: list, keys: Optional[torch.Tensor],
                  logits_rows: Optional[torch.Tensor]) -> list:
     """The states the template runs on, one per block (``plans``: the step's BlockPlans): a
     :class:`BlockState` each, or, when one block holds every row of the step, the step state
-    itself with the block's ``plan``, ``keys`` and ``logits_rows`` set on it (its flags are
-    the block's already; this spares the one block of a small batch the wrapper's cost)."""
+    itself with the block's ``plan``, ``keys``, ``logits_rows`` and ``undrawn`` in its fields
+    (its flags are the block's already; this spares the one block of a small batch the
+    wrapper's cost)."""
     if len(plans) == 1 and plans[0].r0 == 0 and plans[0].r1 == s.num_rows:
         s.plan, s.keys, s.logits_rows, s.undrawn = plans[0], keys, logits_rows, frozenset()
         return [s]
@@ -37,13 +75,33 @@ def block_states(s: StepState, plans: list, keys: Optional[torch.Tensor],
 
 
 class BlockState:
-    """Rows ``plan.r0:plan.r1`` of step state ``s`` (duck-types ``StepState``).
+    """Rows ``plan.r0:plan.r1`` of step state ``s`` (duck-types ``CpuStepState``).
 
     ``keys``: int32 [B] row keys of the whole step (or None when no row is seeded);
     ``logits_rows``: int64 [B], the logits row of each row of the step (per-request logits,
     verify's flat form), or None when row i reads logits row i; the block keeps its own."""
 
-    def __init__(self, s: StepState, plan: BlockPlan, keys: Optional[torch.Tensor],
+    # The block's own fields; every other attribute is a field of the step state
+    # (``CpuStepState``), read on first use and sliced to the block's rows.
+    plan: BlockPlan
+    undrawn: frozenset                 # verification sets it (``verification.undrawn_slots``)
+    keys: Optional[torch.Tensor]       # int32 [n]
+    logits_rows: Optional[torch.Tensor]  # int64 [n]
+    num_rows: int
+    any_greedy: bool
+    all_greedy: bool
+    any_random: bool
+    any_seeded: bool
+    any_unseeded: bool
+    any_temperature: bool
+    any_min_p: bool
+    any_top_k: bool
+    any_top_p: bool
+    any_top_n_sigma: bool
+    any_typical_p: bool
+    any_xtc: bool
+
+    def __init__(self, s: CpuStepState, plan: BlockPlan, keys: Optional[torch.Tensor],
                  logits_rows: Optional[torch.Tensor], shared: Optional[dict] = None):
         whole = plan.r0 == 0 and plan.r1 == s.num_rows
         if shared:
@@ -51,7 +109,7 @@ class BlockState:
         self._s = s
         self._rows = None if whole else slice(plan.r0, plan.r1)
         self.plan = plan
-        self.undrawn = frozenset()     # verification sets it (``sampler.undrawn_slots``)
+        self.undrawn = frozenset()
         self.keys = keys if keys is None or whole else keys[plan.r0:plan.r1]
         self.logits_rows = logits_rows if logits_rows is None or whole else logits_rows[plan.r0:plan.r1]
         self.num_rows = plan.n
@@ -72,8 +130,9 @@ class BlockState:
 
     def __getattr__(self, name):
         # Called only for attributes not set yet: the step state's, sliced to the block once.
-        if name.startswith("__") or name in ("_s", "_rows"):
-            raise AttributeError(name)
+        if name not in _STEP_FIELDS:
+            raise AttributeError(f"BlockState has no field {name!r} (its fields are its own and "
+                                 f"CpuStepState's)")
         value = getattr(self._s, name)
         if self._rows is not None:
             if isinstance(value, torch.Tensor):
@@ -88,6 +147,8 @@ class BlockState:
         """The custom stages some row of the step uses at ``slot`` (``StepState.stages_at``)."""
         return [entry for entry in self.stages if entry[0].slot == slot]
 
+
+_STEP_FIELDS = frozenset(f.name for f in dataclasses.fields(CpuStepState))
 
 # StepState's host values every block shares (the flags of the stages a block's plan knows
 # its rows for are set from the plan instead; see BlockState).

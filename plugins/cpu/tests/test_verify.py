@@ -10,7 +10,9 @@ import torch
 from corelib import Sampler, SamplingParams
 
 from corelib_cpu.batch import CpuBatch
-from corelib_cpu.sampler import CpuSampler, SlotJudge
+from corelib_cpu.block import Cut
+from corelib_cpu.judge import SlotJudge
+from corelib_cpu.sampler import CpuSampler
 
 V = 3000
 K = 3
@@ -147,10 +149,10 @@ def test_top_p_rows_judged_before_their_threshold_keep_the_target_distribution(m
     for i in range(R):
         batch.add(f"r{i}", SamplingParams(top_p=top_p))
     resolved = []
-    resolve = CpuSampler.resolve
-    monkeypatch.setattr(CpuSampler, "resolve",
-                        lambda self, record, at: (resolved.append(len(record.pending(at))),
-                                                  resolve(self, record, at))[1])
+    resolve = Cut.resolve
+    monkeypatch.setattr(Cut, "resolve",
+                        lambda self, at, workspace: (resolved.append(len(self.pending(at))),
+                                                     resolve(self, at, workspace))[1])
     out = sampler.verify(target.expand(R, -1, -1).contiguous(), batch, drafts,
                          q.expand(R, -1, -1).contiguous())
     ids, count = out.token_ids, out.num_emitted
