@@ -16,6 +16,12 @@ TRANSFORMERS_PIN="transformers==5.24.0"
 # The cuda plugin's Triton bitmask kernel runs in Triton's CPU interpreter in the tests (Triton
 # ships with CUDA builds of torch; the CPU wheel has none). No torch dependency.
 TRITON_PIN="triton==3.9.0"
+# CI has no GPU, so the cuda plugin goes in without its `flashinfer` extra (whose CUTLASS DSL
+# and CUDA Python pull in over 100 MB for tests that skip); FlashInfer's own package, pinned as
+# the extra pins it, goes in without its dependencies, with just what its import needs, so that
+# the tests' stand-in is still compared with the real signatures.
+FLASHINFER_CI_PINS="flashinfer-python==0.7.4"
+FLASHINFER_IMPORT_PINS="apache-tvm-ffi==0.1.15.post2 nvidia-ml-py tqdm requests ninja"
 # Token bitmasks are checked against a grammar engine's own kernel (and benchmarked with it).
 XGRAMMAR_PIN="xgrammar==0.2.9"
 # Plugins in the main venv: the demo needs only cpu; the tests add the others. The TPU plugin
@@ -44,6 +50,9 @@ install_plugins() {  # venv, plugin folder names...
   for plugin in "$@"; do
     case "$plugin" in
       cpu) pip_quiet "$venv" -e "plugins/cpu[kernels]" ;;   # numba: the compiled noise kernel
+      cuda) pip_quiet "$venv" -e plugins/cuda
+            pip_quiet "$venv" --no-deps $FLASHINFER_CI_PINS
+            pip_quiet "$venv" $FLASHINFER_IMPORT_PINS ;;
       *) pip_quiet "$venv" -e "plugins/$plugin" ;;
     esac
   done
