@@ -157,3 +157,82 @@ def test_a_kernel_that_passes_the_launch_check_is_the_one_that_runs():
     sampler.bitmask = path
     masked_step(sampler, pack_bitmask(torch.rand((3, 250)) < 0.4))
     assert launches[1:] == [(3, 250)]
+
+
+# ---------------------------------------------------------------------------- inside a step
+IN_A_STEP = textwrap.dedent("""
+    import torch
+    from corelib import SamplingParams
+    from corelib.bitmask import pack_bitmask
+    from corelib_cuda import CudaSampler, GraphedSampler
+    from corelib_cuda.bitmask import _build_triton_kernel, launch_checked
+
+    V, K = 1000, 3        # not a multiple of 32: the last word is partial
+    launches = []
+    path = launch_checked(torch.device("cpu"), _build_triton_kernel)
+    assert path.description == "triton", path.description
+
+    def counted(x, words):
+        launches.append(tuple(x.shape))
+        return path.kernel(x, words)
+
+    def sampler(triton):
+        s = CudaSampler("cpu", use_flashinfer=False)
+        if triton:
+            s.bitmask = type(path)(counted, "triton")
+        return s
+
+    def batch_of(s):
+        batch = s.new_batch(V)
+        batch.add("a", SamplingParams(seed=3, top_k=40, top_p=0.9, temperature=0.8), prompt_token_ids=[1, 2])
+        batch.add("b", SamplingParams(seed=4, n=2, min_p=0.05, repetition_penalty=1.2), prompt_token_ids=[5])
+        batch.add("g", SamplingParams(temperature=0.0))
+        return batch
+
+    def mask(rows, seed):
+        gen = torch.Generator().manual_seed(seed)
+        allowed = torch.rand((rows, V), generator=gen) < 0.3
+        allowed[:, 7] = True            # every row keeps a token
+        words = pack_bitmask(allowed)
+        words[-1] = -1                  # an unconstrained row
+        return words
+
+    def logits(rows, seed):
+        return torch.randn((rows, V), generator=torch.Generator().manual_seed(seed)) * 3
+
+    runs = {}
+    for name, make in (("torch", lambda: sampler(False)), ("triton", lambda: sampler(True)),
+                       ("graph", lambda: GraphedSampler(sampler(True), sizes=(4, 8), use_graphs=False))):
+        s = make()
+        batch = batch_of(s)
+        tokens = []
+        for step in range(3):
+            out = s.sample(logits(4, step), batch, token_bitmask=mask(4, step))
+            batch.append(out.token_ids)
+            tokens.append(out.token_ids.tolist())
+        gen = torch.Generator().manual_seed(9)
+        drafts = torch.randint(V, (4, K), generator=gen)
+        probs = torch.softmax(torch.randn((4, K, V), generator=gen), dim=-1)
+        spec = logits(4 * (K + 1), 10).view(4, K + 1, V)
+        out = s.verify(spec, batch, drafts, probs, token_bitmask=mask(4 * (K + 1), 11).view(4, K + 1, -1))
+        tokens.append(out.token_ids.tolist())
+        runs[name] = tokens
+    assert runs["triton"] == runs["torch"], (runs["triton"], runs["torch"])
+    assert runs["graph"] == runs["torch"], (runs["graph"], runs["torch"])
+    # sampler: 3 steps of 4 rows, a verify of 4 (K + 1) rows; the graph runner pads to 4 rows
+    assert launches[:4] == [(4, V)] * 3 + [(4 * (K + 1), V)], launches
+    assert launches[4:] == [(4, V)] * 3 + [(4 * (K + 1), V)], launches
+    print("ok", runs["torch"][0])
+""")
+
+
+@needs_triton
+def test_the_triton_kernel_inside_the_sampler_and_the_graph_runner_gives_the_torch_paths_tokens():
+    """The kernel the GPU runs, called by step 3 of ``CudaSampler.sample``, ``verify`` and the
+    graph runner's eager replay (CPU tensors, Triton's interpreter): seeded tokens, greedy ones
+    and verification outcomes equal the torch expression's, and the kernel ran every time."""
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    result = subprocess.run([sys.executable, "-c", IN_A_STEP], capture_output=True, text=True,
+                            env=env, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.startswith("ok"), result.stdout
