@@ -1,4 +1,5 @@
-"""The step state of one block of rows, as the core template reads it.
+"""The cpu backend's step states: the step's (:class:`CpuStepState`) and one block's
+(:class:`BlockState`), as the core template reads them.
 
 The cpu backend runs the core's template (``Sampler.sample_state``, ``verify_state``,
 ``processed_state``) once per block of rows. :class:`BlockState` gives that run the block's view
@@ -12,7 +13,7 @@ its rows' seeded keys and the logits row of each of its rows.
 Every field of both is declared: :class:`CpuStepState` (the step state of the cpu backend's
 batch, and of any step this backend runs: ``cpu_state``) declares the penalty slots and the
 fields a block's run sets; :class:`BlockState` declares its own and reads every other one from
-the step state's declared fields.
+the step state's declared fields (an undeclared name raises AttributeError).
 """
 
 from __future__ import annotations
