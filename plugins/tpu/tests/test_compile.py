@@ -24,7 +24,8 @@ from corelib.bitmask import pack_bitmask
 from corelib.sampler import Sampler
 
 from corelib_tpu.batch import PATHS, Variant
-from corelib_tpu.sampler import RecompilationError, TpuSampler, _pack, _pack_verify
+from corelib_tpu.graph import _pack, _pack_verify
+from corelib_tpu.sampler import RecompilationError, TpuSampler
 
 from tpu_support import compile_count, needs_xla, xla_device
 
@@ -353,7 +354,8 @@ BITMASK_HLO = """
 import torch, torch_xla
 from corelib.sampler import Sampler
 from corelib_tpu.batch import Variant
-from corelib_tpu.sampler import TpuSampler, _pack
+from corelib_tpu.graph import _pack
+from corelib_tpu.sampler import TpuSampler
 from corelib_tpu import xla
 sampler = TpuSampler(torch_xla.device(), buckets=(8,), dry_window=16)
 batch = sampler.new_batch(1000)
