@@ -16,6 +16,9 @@ per-round ratios:
 - ``sort``: a straightforward traced sampler: temperature, a full sort, top-k by rank,
   softmax + cumsum for top-p, scatter back to vocabulary order, the contract's Gumbel draw
   (``torch.argmax``), one transfer of the ids;
+- ``light``: the lighter fixed reference the backend's lead was first measured against: the
+  same sort-based filter, then ``argmax`` over the logits plus noise computed once before the
+  timing (no hash, no logarithms in the timed graph), one transfer of the ids;
 - ``cpu``: the ``cpu`` backend on the same logits as CPU tensors, timed by ``--cpu-python``
   (the cpu plugin targets the project's main torch, not torch 2.9).
 
@@ -31,7 +34,8 @@ feature, to price what every graph carries (the token bitmask input, DRY) and wh
 adds (the filters 10a-13b, a real DRY history).
 
 "first" is the first call, compilation included, and "graphs" counts the XLA graphs that call
-compiled. Prints Markdown tables.
+compiled; every variant then runs once more untimed before the rounds. Prints Markdown
+tables.
 """
 
 from __future__ import annotations
@@ -49,7 +53,7 @@ NEG_INF = float("-inf")
 
 CONFIGS = {
     # name: (parameters, logits scale: 3 = peaked like an LLM's, 0.01 = nearly flat)
-    "top-k 50 + top-p 0.9": (dict(top_k=50, top_p=0.9), 3.0),
+    "top-k 50 + top-p 0.9 + T 0.7": (dict(top_k=50, top_p=0.9, temperature=0.7), 3.0),
     "top-p 0.9, flat logits": (dict(top_p=0.9), 0.01),
     "temperature 0.8 + min-p 0.05": (dict(temperature=0.8, min_p=0.05), 3.0),
     "greedy": (dict(temperature=0.0), 3.0),
@@ -82,6 +86,13 @@ def gumbel_draw(x, keys, greedy):
 def sort_based_sample(logits, temperature, top_k, top_p, keys):
     """The straightforward traced sampler (see the module docstring). int64 ``[B]``."""
     return gumbel_draw(sort_based_filter(logits, temperature, top_k, top_p), keys, temperature == 0)
+
+
+def light_sample(logits, temperature, top_k, top_p, gumbel):
+    """The light baseline (see the module docstring): the sort-based filter, then ``argmax``
+    over the filtered logits plus ``gumbel``, float32 ``[B, V]`` noise made before the timing
+    (zero in greedy rows). int64 ``[B]``."""
+    return torch.argmax(sort_based_filter(logits, temperature, top_k, top_p) + gumbel, dim=-1)
 
 
 def sort_based_verify(logits, temperature, top_k, top_p, keys, uniforms, drafts, probs):
@@ -175,6 +186,9 @@ def bench_one(name, params, scale, rows, vocab, reps, tpu, cpu_python, device):
     top_k = torch.full((rows,), sp.effective_top_k).to(device)
     top_p = torch.full((rows,), sp.top_p).to(device)
     keys = torch.randint(-(2**31), 2**31, (rows,), dtype=torch.int32, generator=gen).to(device)
+    from corelib import noise
+    vocab_ids = torch.arange(vocab, dtype=torch.int32)[None, :].to(device)
+    gumbel = torch.where((temperature == 0)[:, None], 0.0, noise.seeded_gumbel(keys[:, None], vocab_ids))
     import torch_xla
     torch_xla.sync()
 
@@ -184,13 +198,18 @@ def bench_one(name, params, scale, rows, vocab, reps, tpu, cpu_python, device):
     def run_sort():
         sort_based_sample(logits, temperature, top_k, top_p, keys).cpu().tolist()
 
+    def run_light():
+        light_sample(logits, temperature, top_k, top_p, gumbel).cpu().tolist()
+
     result = {"config": name, "rows": rows, "path": batch.path()}
-    times = interleaved({"tpu": run_tpu, "sort": run_sort}, reps)
-    for label in ("tpu", "sort"):
+    times = interleaved({"tpu": run_tpu, "sort": run_sort, "light": run_light}, reps)
+    for label in ("tpu", "sort", "light"):
         result[f"{label}_first"], result[f"{label}_graphs"], result[label] = times[label][:3]
-    # Each round times both back to back: the median of the per-round ratios resists load drift.
+    # Each round times all back to back: the median of the per-round ratios resists load drift.
     result["ratio"] = ratio(times, "sort", "tpu")
     result["cpu_ratio"] = ratio(times, "sort", "tpu", 4)
+    result["light_ratio"] = ratio(times, "light", "tpu")
+    result["light_cpu_ratio"] = ratio(times, "light", "tpu", 4)
     result["cpu"], result["cpu_error"] = (cpu_backend_time(cpu_python, vocab, rows, scale, reps, params)
                                           if cpu_python else (None, "not measured"))
     return result
@@ -212,6 +231,8 @@ def interleaved(fns: dict, reps: int) -> dict:
     for label, fn in fns.items():
         before = compile_count()
         out[label] = [timed(fn), compile_count() - before, None, [], []]
+    for fn in fns.values():            # a second warm call: caches and allocations settle
+        fn()
     for _ in range(reps):
         for label, fn in fns.items():
             wall, cpu = cpu_timed(fn)
@@ -318,10 +339,97 @@ def bench_costs(name, params, rows, vocab, reps, device, dry_history=1024):
             "cpu_ratios": {label: ratio(times, label, "production", 4) for label in times}}
 
 
+PROFILE_CONFIGS = {
+    "top-k 50 + top-p 0.9 + T 0.7": (dict(top_k=50, top_p=0.9, temperature=0.7), 3.0),
+    "top-p 0.9, flat logits": (dict(top_p=0.9), 0.01),
+}
+
+
+def _ablations():
+    """{label: TpuSampler subclass}: the production step, and steps that each leave one part
+    out (not valid samplers: for pricing the parts of a step only). Flags are switched off
+    through ``with_bitmask``, the template's last hook before the stages."""
+    import dataclasses
+    from corelib_tpu import thresholds
+    from corelib_tpu.sampler import TpuSampler
+
+    def without(**flags):
+        class Without(TpuSampler):
+            def with_bitmask(self, s, batch, token_bitmask, slots=None):
+                s = super().with_bitmask(s, batch, token_bitmask, slots)
+                return dataclasses.replace(s, **flags)
+        return Without
+
+    class NoNoise(TpuSampler):
+        def draw(self, x, s):
+            return thresholds.first_argmax(x)
+
+    class NoDry(TpuSampler):
+        def apply_dry(self, x, s):
+            return x
+
+    class NoFilterConds(TpuSampler):
+        def apply_top_n_sigma(self, x, s):
+            return x
+
+        def apply_min_p(self, x, s):
+            return x
+
+        def apply_typical_p(self, x, s):
+            return x
+
+        def apply_xtc(self, x, s):
+            return x
+
+    return {
+        "production": TpuSampler,
+        "no draw noise (argmax only)": NoNoise,
+        "no DRY conditional": NoDry,
+        "no 10a/11/13a/13b conditionals": NoFilterConds,
+        "no step 8b": without(any_thinking=False),
+        "no bitmask": without(any_bitmask=False),
+        "no penalties (7-8)": without(any_penalties=False),
+        "no allowed ids, bad words, min tokens (3-5)": without(any_allowed=False, any_bad_words=False,
+                                                                any_min_tokens=False),
+        "no step 15 conditional": without(num_logprobs=None),
+    }
+
+
+def bench_profile(name, params, scale, rows, vocab, reps, device):
+    """Where a step's time goes: the production step against steps built without one part
+    (``_ablations``), interleaved; plus the host's share (tracing the step in Python)."""
+    import torch_xla
+    from corelib_tpu.sampler import TpuSampler
+    gen = torch.Generator().manual_seed(rows)
+    logits = (torch.randn((rows, vocab), generator=gen) * scale).to(device)
+    fns = {}
+    for label, cls in _ablations().items():
+        sampler = cls(device, buckets=(rows,))
+        batch = sampler.new_batch(vocab)
+        for i in range(rows):
+            batch.add(f"r{i}", SamplingParams(**params))
+        fns[label] = lambda s=sampler, b=batch: s.sample(logits, b).token_ids.tolist()
+    tracer = TpuSampler(device, buckets=(rows,))
+    traced = tracer.new_batch(vocab)
+    for i in range(rows):
+        traced.add(f"r{i}", SamplingParams(**params))
+    tracer.sample(logits, traced)
+
+    def trace_only():      # the step's Python tracing, its graph never launched
+        from corelib.sampler import Sampler
+        Sampler.sample(tracer, logits, traced)
+    fns["host: tracing the step (not launched)"] = trace_only
+    torch_xla.sync()
+    times = interleaved(fns, reps)
+    return {"config": name, "rows": rows, "times": times,
+            "ratios": {label: ratio(times, label, "production") for label in times},
+            "cpu_ratios": {label: ratio(times, label, "production", 4) for label in times}}
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--suites", nargs="+", default=["sample", "verify", "costs"],
-                        choices=["sample", "verify", "costs"])
+                        choices=["sample", "verify", "costs", "profile"])
     parser.add_argument("--vocab", type=int, default=128256)
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--reps", type=int, default=7)
@@ -351,15 +459,17 @@ def main():
                                          args.cpu_python, device))
                 r = results[-1]
                 print(f"# {name}, B={rows}: tpu {r['tpu']*1e3:.1f} ms, sort {r['sort']*1e3:.1f} ms, "
-                      f"ratio {r['ratio']:.1f}, cpu {r['cpu']} {r['cpu_error']}", flush=True)
+                      f"light {r['light']*1e3:.1f} ms, ratio {r['ratio']:.1f}, light ratio "
+                      f"{r['light_ratio']:.1f}, cpu {r['cpu']} {r['cpu_error']}", flush=True)
         print(f"\n## sample (load average {load():.1f})\n")
-        print("| config | B | path | tpu ms | sort ms | sort / tpu | sort / tpu, CPU time | cpu ms "
-              "| tpu first s (graphs) | sort first s (graphs) |")
-        print("|---|---|---|---|---|---|---|---|---|---|")
+        print("| config | B | path | tpu ms | sort ms | sort / tpu | sort / tpu, CPU time | light ms "
+              "| light / tpu | light / tpu, CPU time | cpu ms | tpu first s (graphs) | sort first s (graphs) |")
+        print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
         for r in results:
             cpu_ms = f"{r['cpu'] * 1e3:.1f}" if r["cpu"] is not None else "-"
             print(f"| {r['config']} | {r['rows']} | {r['path']} | {r['tpu'] * 1e3:.1f} | {r['sort'] * 1e3:.1f} "
-                  f"| {r['ratio']:.1f}x | {r['cpu_ratio']:.1f}x | {cpu_ms} | {r['tpu_first']:.1f} "
+                  f"| {r['ratio']:.1f}x | {r['cpu_ratio']:.1f}x | {r['light'] * 1e3:.1f} "
+                  f"| {r['light_ratio']:.1f}x | {r['light_cpu_ratio']:.1f}x | {cpu_ms} | {r['tpu_first']:.1f} "
                   f"({r['tpu_graphs']}) | {r['sort_first']:.1f} ({r['sort_graphs']}) |", flush=True)
 
     if "verify" in args.suites:
@@ -384,6 +494,21 @@ def main():
             results.append(bench_costs(name, params, args.cost_rows, args.vocab, args.reps, device))
             print(f"# costs {name}: {results[-1]['ratios']}", flush=True)
         print(f"\n## costs (load average {load():.1f})\n")
+        print("| config | B | step | ms | / production | / production, CPU time | first s (graphs) |")
+        print("|---|---|---|---|---|---|---|")
+        for r in results:
+            for label, t in r["times"].items():
+                print(f"| {r['config']} | {r['rows']} | {label} | {t[2] * 1e3:.1f} | "
+                      f"{r['ratios'][label]:.2f} | {r['cpu_ratios'][label]:.2f} | {t[0]:.1f} ({t[1]}) |",
+                      flush=True)
+
+
+    if "profile" in args.suites:
+        results = []
+        for name, (params, scale) in PROFILE_CONFIGS.items():
+            results.append(bench_profile(name, params, scale, args.cost_rows, args.vocab, args.reps, device))
+            print(f"# profile {name}: {results[-1]['ratios']}", flush=True)
+        print(f"\n## profile (load average {load():.1f})\n")
         print("| config | B | step | ms | / production | / production, CPU time | first s (graphs) |")
         print("|---|---|---|---|---|---|---|")
         for r in results:
