@@ -18,8 +18,9 @@
 # own files under $OUT as it goes, so a cut section loses only itself:
 #   setup 60 s | start-up 150 s (FlashInfer's self-test: a FlashInfer without precompiled kernels
 #   compiles its sampling module with nvcc here, timed) | gpu tests 90 s (host syncs, graphs,
-#   bitmask) | flashinfer + torch-path tests 60 s | benchmark 100 s (each batch size printed and
-#   written to bench.json as it finishes) | conformance on the GPU, what is left
+#   the bitmask and seeded-race Triton kernels) | flashinfer + torch-path tests 60 s |
+#   benchmark 100 s (each batch size printed and written to bench.json as it finishes) |
+#   conformance on the GPU, what is left
 # TestConformanceOnCuda is left out when the sampler runs its torch path: it would repeat
 # TestTorchPathOnCuda test for test. The CPU-tensor conformance classes are CI's.
 #
@@ -151,14 +152,16 @@ for attempt in ("first", "second"):
     sampler = CudaSampler(device)
     setup = ", ".join(f"{k} {v:.1f} s" for k, v in sampler.flashinfer_setup_s.items()) or "-"
     print(f"{attempt} CudaSampler: {time.perf_counter() - t0:.1f} s (FlashInfer self-test, the first "
-          f"one compiling: {setup}); path {sampler.path} ({sampler.path_reason}); bitmask {sampler.bitmask_path}")
+          f"one compiling: {setup}); path {sampler.path} ({sampler.path_reason}); bitmask {sampler.bitmask_path}; "
+          f"seeded race {sampler.race_path}")
 (out / "path.txt").write_text(sampler.path + "\n")
 PY
 startup_rc=${PIPESTATUS[0]}
 done_section start-up "$t" "$lim" "$startup_rc"
 
 # -- tests: the sync, graph and bitmask checks first, FlashInfer's and the torch path's next
-tests gpu 90 plugins/cuda/tests/test_gpu.py plugins/cuda/tests/test_graph.py plugins/cuda/tests/test_bitmask.py
+tests gpu 90 plugins/cuda/tests/test_gpu.py plugins/cuda/tests/test_graph.py plugins/cuda/tests/test_bitmask.py \
+  plugins/cuda/tests/test_race.py
 tests flashinfer 60 plugins/cuda/tests/test_flashinfer_adapter.py plugins/cuda/tests/test_discovery.py \
   plugins/cuda/tests/test_torch_path.py -k "not TestConformanceOnTheFlashInferPath"
 

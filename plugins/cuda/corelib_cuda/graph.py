@@ -49,7 +49,7 @@ import torch
 from corelib import SamplerOutput, SamplingBatch, StepState
 from corelib.bitmask import bitmask_width
 from corelib.drafts import DraftLayout, padded_arguments
-from corelib.sampler import Drafts, Logprobs, VerifyOutput
+from corelib.sampler import Drafts, Logprobs, VerifyOutput, checked_draft_probs, verify_logits_shape
 
 from .batch import FilterBounds
 from .device import device_guard
@@ -220,9 +220,9 @@ class GraphedSampler:
         mask = None if token_bitmask is None else batch.check_token_bitmask(token_bitmask)
         if logits.shape[0] != n:   # one row per request: expand here, outside the graph
             logits = logits.index_select(0, batch.request_index(n))
-        state = self.graph_state(batch, size)
+        state, host_key = self._state_and_key(batch, size)
         slot = self._slot(("sample", size), mask is not None)
-        key = ("sample", logits.dtype, slot.masked, self.capture_key(state))
+        key = ("sample", logits.dtype, slot.masked, host_key)
         if slot.capture is None or slot.capture.key != key:
             slot.capture = self._capture(key, self._sample_buffers(state, logits.dtype, slot.masked),
                                          lambda inputs: self._sample_body(inputs, batch, state))
@@ -268,29 +268,37 @@ class GraphedSampler:
             layout = DraftLayout.of(num_drafts, self.device)
             logits, draft_token_ids, draft_probs, token_bitmask = padded_arguments(
                 layout, logits, batch, draft_token_ids, draft_probs, token_bitmask)
-        drafts = self.sampler.check_drafts(logits, batch, draft_token_ids, draft_probs, method)
-        B, S, V = logits.shape
+        B, S, V = verify_logits_shape(logits)
         size = self.padded_size(B)
-        with_probs = drafts.probs is not None
+        with_probs = draft_probs is not None
         where = ("verify", size, S, with_probs)
         if B == 0 or not self._graphable(where):
             return self._eager(self.sampler.verify, logits, batch, draft_token_ids, draft_probs,
                                token_bitmask, method)
+        # The draft probabilities are read once before the replay: copied into the graph's
+        # buffer, and checked there (the check of the sampler's own verify would make them
+        # contiguous and read them, and the copy read them again).
+        drafts = self.sampler.check_drafts(logits, batch, draft_token_ids, None, method)
+        probs = None if draft_probs is None else checked_draft_probs(draft_probs, B, S - 1, V)
         mask = None if token_bitmask is None else batch.check_token_bitmask(token_bitmask, S)
-        state = self.graph_state(batch, size)
+        state, host_key = self._state_and_key(batch, size)
         slot = self._slot(where, mask is not None)
-        key = ("verify", S, with_probs, method, logits.dtype, slot.masked, self.capture_key(state))
+        key = ("verify", S, with_probs, method, logits.dtype, slot.masked, host_key)
         if slot.capture is None or slot.capture.key != key:
             inputs = self._verify_buffers(state, S, logits.dtype, with_probs, slot.masked)
             slot.capture = self._capture(key, inputs, lambda inputs: self._verify_body(inputs, batch, state, method))
         inputs = slot.capture.inputs
+        usable = drafts.usable
+        if probs is not None:
+            copied = inputs["draft_probs"][:B]
+            copied.copy_(probs)
+            real = torch.arange(S - 1, device=self.device)[None, :] < drafts.count[:, None]
+            usable = usable & (self.sampler.draft_probs_sane(copied) | ~real).all(dim=1)
         inputs["logits"][:B].copy_(logits)
         inputs["draft_ids"][:B].copy_(drafts.token_ids)
         inputs["draft_ids"][B:].fill_(-1)          # padding rows propose nothing
         inputs["draft_count"][:B].copy_(drafts.count)
-        inputs["draft_usable"][:B].copy_(drafts.usable)
-        if with_probs:
-            inputs["draft_probs"][:B].copy_(drafts.probs)
+        inputs["draft_usable"][:B].copy_(usable)
         if slot.masked:
             _copy_mask(inputs["bitmask"], mask, B * S)
         out = self._replay(slot.capture)
@@ -330,16 +338,35 @@ class GraphedSampler:
         """The smallest capture size holding ``rows`` rows, or None when none does."""
         return next((size for size in self.sizes if size >= rows), None)
 
-    def graph_state(self, batch: SamplingBatch, size: int) -> CudaStepState:
+    def _state_and_key(self, batch: SamplingBatch, size: int) -> tuple[CudaStepState, tuple]:
+        """(``graph_state``, its ``capture_key``), built once per step state the batch keeps
+        (a ``CudaBatch`` keeps one until requests join, leave or move, or a tensor is
+        replaced, and its ``graph_memo`` travels with it): the key walks every field and
+        tensor, about 0.2 ms of host time a step at 32 rows, which steady steps need not pay.
+        Other batches build both every step."""
+        template = batch.step_state(size)
+        memo = getattr(template, "graph_memo", None)
+        if memo is not None and "key" in memo:
+            state = object.__new__(type(memo["state"]))          # a new object each step, as
+            state.__dict__.update(memo["state"].__dict__)        # step_state gives
+            return state, memo["key"]
+        state = self.graph_state(batch, size, template)
+        key = self.capture_key(state)
+        if memo is not None:
+            memo.update(state=state, key=key)
+        return state, key
+
+    def graph_state(self, batch: SamplingBatch, size: int,
+                    template: Optional[StepState] = None) -> CudaStepState:
         """The step state of ``size`` rows as the graph sees it: min-tokens on whenever its
         tensors exist, and the filter bounds rounded up to a power of two (fewer captures;
         a larger candidate count keeps the same sets)."""
-        s = with_bounds(batch.step_state(size), batch)
+        s = with_bounds(batch.step_state(size) if template is None else template, batch)
         bounds = s.bounds
         if bounds is not None:
             bounds = FilterBounds(_round_up(bounds.candidates, batch.vocab_size),
                                   _round_up(bounds.max_top_k, batch.vocab_size),
-                                  bounds.every_row_top_k)
+                                  bounds.every_row_top_k, bounds.exact_top_p)
         max_top_k = _round_up(s.max_top_k, batch.vocab_size)
         return dataclasses.replace(s, any_min_tokens=s.stop_ids is not None, bounds=bounds,
                                    max_top_k=max_top_k)
@@ -350,6 +377,8 @@ class GraphedSampler:
         state, the custom stages in use, and the address, shape and strides of every tensor."""
         parts = []
         for f in dataclasses.fields(s):
+            if f.name == "graph_memo":
+                continue
             value = getattr(s, f.name)
             if isinstance(value, torch.Tensor):
                 parts.append((f.name, _tensor_key(value)))

@@ -34,22 +34,26 @@ from typing import Optional
 
 import torch
 from corelib import Sampler, SamplingBatch, StepState
-from corelib.noise import row_keys, seeded_gumbel
+from corelib.noise import row_keys
 from corelib.sampler import NEG_INF, Drafts, nucleus_keep
 
 from .batch import CudaBatch, FilterBounds
 from .bitmask import choose_bitmask_path
+from .race import choose_race_path
 from .probe import ENV_FLASHINFER
 
 
 @dataclass
 class CudaStepState(StepState):
-    """``StepState`` plus the batch's host-side filter bounds (None: unknown, so sort), and
+    """``StepState`` plus the batch's host-side filter bounds (None: unknown, so sort),
     whether the final logits must be complete even where FlashInfer draws (a verify step with
-    draft probabilities reads them for the ratio test)."""
+    draft probabilities reads them for the ratio test), and the graph runner's memo."""
 
     bounds: Optional[FilterBounds] = None
     final_needed: bool = False
+    #: what the graph runner derives from a kept step state (its capture key), shared by the
+    #: step states ``CudaBatch.step_state`` copies from one kept state; None elsewhere
+    graph_memo: Optional[dict] = dataclasses.field(default=None, compare=False, repr=False)
 
 
 class CudaSampler(Sampler):
@@ -84,6 +88,8 @@ class CudaSampler(Sampler):
         self.path, self.path_reason = self._choose_path(use_flashinfer)
         #: step 3's implementation on this device, decided (and on CUDA launched once) now
         self.bitmask = choose_bitmask_path(self.device)
+        #: step 14's seeded race on this device, decided (and on CUDA launched once) now
+        self.race = choose_race_path(self.device)
 
     def __repr__(self) -> str:
         return f"CudaSampler(device={str(self.device)!r}, path={self.path!r})"
@@ -142,6 +148,11 @@ class CudaSampler(Sampler):
         follows ``torch.manual_seed`` and leaves every other generator alone. One read on the
         host, when the sampler starts."""
         return int(torch.randint(0, 2**62, (1,), generator=self.generator, device=self.device))
+
+    @property
+    def race_path(self) -> str:
+        """How step 14 draws seeded rows here: "triton" (one pass), or "torch (why)"."""
+        return self.race.description
 
     @property
     def bitmask_path(self) -> str:
@@ -212,6 +223,14 @@ class CudaSampler(Sampler):
         total = x.sum(dim=-1, dtype=torch.float64)
         return ~(torch.isnan(total) | (total == float("inf")))
 
+    def draft_probs_sane(self, probs: torch.Tensor) -> torch.Tensor:
+        """bool [B, K]: the slot's draft distribution (float32 [B, K, V]) is free of NaN,
+        +-inf and negative values, from one pass (``aminmax``) instead of four: NaN propagates
+        to both ends, -inf and negative values make the minimum negative, +inf the maximum
+        infinite. Not in place."""
+        low, high = torch.aminmax(probs, dim=-1)
+        return (low >= 0) & (high < float("inf"))
+
     def any_token_left(self, x: torch.Tensor) -> torch.Tensor:
         """bool [B]: rows with a token above -inf (one reduction; NaN rows are flagged by
         ``finite_rows`` already)."""
@@ -239,28 +258,85 @@ class CudaSampler(Sampler):
 
     # ------------------------------------------------------------------ steps 12-13a
     def apply_top_k_top_p(self, x: torch.Tensor, s: StepState) -> torch.Tensor:
-        """Steps 12-13 without a full sort when the batch bounds the candidates.
+        """Steps 12-13 without sorting the vocabulary when the batch's bounds allow it.
 
         x float32 [B, V] (dropped tokens -inf); ``s.top_k`` int32 [B] (0 = off), ``s.top_p``
-        float32 [B] (1 = off). ``torch.topk`` takes the K largest logits, K = the batch's
-        largest top_k; the k-th largest is read from them, and top-p sums the same softmax
-        probabilities the reference sums, in the same order and precision, so the kept sets
-        are the reference's (every token tied with the threshold is kept). A row with top-p
-        but no top-k needs the whole vocabulary: then the batch takes the reference's sort.
-        Not in place."""
+        float32 [B] (1 = off). When every random row with top-p has a top_k, ``torch.topk``
+        takes the K largest logits, K = the batch's largest top_k; the k-th largest is read
+        from them, and top-p sums the same softmax probabilities the reference sums, in the
+        same order and precision, so the kept sets are the reference's (every token tied with
+        the threshold is kept). A row with top-p but no top-k needs the whole vocabulary: its
+        threshold is found by radix select over the probabilities' bits
+        (:meth:`top_p_threshold`), exact while every top_p is at most
+        ``exact_top_p_limit(V)`` (about 0.9997 at V = 128256); a batch with a larger top_p
+        below 1, or without bounds, takes the reference's sort. Not in place."""
         V = x.shape[-1]
         bounds = getattr(s, "bounds", None)
         K = V if bounds is None else bounds.candidates
         if K == 0:
             return x
-        if K * self.SORT_FRACTION > V:
+        if K * self.SORT_FRACTION <= V:
+            values, ids = torch.topk(x, K, dim=-1)                          # (B, K), descending
+            if s.any_top_k:
+                x = self.top_k_from_candidates(x, values, s)
+            if s.any_top_p:
+                x = self.top_p_from_candidates(x, ids, s)
+            return x
+        if (bounds is None or not bounds.exact_top_p
+                or bounds.max_top_k * self.SORT_FRACTION > V):
             return super().apply_top_k_top_p(x, s)
-        values, ids = torch.topk(x, K, dim=-1)                              # (B, K), descending
         if s.any_top_k:
-            x = self.top_k_from_candidates(x, values, s)
-        if s.any_top_p:
-            x = self.top_p_from_candidates(x, ids, s)
-        return x
+            x = self.top_k_from_candidates(x, torch.topk(x, bounds.max_top_k, dim=-1).values, s)
+        probs = torch.softmax(x, dim=-1)
+        return x.masked_fill(probs < self.top_p_threshold(probs, s.top_p), NEG_INF)
+
+    #: The radix select's digits (shift, bits) over a probability's float32 bits: a
+    #: non-negative float's bits, read as int32, order like its value.
+    SELECT_DIGITS = ((20, 12), (10, 10), (0, 10))
+
+    def top_p_threshold(self, probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+        """float32 [B, 1]: step 13's threshold, the smallest kept probability, so that the
+        nucleus is ``probs >= threshold``, without a sort. probs float32 [B, V], a softmax;
+        top_p float32 [B] in (0, 1] (1: threshold 0, every token).
+
+        The reference keeps a token when the mass of the probabilities strictly above it is
+        < top_p; its threshold v* is the smallest such value. Three radix passes find v*'s
+        bits: each sums the mass per digit (12, 10, then 10 bits) of the tokens in range, with
+        the tokens below and above the range in a bin each (one float64 ``scatter_add``), and
+        keeps the lowest digit whose mass strictly above is < top_p. Exact, so the reference's set: while v* >=
+        2**-29 (the batch's top_p <= ``exact_top_p_limit(V)``), every sum that decides is of
+        float32 multiples of 2**-52 below 2, exact in float64 in any order, as the reference's
+        own cumulative sums are; sums that reach smaller values are only compared where they
+        already exceed top_p without them. No host read; fixed shapes. Not in place."""
+        B = probs.shape[0]
+        bits = probs.view(torch.int32).long()       # int64: scatter's index dtype, no copies later
+        weights = probs.double()
+        limit = top_p.double()[:, None]
+        prefix = None
+        for shift, width in self.SELECT_DIGITS:
+            digits = 1 << width
+            mass = torch.zeros((B, digits + 2), dtype=torch.float64, device=probs.device)
+            if prefix is None:                      # the top digit: every token in range
+                # (clamped: a NaN row's negative bits, flagged invalid anyway, stay in bounds;
+                # bin = digit + 1 through the view)
+                mass[:, 1:].scatter_add_(1, torch.bitwise_right_shift(bits, shift).clamp_(0, digits), weights)
+            else:
+                # bin 0: below the range, 1..digits: the digit + 1, digits + 1: above the
+                # range (its mass, of values > v*, is part of every digit's mass above)
+                high = torch.bitwise_right_shift(bits, shift) if shift else bits
+                bins = (high - ((prefix >> shift) - 1)).clamp_(0, digits + 1)
+                mass.scatter_add_(1, bins, weights)
+            # mass strictly above each bin: the suffix sums shifted by one
+            higher = mass.flip(-1).cumsum(-1).flip(-1)
+            strictly_above = torch.cat([higher[:, 1:], higher.new_zeros((B, 1))], dim=-1)
+            # the lowest digit whose mass above is < top_p (a row whose whole mass is below
+            # top_p keeps every token: then digit 0)
+            chosen = (digits + 2) - (strictly_above < limit).sum(dim=-1, keepdim=True)
+            digit = (chosen - 1).clamp_(0, digits - 1)
+            prefix = (digit << shift) if prefix is None else prefix | (digit << shift)
+        # rows with top_p 1 keep every token: a threshold of 0
+        prefix = torch.where((top_p >= 1.0)[:, None], 0, prefix)
+        return prefix.to(torch.int32).view(torch.float32)
 
     def top_k_from_candidates(self, x: torch.Tensor, values: torch.Tensor, s: StepState) -> torch.Tensor:
         """Step 12 given ``values`` float32 [B, K], each row's K largest logits, descending:
@@ -357,19 +433,21 @@ class CudaSampler(Sampler):
 
     def draw_seeded(self, x: torch.Tensor, s: StepState) -> torch.Tensor:
         """int64 [B]: ``argmax(x + contract noise)`` over the whole vocabulary (the reference's
-        exact computation, so the tokens are the reference's). x float32 [B, V]."""
-        V = x.shape[-1]
-        keys = row_keys(s.seed_lo, s.seed_hi, s.child, s.position)[:, None]  # (B, 1)
-        vocab = torch.arange(V, dtype=torch.int32, device=x.device)[None, :]
-        return torch.argmax(x + seeded_gumbel(keys, vocab), dim=-1)
+        computation, so the tokens are the reference's). x float32 [B, V]. On CUDA one Triton
+        kernel hashes the noise and races in one read of x (``corelib_cuda.race``; the torch
+        expression's ~20 passes over [B, V] elsewhere, ``race_path`` says which)."""
+        keys = row_keys(s.seed_lo, s.seed_hi, s.child, s.position)           # (B,)
+        return self.race.draw(x, keys)
 
     def draw_unseeded(self, x: torch.Tensor) -> torch.Tensor:
         """int64 [B]: a Gumbel race with this sampler's generator (no torch.multinomial, which
         would wait on the host). x float32 [B, V], dropped tokens -inf."""
-        u = torch.rand(x.shape, generator=self.generator, device=x.device)
-        # u == 0 would give a -inf key and could lose even a row's only kept token.
-        u = u.clamp_min_(torch.finfo(torch.float32).tiny)
-        return torch.argmax(x - torch.log(-torch.log(u)), dim=-1)
+        # -log(E) of an exponential E is standard Gumbel noise: four passes over [B, V]
+        # instead of the uniform's six. E == 0 would give a +inf key (NaN on a -inf logit)
+        # and let a dropped token win.
+        e = torch.empty(x.shape, device=x.device).exponential_(generator=self.generator)
+        e = e.clamp_min_(torch.finfo(torch.float32).tiny)
+        return torch.argmax(x - e.log_(), dim=-1)
 
 
 def context_usable(device: torch.device) -> bool:
@@ -388,5 +466,5 @@ def with_bounds(s: StepState, batch: SamplingBatch) -> StepState:
     ``CudaBatch`` gives None, and steps 12-13 then sort)."""
     if isinstance(s, CudaStepState):
         return s
-    bounds = FilterBounds.of(s) if isinstance(batch, CudaBatch) else None
+    bounds = FilterBounds.of(s, batch.max_top_p) if isinstance(batch, CudaBatch) else None
     return CudaStepState(**vars(s), bounds=bounds)

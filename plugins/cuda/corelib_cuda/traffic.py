@@ -10,7 +10,7 @@ calls move nothing and are not counted; every other operation reads each tensor 
 (its distinct elements: a broadcast ``[B, 1]`` read as ``[B, V]`` counts B elements) and writes
 each output, or the arguments it mutates (``out=`` and in-place operations). A pass over
 ``[B, V]`` is an operation that reads or writes at least ``B * V`` distinct elements (a gather reads
-one element per index), where B is
+one element per index, an in-place scatter writes one per index), where B is
 the number of requests: a verify step's ``[B (K + 1), V]`` operations count one pass each, as
 a step's ``[B, V]`` ones do. ``sorts`` counts sorts (``sort``, ``argsort``, ``topk`` with k
 above a quarter of the row) over rows of the vocabulary's length.
@@ -18,7 +18,9 @@ above a quarter of the row) over rows of the vocabulary's length.
 The graph runner is counted in its eager form (``use_graphs=False``): the same operations a
 CUDA graph would replay, plus the copies into its static buffers. Kernels outside aten (the
 Triton bitmask and seeded-race kernels, FlashInfer's) are counted through their custom
-operations where they have one.
+operations where they have one: on meta tensors the sampler takes the seeded race's custom
+operation, as it does on a CUDA device where the kernel passed its start-up launch, so the
+table counts the steps a GPU runs (on CPU tensors the race is the torch expression).
 """
 
 from __future__ import annotations
@@ -36,6 +38,8 @@ from torch.utils._pytree import tree_flatten
 
 _SORTS = {"sort", "argsort", "topk", "kthvalue", "msort"}
 _GATHERS = {"gather", "index_select", "take_along_dim", "index"}
+# In-place scatters touch their target only where the index points.
+_SCATTERS = {"scatter_add_", "scatter_", "scatter_reduce_", "index_put_", "index_add_", "index_copy_"}
 # Operations that only make or describe a view, or read metadata.
 _FREE = {"detach", "alias", "lift_fresh", "empty", "empty_strided", "empty_like", "new_empty",
          "new_empty_strided", "_local_scalar_dense", "sym_size", "sym_stride", "sym_numel",
@@ -104,6 +108,15 @@ class TrafficMode(TorchDispatchMode):
                     continue                  # out=: written, not read
             read_tensors += tensors
         written = written_args or [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+        if name in _SCATTERS and written_args:
+            target = written_args[0]
+            sources = [t for t in read_tensors if t is not target]
+            touched = max((distinct_elements(t) for t in sources), default=0)
+            read_tensors = sources
+            written = []
+            write_extra = touched * target.element_size()
+        else:
+            write_extra = 0
         if name in _GATHERS and read_tensors:
             # a gather reads one element of its source per index, not the whole source
             src = read_tensors[0]
@@ -118,7 +131,8 @@ class TrafficMode(TorchDispatchMode):
         sort = (name in _SORTS and read_tensors and read_tensors[0].dim()
                 and read_tensors[0].shape[-1] == self.traffic.vocab
                 and (name != "topk" or int(args[1]) * 4 > self.traffic.vocab))
-        self.traffic.add(name, sum(n * s for n, s in read_n), sum(n * s for n, s in write_n), big, bool(sort))
+        self.traffic.add(name, sum(n * s for n, s in read_n), sum(n * s for n, s in write_n) + write_extra,
+                         big, bool(sort))
         return out
 
 
@@ -160,7 +174,10 @@ def measure(runner: str, config: str, B: int, K: int, V: int = V_DEFAULT,
     runner's eager form ("graph"), bf16 logits. The first call is not counted (a graph runner
     captures then)."""
     from . import CudaSampler, GraphedSampler
+    from .race import RacePath, seeded_race
     sampler = CudaSampler(device, use_flashinfer=False)
+    if device == "meta":
+        sampler.race = RacePath(seeded_race, "triton")        # as a CUDA device runs it
     target = GraphedSampler(sampler, use_graphs=False) if runner == "graph" else sampler
     batch = _batch(sampler, B, V, CONFIGS[config], device)
     if K == 0:

@@ -17,6 +17,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from corelib.transfer import staged, upload
 
 from corelib_cuda import CudaBatch, CudaSampler, GraphedSampler
+from corelib_cuda.batch import exact_top_p_limit
 from corelib_cuda.sync_check import HostSyncError, no_host_sync
 
 V = 2048
@@ -101,7 +102,7 @@ def test_top_k_keeps_ties_beyond_the_candidates(sampler, reference):
     assert kept[0] == 40 and kept[1] == V
 
 
-def test_top_k_path_sorts_nothing_and_top_p_alone_sorts(sampler):
+def test_top_k_path_sorts_nothing_and_top_p_alone_sorts_only_past_the_exact_limit(sampler):
     logits = torch.randn(4, V)
     with_k = build(sampler, [(f"k{i}", SamplingParams(top_k=50, top_p=0.9), [], None) for i in range(4)])
     with Recorder() as rec:
@@ -111,7 +112,53 @@ def test_top_k_path_sorts_nothing_and_top_p_alone_sorts(sampler):
                              ("k", SamplingParams(top_k=50), [], None)])
     with Recorder() as rec:
         sampler.sample(logits[:2], only_p)
-    assert "sort" in rec.ops      # a top-p row without top-k needs the whole vocabulary
+    assert "sort" not in rec.ops and "scatter_add_" in rec.ops     # the radix select
+    limit = exact_top_p_limit(V)
+    near_one = build(sampler, [("p", SamplingParams(top_p=limit + (1 - limit) / 2), [], None)])
+    with Recorder() as rec:
+        sampler.sample(logits[:1], near_one)
+    assert "sort" in rec.ops      # past the limit the sums could round: the reference's sort
+
+
+def nucleus_rows(gen: torch.Generator, V: int) -> torch.Tensor:
+    """Rows whose nuclei end in every way: flat, peaked, heavy ties, dropped tokens, one
+    token, probabilities of every magnitude."""
+    rows = [torch.randn(V, generator=gen) * scale for scale in (0.01, 0.3, 1.0, 3.0, 10.0, 40.0)]
+    rows.append(torch.round(torch.randn(V, generator=gen) * 2))              # ties everywhere
+    rows.append(torch.zeros(V))                                               # all tied
+    dropped = torch.randn(V, generator=gen) * 2
+    dropped[torch.rand(V, generator=gen) < 0.9] = float("-inf")
+    rows.append(dropped)
+    single = torch.full((V,), float("-inf"))
+    single[V // 3] = 0.0
+    rows.append(single)
+    rows.append(torch.linspace(-80.0, 0.0, V))                                # down to ~1e-35
+    return torch.stack(rows)
+
+
+@pytest.mark.parametrize("vocab", [97, 2048, 128256])
+def test_top_p_by_radix_select_keeps_the_references_sets(sampler, reference, vocab):
+    """Step 13 without top-k: the radix select's kept sets equal the reference's sort, at
+    top_p values across (0, 1], the exact limit included, with and without a top-k row."""
+    gen = torch.Generator().manual_seed(vocab)
+    x = nucleus_rows(gen, vocab)
+    limit = exact_top_p_limit(vocab)
+    tops = [0.05, 0.3, 0.5, 0.9, 0.95, 0.999, limit, 1.0] + torch.rand(3, generator=gen).tolist()
+    calls = []
+    select = sampler.top_p_threshold
+    sampler.top_p_threshold = lambda probs, top_p: calls.append(1) or select(probs, top_p)
+    try:
+        for top_p in tops:
+            for with_k in (False, True):
+                params = [SamplingParams(top_p=top_p, temperature=0.9)] * len(x)
+                if with_k:
+                    params = params[:-1] + [SamplingParams(top_k=7, top_p=top_p)]
+                got = sampler.processed_logits(x, build(sampler, [(f"r{i}", p, [], None) for i, p in enumerate(params)], vocab))
+                want = reference.processed_logits(x, build(reference, [(f"r{i}", p, [], None) for i, p in enumerate(params)], vocab))
+                assert torch.equal(torch.isinf(got), torch.isinf(want)), (top_p, with_k)
+    finally:
+        del sampler.top_p_threshold
+    assert len(calls) == 2 * (len(tops) - 1)          # top_p 1 alone: no filter at all
 
 
 def test_filter_bounds_follow_membership(sampler):

@@ -38,3 +38,11 @@ def test_sorts_of_the_vocabulary_are_counted_and_small_top_k_is_not():
     assert count(lambda: torch.sort(x, dim=-1), B, V).sorts == 1
     assert count(lambda: torch.topk(x, 50, dim=-1), B, V).sorts == 0
     assert count(lambda: torch.topk(x, V // 2, dim=-1), B, V).sorts == 1
+
+
+def test_an_in_place_scatter_writes_only_where_its_index_points():
+    counts = torch.zeros((B, V), dtype=torch.int32, device="meta")
+    index = torch.zeros((B, 3), dtype=torch.long, device="meta")
+    ones = torch.ones((B, 3), dtype=torch.int32, device="meta")
+    t = count(lambda: counts.scatter_add_(1, index, ones), B, V)
+    assert (t.passes, t.read, t.written) == (0, 8 * 3 * B + 4 * 3 * B, 4 * 3 * B)
