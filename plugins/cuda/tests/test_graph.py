@@ -400,3 +400,19 @@ def test_the_device_guard_makes_a_cuda_device_current_and_restores_it(fake_cuda)
         with device_guard(torch.device("cpu")):
             assert fake_cuda.current_device == 2
     assert fake_cuda.current_device == 0
+
+
+def test_the_capture_key_is_built_once_per_kept_step_state(monkeypatch):
+    """Steady steps reuse the key of the step state the batch keeps; a request joining makes
+    a new one (and a new key), which replays the same capture when nothing host-side moved."""
+    runner = GraphedSampler(CudaSampler("cpu", use_flashinfer=False), sizes=(4, 8), use_graphs=False)
+    built = []
+    key_of = GraphedSampler.capture_key
+    monkeypatch.setattr(GraphedSampler, "capture_key", staticmethod(lambda s: built.append(1) or key_of(s)))
+    batch = build(runner, seeded_requests())
+    for step in range(3):
+        batch.append(runner.sample(logits_for(step, 4, "cpu"), batch).token_ids)
+    assert len(built) == 1 and runner.captures == 1
+    batch.add("c", SamplingParams(seed=9, top_k=40, top_p=0.9, temperature=0.8))
+    batch.append(runner.sample(logits_for(3, 5, "cpu"), batch).token_ids)
+    assert len(built) == 2
