@@ -36,7 +36,8 @@ WHEELS=${CORELIB_WHEELS:-.whl}
 OUTDIR=${OUT:-/tmp/corelib-gpu-check}
 SITE=$(mktemp -d "${TMPDIR:-/tmp}/corelib-site.XXXXXX")
 mkdir -p "$OUTDIR"
-export PYTHONUNBUFFERED=1 PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
+# $SITE/bin: the ninja that FlashInfer's JIT build runs comes with the bundle's ninja wheel.
+export PYTHONUNBUFFERED=1 PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}" PATH="$SITE/bin:$PATH"
 : >"$OUTDIR/sections.txt"
 if [ "$DRY" = 1 ]; then
   DEVICE=cpu; BENCH_ARGS=(--device cpu --vocab 4096 --batch-sizes 1,4 --engine-batch-sizes 1,4 --iters 2 --repeats 1)
@@ -115,7 +116,7 @@ done_section setup "$t" "$lim" "$setup_rc"
 # -- start-up: versions, the probe, the bitmask launch, FlashInfer's self-test (timed)
 t=$SECONDS; lim=$(limit 150)
 cut "$lim" "$PY" - "$DEVICE" "$OUTDIR" <<'PY' 2>&1 | tee "$OUTDIR/env.txt"
-import os, pathlib, sys, time, torch, corelib
+import os, pathlib, shutil, sys, time, torch, corelib
 from corelib_cuda import CudaSampler
 from corelib_cuda.probe import probe, import_flashinfer
 device, out = sys.argv[1], pathlib.Path(sys.argv[2])
@@ -134,6 +135,7 @@ if error is None:
     cache = "yes" if has_flashinfer_jit_cache() else "no (kernels JIT-compile on first use)"
     print(f"flashinfer from {pathlib.Path(flashinfer.__file__).parent}")
 print(f"triton {triton_version}; flashinfer {version or error}; precompiled flashinfer kernels: {cache}")
+print(f"for FlashInfer's JIT build: ninja {shutil.which('ninja')}, nvcc {shutil.which('nvcc')}")
 if error is None and device == "cpu":
     # No nvcc run without a GPU: plan the modules the backend uses and check their sources.
     from flashinfer.jit.sampling import gen_sampling_module

@@ -303,11 +303,12 @@ class CudaSampler(Sampler):
         < top_p; its threshold v* is the smallest such value. Three radix passes find v*'s
         bits: each sums the mass per digit (12, 10, then 10 bits) of the tokens in range, with
         the tokens below and above the range in a bin each (one float64 ``scatter_add``), and
-        keeps the lowest digit whose mass strictly above is < top_p. Exact, so the reference's set: while v* >=
-        2**-29 (the batch's top_p <= ``exact_top_p_limit(V)``), every sum that decides is of
-        float32 multiples of 2**-52 below 2, exact in float64 in any order, as the reference's
-        own cumulative sums are; sums that reach smaller values are only compared where they
-        already exceed top_p without them. No host read; fixed shapes. Not in place."""
+        keeps the lowest digit whose mass strictly above is < top_p. Exact, so the reference's
+        set, while v* >= 2**-29 (the batch's top_p <= ``exact_top_p_limit(V)``): every sum
+        that decides is of float32 multiples of 2**-52 below 2, exact in float64 in any order,
+        as the reference's own cumulative sums are; sums that reach smaller values are only
+        compared where they already exceed top_p without them. No host read; fixed shapes.
+        Not in place."""
         B = probs.shape[0]
         bits = probs.view(torch.int32).long()       # int64: scatter's index dtype, no copies later
         weights = probs.double()
