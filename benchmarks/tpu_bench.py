@@ -385,7 +385,7 @@ def _ablations():
         "production": TpuSampler,
         "no draw noise (argmax only)": NoNoise,
         "no DRY conditional": NoDry,
-        "no 10a/11/13a/13b conditionals": NoFilterConds,
+        "no filter conditionals (10a; 13a with 13b)": NoFilterConds,
         "no step 8b": without(any_thinking=False),
         "no bitmask": without(any_bitmask=False),
         "no penalties (7-8)": without(any_penalties=False),

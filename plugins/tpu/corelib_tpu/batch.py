@@ -54,18 +54,21 @@ _RANDOM_KEY = INT_COLUMNS.index("random_key")
 _THINKING_BUDGET = INT_COLUMNS.index("thinking_budget")
 _ROUTE = INT_COLUMNS.index("route")
 _LOGPROBS_ON = INT_COLUMNS.index("logprobs_on")
+_GREEDY = INT_COLUMNS.index("greedy")
 _INT32_MAX = 2**31 - 1
 
 #: The methods of steps 11-13, chosen on the host from the rows' parameters (only random rows
 #: count; greedy rows skip steps 10-13b): greedy = every row greedy (no filter, no draw; a
-#: graph of its own, ``Variant.random`` False); plain = no row uses top-k or top-p; candidates =
-#: every top-k fits the candidate set and every top-p row has such a top-k (steps 11-13 from
-#: one small topk); nucleus = some row uses top-p without top-k (top-p by bisection over the
-#: vocabulary); exhaustive = some top-k exceeds the candidate set (top-k by bisection too).
-PATHS = ("greedy", "plain", "candidates", "nucleus", "exhaustive")
+#: graph of its own, ``Variant.random`` False); plain = no row uses min-p, top-k or top-p;
+#: min_p = some row uses min-p, none top-k or top-p; candidates = every top-k fits the
+#: candidate set and every top-p row has such a top-k (steps 11-13 from one small topk);
+#: nucleus = some row uses top-p without top-k (top-p by bisection over the vocabulary);
+#: exhaustive = some top-k exceeds the candidate set (top-k by bisection too).
+PATHS = ("greedy", "plain", "min_p", "candidates", "nucleus", "exhaustive")
 #: The paths of a random graph: its ``route`` column picks one inside the graph (an XLA
-#: conditional, ``xla.switch``), so one compiled graph serves them all.
-ROUTES = PATHS[1:]
+#: conditional, ``xla.switch``), so one compiled graph serves them all. The candidate path
+#: comes first: a switch is nested conditionals, and the first branch is the shallowest.
+ROUTES = ("candidates", "plain", "min_p", "nucleus", "exhaustive")
 
 #: ``append`` marks rows (or slots) that do not advance with this id: their state is left as
 #: it is (a flagged row's -1 becomes this). -1 advances the position without counting a
@@ -86,7 +89,7 @@ class Variant:
     the graph also serves batches whose rows are all greedy (verify's), so the noise is made
     inside a conditional on "some row is random" (elsewhere it fuses into the draw, with no
     ``[B, V]`` buffer of its own). Everything else a random graph holds is chosen inside it: the path
-    of steps 11-13 by the ``route`` column (``ROUTES``), and steps 8a, 10a, 11, 13a and 13b
+    of steps 11-13 by the ``route`` column (``ROUTES``), and steps 8a, 10a, 13a and 13b
     each run only when some row uses them (``xla.cond``).
     """
 
@@ -423,9 +426,13 @@ class XlaSamplingBatch(SamplingBatch):
         route and logprobs switch in every row."""
         self._ints[:B, _RANDOM_KEY] = 0 if random_keys is None else random_keys
         path = self.path() if self._row_keys else "greedy"
-        self._ints[:B, _ROUTE] = ROUTES.index(path) if path in ROUTES else 0
+        self._ints[:B, _ROUTE] = ROUTES.index(path if path in ROUTES else "plain")
         self._ints[:B, _LOGPROBS_ON] = int(self._asked_logprobs() is not None)
-        return torch.cat([self._floats[:B].view(torch.int32), self._ints[:B]], dim=1)
+        table = torch.cat([self._floats[:B].view(torch.int32), self._ints[:B]], dim=1)
+        # Padding rows count as greedy: they draw no noise, and they keep the sampler's draw
+        # over the candidate set (TpuSampler.draw) open to the live rows.
+        table[len(self._row_keys):, len(FLOAT_COLUMNS) + _GREEDY] = 1
+        return table
 
     def _upload_table(self, host: torch.Tensor) -> torch.Tensor:
         return host.to(self.device)
@@ -745,7 +752,7 @@ def choose_path(row_params: Sequence[SamplingParams], candidates: int,
     top_k = [_top_k(p, vocab_size) for p in random]
     filtering = [(p, k) for p, k in zip(random, top_k) if k > 0 or p.top_p < 1.0]
     if not filtering:
-        return "plain"
+        return "min_p" if any(p.min_p > 0 for p in random) else "plain"
     if any(k > candidates for _, k in filtering):
         return "exhaustive"
     if all(p.top_p >= 1.0 or k > 0 for p, k in filtering):

@@ -87,7 +87,6 @@ class TpuSampler(GraphRunner):
         self.max_thinking_marker_length = max_thinking_marker_length
         self.stages = None if stages is None else tuple(stages)
         self._host_generator = generator if generator is not None else _entropy_generator()
-        self._noise_cache: Optional[tuple] = None
         self._finite_pending: Optional[torch.Tensor] = None
 
     # ------------------------------------------------------------------ public API
@@ -225,57 +224,80 @@ class TpuSampler(GraphRunner):
                         [x, s.top_n_sigma], "top_n_sigma")
 
     def apply_min_p(self, x: torch.Tensor, s: XlaStepState) -> torch.Tensor:
-        """Step 11 (``thresholds.min_p_filter``): min_p float32 ``[B]``, 0 = off; runs only
-        when some row uses it and the route is not the candidate path, which runs it inside
-        ``apply_top_k_top_p`` from the row max its topk already has. Not in place."""
-        needed = (s.min_p > 0).any() & (s.route[0] != ROUTES.index("candidates"))
-        return xla.cond(needed, thresholds.min_p_filter, _unchanged, [x, s.min_p], "min_p")
+        """Step 11 runs in the route of steps 11-13 (``apply_top_k_top_p``: every route but
+        plain applies ``thresholds.min_p_filter``, or the candidate path its equivalent), so
+        a batch without min-p pays neither a pass nor a conditional for it: ``x`` as it is."""
+        return x
 
     def apply_top_k_top_p(self, x: torch.Tensor, s: XlaStepState) -> torch.Tensor:
-        """Steps 12-13 without a sort, by the step's route (``ROUTES``, one branch of an
-        ``xla.switch``): none (plain), from the candidate set alone (which also runs step 11
-        there), top-k from the candidates and top-p by bisection, or both by bisection
-        (``thresholds``). top_k int32 ``[B]`` (0 = off), top_p float32 ``[B]`` (1 = off),
+        """Steps 11-13 without a sort, by the step's route (``ROUTES``, one branch of an
+        ``xla.switch``): none (plain), min-p alone, from the candidate set alone (steps 11-13
+        together), or min-p, then top-k from the candidates and top-p by bisection (nucleus),
+        or top-k and top-p both by bisection (exhaustive) (``thresholds``). min_p float32
+        ``[B]`` (0 = off), top_k int32 ``[B]`` (0 = off), top_p float32 ``[B]`` (1 = off),
         route int32 ``[B]`` (the batch's, in every row). Not in place."""
         candidates = self.top_k_candidates
 
         def from_candidates(x, top_k, top_p, min_p):
             return thresholds.top_k_top_p_candidates(x, top_k, top_p, min_p, candidates)
 
+        def min_p_only(x, top_k, top_p, min_p):
+            return thresholds.min_p_filter(x, min_p)
+
         def nucleus(x, top_k, top_p, min_p):
-            x = thresholds.top_k_by_candidates(x, top_k, candidates)
+            x = thresholds.top_k_by_candidates(thresholds.min_p_filter(x, min_p), top_k, candidates)
             return thresholds.top_p_by_bisection(x, top_p)
 
         def exhaustive(x, top_k, top_p, min_p):
-            return thresholds.top_p_by_bisection(thresholds.top_k_by_bisection(x, top_k), top_p)
+            x = thresholds.top_k_by_bisection(thresholds.min_p_filter(x, min_p), top_k)
+            return thresholds.top_p_by_bisection(x, top_p)
 
-        routes = {"plain": _unchanged, "candidates": from_candidates, "nucleus": nucleus,
-                  "exhaustive": exhaustive}
+        routes = {"plain": _unchanged, "min_p": min_p_only, "candidates": from_candidates,
+                  "nucleus": nucleus, "exhaustive": exhaustive}
         return xla.switch(s.route[0], [routes[name] for name in ROUTES],
                           [x, s.top_k, s.top_p, s.min_p], ("top_k_top_p", candidates))
 
     def apply_typical_p(self, x: torch.Tensor, s: XlaStepState) -> torch.Tensor:
-        """Step 13a by bisection over the scores, no sort (``filters.typical_p_by_bisection``):
-        typical_p float32 ``[B]``, 1 = off; runs only when some row uses it. Not in place."""
-        return xla.cond((s.typical_p < 1).any(), filters.typical_p_by_bisection, _unchanged,
-                        [x, s.typical_p], "typical_p")
+        """Step 13a runs in step 13b's conditional (``apply_xtc``), nothing running between
+        them: a batch that uses neither takes one conditional for both. ``x`` as it is."""
+        return x
 
     def apply_xtc(self, x: torch.Tensor, s: XlaStepState) -> torch.Tensor:
-        """Step 13b (``filters.xtc_filter``), the coin from the XTC stream of ``row_uniforms``:
-        xtc_probability float32 ``[B]`` (0 = off), xtc_threshold float32 ``[B]``; runs only
-        when some row's coin came up. Not in place."""
+        """Steps 13a and 13b in one conditional that runs when some row uses typical-p or
+        some row's XTC coin came up, each inside it in its own: 13a by bisection over the
+        scores, no sort (``filters.typical_p_by_bisection``: typical_p float32 ``[B]``, 1 =
+        off), then 13b (``filters.xtc_filter``), the coin from the XTC stream of
+        ``row_uniforms`` (xtc_probability float32 ``[B]``, 0 = off; xtc_threshold float32
+        ``[B]``). Not in place."""
         coin = self.row_uniforms(s, noise.STREAM_XTC) < s.xtc_probability
-        return xla.cond(coin.any(), filters.xtc_filter, _unchanged,
-                        [x, s.xtc_threshold, coin], "xtc")
+
+        def typical_then_xtc(x, typical_p, threshold, coin):
+            x = xla.cond((typical_p < 1).any(), filters.typical_p_by_bisection, _unchanged,
+                         [x, typical_p], "typical_p")
+            return xla.cond(coin.any(), filters.xtc_filter, _unchanged, [x, threshold, coin], "xtc")
+
+        return xla.cond((s.typical_p < 1).any() | coin.any(), typical_then_xtc, _unchanged,
+                        [x, s.typical_p, s.xtc_threshold, coin], "typical_p, xtc")
 
     def draw(self, x: torch.Tensor, s: XlaStepState) -> torch.Tensor:
         """Step 14 (and step 9 for greedy rows): int64 ``[B]``, ``argmax(x + gumbel)`` over the
-        whole vocabulary (x float32 ``[B, V]``, dropped tokens -inf). Seeded rows key the
-        contract's noise by (seed, child, position); unseeded rows by a fresh host-drawn key
-        (``random_key``), so one hash serves both and nothing waits on the host."""
+        whole vocabulary (x float32 ``[B, V]``, dropped tokens -inf), the lowest id among
+        ties. Seeded rows key the contract's noise by (seed, child, position); unseeded rows
+        by a fresh host-drawn key (``random_key``), so one hash serves both and nothing waits
+        on the host.
+
+        When every random row keeps at most ``top_k_candidates`` tokens and no row holds NaN
+        or +inf (``thresholds.narrow_rows``), the race runs over each row's largest
+        ``top_k_candidates`` logits (``thresholds.top_entries``), which then hold every kept
+        token, with the noise hashed at their ids: the same noise values, the same sums and
+        the same winner as over the vocabulary, without a hash and two logarithms at each of
+        its tokens. Otherwise (an ``xla.cond`` on the rows) the noise covers the vocabulary."""
         # Greedy rows carry neutral filter parameters, so ``x`` is still their step-8a logits:
         # without noise, this argmax is step 9 (the template skips its own, see flags_for).
-        return thresholds.first_argmax(x + self._row_noise(s, x.shape[-1]))
+        K = min(self.top_k_candidates, x.shape[-1])
+        narrow = thresholds.narrow_rows(x, K, s.greedy).all()
+        return xla.cond(narrow, _draw_over_candidates(K), _draw_over_vocabulary,
+                        [x, self._noise_keys(s), s.greedy], ("draw", K))
 
     def rejection_sample(self, final: torch.Tensor, s: XlaStepState,
                          drafts: Drafts) -> tuple[torch.Tensor, torch.Tensor]:
@@ -288,9 +310,9 @@ class TpuSampler(GraphRunner):
 
         Shaped for few passes over the vocabulary: only the K draft slots (the core also builds
         slot K's row to keep one draw over every slot); p = ``exp(x - logsumexp(x))`` is
-        recomputed where it is read instead of being stored; the draw reuses the noise tensor
-        of the slots' own draws (one hash per step, not two). Rounding differs from the
-        core's ``softmax`` in the last bits."""
+        recomputed where it is read instead of being stored; the residual's noise is hashed at
+        the B rows drawn from (the values the slot's own draw over the vocabulary would use).
+        Rounding differs from the core's ``softmax`` in the last bits."""
         B, K = drafts.token_ids.shape
         S, V = K + 1, final.shape[-1]
         x = final.view(B, S, V)[:, :K]                                          # (B, K, V)
@@ -313,17 +335,20 @@ class TpuSampler(GraphRunner):
         residual = (torch.exp(x_stop - log_total_stop) - q_stop).clamp(min=0.0)
         has_mass = (residual > 0).any(dim=-1, keepdim=True)
         target = torch.where(has_mass, residual.log(), x_stop - log_total_stop)  # log p: fallback
-        noise_at_stop = self._row_noise(s, V).index_select(0, at_stop)
-        recovered = thresholds.first_argmax(target + noise_at_stop)             # (B,)
+        recovered = _draw_over_vocabulary(target, self._noise_keys(s).index_select(0, at_stop),
+                                          s.greedy.index_select(0, at_stop))   # (B,)
         return passed, recovered[:, None].expand(B, K)
 
     def raw_logprobs(self, x: torch.Tensor, s: XlaStepState) -> torch.Tensor:
         """Step 1 as in the core; in a folded graph (``Variant.folded``) the raw logits alone,
         which step 15's conditional normalises when some row asks (XLA does not move the
         ``log_softmax`` into the branch by itself: it would run, two passes over ``[B, V]``,
-        at every step). Not in place."""
+        at every step). There ``x`` itself, not a copy: it is the step's input (from
+        ``working_copy``), which every stage reads without writing into it, so the
+        conditional takes the input's buffer as it is instead of a ``[B, V]`` copy made at
+        every step."""
         if s.variant.folded:
-            return self.copy_logits(x)
+            return x
         return super().raw_logprobs(x, s)
 
     def step_logprobs(self, raw: Optional[torch.Tensor], x: torch.Tensor, final: torch.Tensor,
@@ -384,26 +409,6 @@ class TpuSampler(GraphRunner):
     def _random_keys(self, rows: int) -> torch.Tensor:
         return torch.randint(-(2**31), 2**31, (rows,), dtype=torch.int32, generator=self._host_generator)
 
-    def _row_noise(self, s: XlaStepState, V: int) -> torch.Tensor:
-        """float32 ``[B, V]``: each row's Gumbel noise (0 for greedy rows), made once per step
-        state and reused by every draw of that step (``draw``, ``rejection_sample``). In a
-        graph that also serves all-greedy batches (``Variant.greedy_batches``: verify's) it is
-        made only when some row is random."""
-        cached = self._noise_cache
-        if cached is None or cached[0] is not s.random_key or cached[1] is not s.greedy:
-            def row_noise(keys, greedy):
-                vocab = xla.iota(V, torch.int32, keys.device)
-                return torch.where(greedy[:, None], 0.0, noise.seeded_gumbel(keys[:, None], vocab))
-
-            def silent(keys, greedy):
-                return torch.zeros((keys.shape[0], V), dtype=torch.float32, device=keys.device)
-
-            operands = [self._noise_keys(s), s.greedy]
-            made = (xla.cond((~s.greedy).any(), row_noise, silent, operands, ("noise", V))
-                    if s.variant.greedy_batches else row_noise(*operands))
-            self._noise_cache = cached = (s.random_key, s.greedy, made)
-        return cached[2]
-
     @staticmethod
     def _noise_keys(s: XlaStepState) -> torch.Tensor:
         """int32 ``[B]`` noise keys: the contract's row keys for seeded rows, this step's
@@ -430,6 +435,42 @@ class TpuSampler(GraphRunner):
 def _unchanged(x: torch.Tensor, *rest: torch.Tensor) -> torch.Tensor:
     """The branch of a conditional stage that no row uses: its logits as they are."""
     return x
+
+
+def _draw_over_vocabulary(x: torch.Tensor, keys: torch.Tensor, greedy: torch.Tensor,
+                          *unused: torch.Tensor) -> torch.Tensor:
+    """int64 ``[B]``: ``first_argmax(x + gumbel)`` with each row's noise (int32 ``[B]`` keys)
+    hashed at every token of the vocabulary, none in greedy rows (bool ``[B]``); x float32
+    ``[B, V]``. The noise fuses into the argmax's reduction (no ``[B, V]`` buffer of it)."""
+    vocab = xla.iota(x.shape[-1], torch.int32, keys.device)
+    gumbel = noise.seeded_gumbel(keys[:, None], vocab)
+    return thresholds.first_argmax(x + torch.where(greedy[:, None], 0.0, gumbel))
+
+
+def _draw_over_candidates(K: int):
+    """``_draw_over_vocabulary`` for rows whose kept tokens (x > -inf) are among their K
+    largest logits, and greedy rows, free of NaN and +inf (``thresholds.narrow_rows``): the
+    race over ``top_entries(x, K)`` only, the noise hashed at those ids (the same values as
+    at those positions of the vocabulary-wide noise), ties to the lowest id. A greedy row
+    whose K largest logits all tie has maxima outside them, which only the vocabulary-wide
+    argmax sees: then every row takes that one (a conditional)."""
+    def draw(x: torch.Tensor, keys: torch.Tensor, greedy: torch.Tensor) -> torch.Tensor:
+        values, ids = thresholds.top_entries(x, K)                             # (B, K)
+        gumbel = noise.seeded_gumbel(keys[:, None], ids.to(torch.int32))
+        scores = values + torch.where(greedy[:, None], 0.0, gumbel)
+        best = scores.max(dim=-1, keepdim=True).values
+        tokens = torch.where(scores == best, ids, x.shape[-1]).min(dim=-1).values
+        # the K-th largest below the largest: fewer than K ties at the max, all candidates
+        maxima_inside = ~greedy | (values[:, K - 1] < values[:, 0]) | (K == x.shape[-1])
+        return xla.cond(maxima_inside.all(), _given_tokens, _draw_over_vocabulary,
+                        [x, keys, greedy, tokens], ("draw over candidates", K))
+    return draw
+
+
+def _given_tokens(x: torch.Tensor, keys: torch.Tensor, greedy: torch.Tensor,
+                  tokens: torch.Tensor) -> torch.Tensor:
+    """The branch of a draw whose tokens are already known: ``tokens`` as they are."""
+    return tokens
 
 
 def _entropy_generator() -> torch.Generator:

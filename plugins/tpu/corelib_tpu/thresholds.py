@@ -177,6 +177,16 @@ def min_p_filter(x: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     return torch.where(x >= floor, x, NEG_INF)
 
 
+def narrow_rows(x: torch.Tensor, k: int, greedy: torch.Tensor) -> torch.Tensor:
+    """bool ``[B]``: rows of x float32 ``[B, V]`` free of NaN and +inf that keep at most ``k``
+    tokens (x > -inf), or are greedy (bool ``[B]``). Two sums over x, in float32: exact for
+    counts below 2**24, and fused into the reductions (torch sums int32 into int64, which
+    XLA:CPU materialises as an s64 ``[B, V]`` copy before reducing)."""
+    bad = (torch.isnan(x) | (x == float("inf"))).to(torch.float32).sum(dim=-1)
+    kept = (x > NEG_INF).to(torch.float32).sum(dim=-1)
+    return (bad == 0) & (greedy | (kept <= k))
+
+
 def softmax_rows(x: torch.Tensor) -> torch.Tensor:
     """float32 ``[B, V]`` probabilities ``exp(x - max) / sum`` (the reference's formula)."""
     weights = torch.exp(x - x.max(dim=-1, keepdim=True).values)

@@ -182,7 +182,8 @@ def test_append_checks_host_ids_and_counts_device_ids():
 
 @pytest.mark.parametrize("rows, path", [
     ([dict(temperature=0.0)], "greedy"),
-    ([dict(), dict(min_p=0.1), dict(temperature=0.0, top_k=500)], "plain"),
+    ([dict(), dict(temperature=0.0, top_k=500, min_p=0.2)], "plain"),
+    ([dict(), dict(min_p=0.1), dict(temperature=0.0, top_k=500)], "min_p"),
     ([dict(top_k=50, top_p=0.9), dict(top_k=64), dict(temperature=0.0)], "candidates"),
     ([dict(top_k=50, top_p=0.9), dict()], "candidates"),
     ([dict(top_p=0.9)], "nucleus"),
@@ -217,29 +218,35 @@ def test_padded_rows_are_neutral():
     for name, neutral in [("temperature", 1.0), ("top_p", 1.0), ("min_p", 0.0),
                           ("repetition_penalty", 1.0), ("top_k", 0), ("min_tokens", 0)]:
         assert torch.all(getattr(s, name)[1:] == neutral), name
-    assert not s.seeded[1:].any() and not s.greedy.any()
+    # padding rows enter the graph as greedy rows: no noise, and the draw over the candidate
+    # set stays open to the live rows (TpuSampler.draw)
+    assert not s.seeded[1:].any() and not s.greedy[0] and s.greedy[1:].all()
 
 
-def test_noise_is_conditional_only_in_the_graph_that_serves_greedy_batches(monkeypatch):
-    """A random ``sample`` graph only runs when some row samples, so its noise is plain (it
-    fuses into the draw); verify's one graph also runs all-greedy batches, so its noise sits
-    in a conditional that skips it there."""
+def test_the_draw_runs_over_the_candidates_when_every_random_row_keeps_few(monkeypatch):
+    """``TpuSampler.draw`` races over the candidate set when every random row keeps at most
+    ``top_k_candidates`` tokens (greedy and padding rows do not count against it), in
+    ``sample`` and in ``verify``; a row keeping more sends the step to the vocabulary-wide
+    draw. Off XLA the conditional reads its predicate, which is recorded here."""
     from corelib_tpu import xla
-    keys = []
+    taken = []
     real_cond = xla.cond
 
     def recording_cond(pred, true_fn, false_fn, operands, key):
-        keys.append(key)
+        taken.append((key, bool(pred)))
         return real_cond(pred, true_fn, false_fn, operands, key)
 
     monkeypatch.setattr(xla, "cond", recording_cond)
-    sampler = TpuSampler("cpu", buckets=(4,), speculative_k=(2,))
+    sampler = TpuSampler("cpu", buckets=(4,), speculative_k=(2,), top_k_candidates=8)
     batch = sampler.new_batch(V)
-    batch.add("a", SamplingParams(seed=1))
+    batch.add("a", SamplingParams(seed=1, top_k=5))
     batch.add("b", SamplingParams(temperature=0.0))
-    assert batch.variant().folded and not batch.variant().greedy_batches
     sampler.sample(torch.randn(2, V), batch)
-    assert ("noise", V) not in keys and ("logprobs", 20, "raw") in keys
-    keys.clear()
+    assert (("draw", 8), True) in taken
+    taken.clear()
     sampler.verify(torch.randn(2, 3, V), batch, torch.tensor([[1, 2], [3, 4]]))
-    assert ("noise", V) in keys
+    assert (("draw", 8), True) in taken
+    taken.clear()
+    batch.add("c", SamplingParams(seed=2))                  # keeps the whole vocabulary
+    sampler.sample(torch.randn(3, V), batch)
+    assert (("draw", 8), False) in taken and (("draw", 8), True) not in taken

@@ -40,7 +40,8 @@ STAGES = ("ban-repeats", "floor-prob")      # tests/plugins/corelib-stage-exampl
 #: Parameters that send a batch down each static path.
 PATH_PARAMS = {
     "greedy": dict(temperature=0.0),
-    "plain": dict(temperature=0.7, min_p=0.05),
+    "plain": dict(temperature=0.7),
+    "min_p": dict(temperature=0.7, min_p=0.05),
     "candidates": dict(top_k=20, top_p=0.9),
     "nucleus": dict(top_p=0.8),
     "exhaustive": dict(top_k=100, top_p=0.8),
@@ -101,7 +102,7 @@ def test_one_graph_per_bucket_and_variant_holds_every_path_and_filter(warm):
     each path of steps 11-13, each filter and step 15 run in the random graph's conditionals,
     compiled with it."""
     _, calls, _ = warm
-    assert len(calls) == 1 + 4 * 2 * 2 + 1      # greedy: logprobs on/off; others x filters on/off
+    assert len(calls) == 1 + 5 * 2 * 2 + 1      # greedy: logprobs on/off; others x filters on/off
     seen = set()
     for what, variant, first, second in calls:
         expected = 0 if variant in seen else 1

@@ -196,3 +196,41 @@ def test_fori_loop_off_xla_runs_the_body_eagerly():
     total, step = xla.fori_loop(5, lambda t, s, inc: (t + s * inc, s + 1),
                                 (torch.tensor(0), torch.tensor(1)), (torch.tensor(2),), "sum")
     assert int(total) == 2 * (1 + 2 + 3 + 4 + 5) and int(step) == 6
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_the_draw_over_candidates_picks_the_vocabulary_draws_token(device):
+    """``TpuSampler.draw``'s two races agree wherever the narrow one may run: rows keeping at
+    most K tokens (ties at the boundary, tied maxima, one token) and greedy rows, over many
+    noise keys; ``narrow_rows`` says which rows those are."""
+    from corelib_tpu.sampler import _draw_over_candidates, _draw_over_vocabulary
+    V, K = 1000, 64
+    gen = torch.Generator().manual_seed(7)
+    x = _logits(V)
+    k = torch.tensor([1, 5, 64, 50, 1, 64, 3, 64, 20, 2, 64, 7], dtype=torch.int32)
+    kept = thresholds.top_k_by_bisection(x, k)            # ties at the k-th kept: may exceed k
+    greedy = torch.zeros(12, dtype=torch.bool)
+    greedy[[4, 6, 7, 11]] = True          # a flat row and tied rows: the lowest id of the maxima
+    kept = torch.where(greedy[:, None], x, kept)
+    dev = _device(device)
+    narrow = thresholds.narrow_rows(kept.to(dev), K, greedy.to(dev)).cpu()
+    expected = greedy | (torch.isfinite(kept).sum(dim=-1) <= K)
+    assert torch.equal(narrow, expected) and int(narrow.sum()) >= 8, narrow
+    rows = narrow.nonzero()[:, 0]
+    x_dev, greedy_dev = kept[rows].to(dev), greedy[rows].to(dev)
+    for trial in range(20):
+        keys = torch.randint(-(2**31), 2**31, (len(rows),), dtype=torch.int32, generator=gen).to(dev)
+        wide = _draw_over_vocabulary(x_dev, keys, greedy_dev).cpu()
+        narrow_ids = _draw_over_candidates(K)(x_dev, keys, greedy_dev).cpu()
+        assert torch.equal(wide, narrow_ids), f"trial {trial}: {wide} vs {narrow_ids}"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_narrow_rows_refuse_nan_and_inf(device):
+    x = torch.full((3, 100), float("-inf"))
+    x[:, :3] = 1.0
+    x[1, 50] = float("nan")
+    x[2, 60] = float("inf")
+    greedy = torch.tensor([False, True, True])
+    assert thresholds.narrow_rows(x.to(_device(device)), 64, greedy.to(_device(device))).cpu().tolist() == \
+        [True, False, False]
