@@ -12,13 +12,13 @@ instead of re-reading histories.
 from __future__ import annotations
 
 import operator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, make_dataclass
 from typing import Iterable, Optional, Sequence
 
 import torch
 
 from .bitmask import bitmask_width
-from . import thinking
+from . import pipeline, thinking
 from .history import advance_matches, match_lengths, trailing_run
 from .noise import split_seed
 from .params import ALL_LOGPROBS, SamplingParams
@@ -48,35 +48,20 @@ class _Request:
     rows: list[int]
 
 
-@dataclass
-class StepState:
-    """What one ``sample`` call reads: per-row tensors (first dimension = rows) and host flags.
-
-    The flags say which optional stages any row uses; a backend that prefers a fixed graph
-    (TPU) may ignore them, since every tensor holds neutral values for rows that do not use
-    a stage. Optional stage tensors are None until some row of the batch has used their
-    stage; once allocated they stay, holding neutral values for rows that do not use it. So
-    a backend tests the flags, never ``is None``, to know whether a stage runs. The scalars
-    of stages 8a-13b are always present.
-    """
+@dataclass(kw_only=True)
+class _StepStateFields:
+    """The fields of ``StepState`` that are not a stage table entry's (``corelib.pipeline``):
+    the step's shape, the seeded draw's and the history's per-row state, the optional stage
+    tensors, and the flags derived from several stages."""
 
     num_rows: int
     vocab_size: int
     logprobs_mode: str
-    # float32 [B]
-    temperature: torch.Tensor
-    top_p: torch.Tensor
-    min_p: torch.Tensor
-    repetition_penalty: torch.Tensor
-    frequency_penalty: torch.Tensor
-    presence_penalty: torch.Tensor
     # int32 [B]
-    top_k: torch.Tensor          # 0 = off
     seed_lo: torch.Tensor
     seed_hi: torch.Tensor
     child: torch.Tensor
     position: torch.Tensor       # tokens generated so far by the row
-    min_tokens: torch.Tensor
     # bool [B]
     seeded: torch.Tensor
     greedy: torch.Tensor
@@ -92,15 +77,6 @@ class StepState:
     bad_last: Optional[torch.Tensor] = None        # int64 [B, W], padding 0
     bad_valid: Optional[torch.Tensor] = None       # bool [B, W]
     recent: Optional[torch.Tensor] = None          # int64 [B, P] last P generated, -1 = none
-    # more samplers (stages 8a, 10a, 13a, 13b): per-row scalars, neutral values disable them
-    dry_multiplier: Optional[torch.Tensor] = None  # float32 [B], 0 = off
-    dry_base: Optional[torch.Tensor] = None        # float32 [B]
-    dry_allowed_length: Optional[torch.Tensor] = None  # int32 [B]
-    dry_range: Optional[torch.Tensor] = None       # int32 [B], 0 = whole history
-    top_n_sigma: Optional[torch.Tensor] = None     # float32 [B], 0 = off
-    typical_p: Optional[torch.Tensor] = None       # float32 [B], 1 = off
-    xtc_threshold: Optional[torch.Tensor] = None   # float32 [B]
-    xtc_probability: Optional[torch.Tensor] = None  # float32 [B], 0 = off
     # reasoning budget (stage 8b, corelib.thinking): per-row budget and think count, always
     # present; markers and their match bits present when a row uses a budget
     thinking_budget: Optional[torch.Tensor] = None   # int32 [B], -1 = off
@@ -120,26 +96,12 @@ class StepState:
     # verify's flat form (corelib.drafts): the logits row each row reads; None = row i reads
     # row i (or its request's row, for one logits row per request)
     logits_rows: Optional[torch.Tensor] = None     # int64 [B]
-    # host flags
+    # host flags beyond the stage table's switches
     any_greedy: bool = False
     all_greedy: bool = False
     any_random: bool = True
     any_seeded: bool = False
     any_unseeded: bool = True
-    any_top_k: bool = False
-    any_top_p: bool = False
-    any_min_p: bool = False
-    any_temperature: bool = False
-    any_penalties: bool = False
-    any_allowed: bool = False
-    any_bias: bool = False
-    any_min_tokens: bool = False
-    any_bad_words: bool = False
-    any_bitmask: bool = False
-    any_dry: bool = False
-    any_top_n_sigma: bool = False      # random rows only (greedy rows skip 10-13b)
-    any_typical_p: bool = False
-    any_xtc: bool = False
     any_thinking: bool = False         # some row has a thinking_budget
     max_top_k: int = 0                 # largest top_k among random rows (0: none uses it)
     any_top_p_without_top_k: bool = False  # a random row with top_p < 1 and top_k off
@@ -151,30 +113,35 @@ class StepState:
         return [entry for entry in self.stages if entry[0].slot == slot]
 
 
-# Per-row scalar tensors: name -> (dtype, neutral value used for padding rows).
+StepState = make_dataclass(
+    "StepState",
+    [(f.name, torch.Tensor) for f in pipeline.stage_fields()]
+    + [(switch.flag, bool, field(default=False)) for _, switch in pipeline.switches()],
+    bases=(_StepStateFields,), kw_only=True,
+    namespace={"__module__": __name__, "__doc__": """What one ``sample`` call reads: per-row
+    tensors (first dimension = rows) and host flags.
+
+    Each stage of the table (``corelib.pipeline.STAGES``) contributes its per-row scalars
+    (``[B]`` tensors of the field's dtype, always present, neutral for rows that do not use
+    the stage) and its switches (host flags: some row uses the stage); the other fields are
+    declared in ``_StepStateFields``. The flags say which optional stages any row uses; a
+    backend that prefers a fixed graph (TPU) may ignore them, since every tensor holds neutral
+    values for rows that do not use a stage. Optional stage tensors are None until some row of
+    the batch has used their stage; once allocated they stay, holding neutral values for rows
+    that do not use it. So a backend tests the flags, never ``is None``, to know whether a
+    stage runs. Construct it with keywords."""})
+
+
+# Per-row scalar tensors: name -> (dtype, neutral value used for padding rows): the stage
+# table's fields, then the state of the seeded draw, DRY's history and the reasoning budget.
 _SCALARS: dict[str, tuple[torch.dtype, float]] = {
-    "temperature": (torch.float32, 1.0),
-    "top_p": (torch.float32, 1.0),
-    "min_p": (torch.float32, 0.0),
-    "repetition_penalty": (torch.float32, 1.0),
-    "frequency_penalty": (torch.float32, 0.0),
-    "presence_penalty": (torch.float32, 0.0),
-    "top_k": (torch.int32, 0),
+    **{f.name: (f.dtype, f.neutral) for f in pipeline.stage_fields()},
     "seed_lo": (torch.int32, 0),
     "seed_hi": (torch.int32, 0),
     "child": (torch.int32, 0),
     "position": (torch.int32, 0),
-    "min_tokens": (torch.int32, 0),
     "seeded": (torch.bool, False),
     "greedy": (torch.bool, False),
-    "dry_multiplier": (torch.float32, 0.0),
-    "dry_base": (torch.float32, 1.75),
-    "dry_allowed_length": (torch.int32, 2),
-    "dry_range": (torch.int32, 0),
-    "top_n_sigma": (torch.float32, 0.0),
-    "typical_p": (torch.float32, 1.0),
-    "xtc_threshold": (torch.float32, 0.1),
-    "xtc_probability": (torch.float32, 0.0),
     "dry_length": (torch.int32, 0),
     "dry_since_breaker": (torch.int32, 0),
     "thinking_budget": (torch.int32, thinking.NO_BUDGET),
@@ -756,23 +723,12 @@ class SamplingBatch:
         logprobs = [self.vocab_size if p.logprobs == ALL_LOGPROBS else p.logprobs
                     for p in params if p.logprobs is not None]
         return dict(
+            **pipeline.stage_flags(params, random),
             any_greedy=len(random) < len(params),
             all_greedy=bool(params) and not random,
             any_random=bool(random),
             any_seeded=any(p.seed is not None for p in random),
             any_unseeded=any(p.seed is None for p in random),
-            any_top_k=any(p.effective_top_k > 0 for p in random),
-            any_top_p=any(p.top_p < 1.0 for p in random),
-            any_min_p=any(p.min_p > 0.0 for p in random),
-            any_temperature=any(p.temperature != 1.0 for p in random),
-            any_penalties=any(p.uses_penalties for p in params),
-            any_allowed=any(p.allowed_token_ids is not None for p in params),
-            any_bias=any(p.logit_bias for p in params),
-            any_bad_words=any(p.bad_words for p in params),
-            any_dry=any(p.uses_dry for p in params),
-            any_top_n_sigma=any(p.top_n_sigma > 0.0 for p in random),
-            any_typical_p=any(p.typical_p < 1.0 for p in random),
-            any_xtc=any(p.uses_xtc for p in random),
             any_thinking=any(p.uses_thinking_budget for p in params),
             max_top_k=max((p.effective_top_k for p in random), default=0),
             any_top_p_without_top_k=any(p.top_p < 1.0 and p.effective_top_k == 0 for p in random),
@@ -1071,32 +1027,12 @@ class SamplingBatch:
         sl = slice(rows[0], rows[0] + n)
         t, dev = self._store, self.device     # the tensors below are not pending ones
         seed_lo, seed_hi = split_seed(params.seed) if params.seed is not None else (0, 0)
-        scalar_values = {
-            "temperature": params.temperature,
-            "top_p": params.top_p,
-            "min_p": params.min_p,
-            "repetition_penalty": params.repetition_penalty,
-            "frequency_penalty": params.frequency_penalty,
-            "presence_penalty": params.presence_penalty,
-            # Clamped to int32: a top_k above V keeps every token and a min_tokens above
-            # 2**31 - 1 is never reached, so the clamp changes nothing but the overflow.
-            "top_k": min(params.effective_top_k, _INT32_MAX),
-            "seed_lo": seed_lo,
-            "seed_hi": seed_hi,
-            "min_tokens": min(params.min_tokens, _INT32_MAX),
-            "seeded": params.seed is not None,
-            "greedy": params.is_greedy,
-            "dry_multiplier": params.dry_multiplier,
-            "dry_base": params.dry_base,
-            "dry_allowed_length": min(params.dry_allowed_length, _INT32_MAX),
-            "dry_range": min(params.dry_range, _INT32_MAX),
-            "top_n_sigma": params.top_n_sigma,
-            "typical_p": params.typical_p,
-            "xtc_threshold": params.xtc_threshold,
-            "xtc_probability": params.xtc_probability,
-            "thinking_budget": (thinking.NO_BUDGET if params.thinking_budget is None
-                                else min(params.thinking_budget, _INT32_MAX)),
-        }
+        scalar_values = {f.name: f.value(params) for f in pipeline.stage_fields()}
+        scalar_values.update(
+            seed_lo=seed_lo, seed_hi=seed_hi, seeded=params.seed is not None,
+            greedy=params.is_greedy,
+            thinking_budget=(thinking.NO_BUDGET if params.thinking_budget is None
+                             else min(params.thinking_budget, _INT32_MAX)))
 
         V = self.vocab_size
         if "output_counts" in t:

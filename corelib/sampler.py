@@ -2,7 +2,9 @@
 
 ``Sampler`` is the ``reference`` backend: every stage is plain, readable torch and is the
 oracle for all other backends. A backend subclasses it and overrides the stages it does
-faster; the order of the stages lives only in ``prepare``, ``filter`` and ``sample`` below.
+faster; the order of the built-in stages lives in ``corelib.pipeline``'s table, which
+``prepare`` and ``filter`` below run group by group (``run_group``), and the order of the parts
+of a step in ``sample_state`` and ``verify_state``.
 
 Shapes: ``B`` rows, ``V`` vocabulary. Reference stages never modify their input tensors
 (they return new ones), so a backend may call them on any tensor.
@@ -18,7 +20,7 @@ import torch
 
 from .batch import INVALID_TOKEN, SamplingBatch, StepState, padded_ids_problem
 from .bitmask import unpack_bitmask
-from . import thinking
+from . import pipeline, thinking
 from .drafts import DraftLayout, checked_flat_arguments, tensor_argument
 from .noise import (
     STREAM_ACCEPT,
@@ -390,25 +392,13 @@ class Sampler:
             raw = self.raw_logprobs(x, s)
         finite = self.finite_rows(x)
         forced = self.thinking_forced_tokens(s) if s.any_thinking else None
-        if s.any_allowed:
-            x = self.apply_allowed_ids(x, s)                               # step 3
-        if s.any_bitmask:
-            x = self.apply_token_bitmask(x, s)                             # step 3 (grammar)
-        if s.any_bad_words:
-            x = self.apply_bad_words(x, s)                                 # step 4
-        if s.any_min_tokens:
-            x = self.apply_min_tokens(x, s)                                # step 5
+        x = self.run_group("mask", x, s)                                   # steps 3-5
         left = self.any_token_left(x)
         if forced is not None:      # step 8b forces its token even where steps 3-5 masked it
             left = left | (forced >= 0)
         valid = finite & left
         x = self.neutralise_rows(x, valid)
-        if s.any_bias:
-            x = self.apply_logit_bias(x, s)                                # step 6
-        if s.any_penalties:
-            x = self.apply_penalties(x, s)                                 # steps 7-8
-        if s.any_dry:
-            x = self.apply_dry(x, s)                                       # step 8a
+        x = self.run_group("adjust", x, s)                                 # steps 6-8a
         if s.stages:
             x = self.apply_custom_stages(x, s, "after_penalties")
         if forced is not None:
@@ -418,21 +408,25 @@ class Sampler:
     def filter(self, x: torch.Tensor, s: StepState) -> torch.Tensor:
         """Steps 10-13b and the custom stages after them, for every row (greedy rows' results
         are ignored by the caller)."""
-        if s.any_temperature:
-            x = self.apply_temperature(x, s)                               # step 10
-        if s.any_top_n_sigma:
-            x = self.apply_top_n_sigma(x, s)                               # step 10a
-        if s.any_min_p:
-            x = self.apply_min_p(x, s)                                     # step 11
-        if s.any_top_k or s.any_top_p:
-            x = self.apply_top_k_top_p(x, s)                               # steps 12-13
-        if s.any_typical_p:
-            x = self.apply_typical_p(x, s)                                 # step 13a
-        if s.any_xtc:
-            x = self.apply_xtc(x, s)                                       # step 13b
+        x = self.run_group("filter", x, s)                                 # steps 10-13b
         if s.stages:
             x = self.apply_custom_stages(x, s, "after_filters")
         return x
+
+    def run_group(self, group: str, x: torch.Tensor, s: StepState) -> torch.Tensor:
+        """The stages of ``group`` (``corelib.pipeline``) in the contract's order, each one some
+        row of ``s`` uses, through this backend's method for it. x float32 [B, V]."""
+        for stage in pipeline.stages_in(group):
+            if stage.enabled(s):
+                x = self.stage_method(stage)(x, s)
+        return x
+
+    def stage_method(self, stage: pipeline.Stage) -> Callable[[torch.Tensor, StepState], torch.Tensor]:
+        """What runs ``stage`` on this backend: its method (``stage.method``). A backend whose
+        stages take another form of x than a tensor (the cpu backend's blocks) returns, for a
+        stage it does not override, the reference method wrapped to run on a dense view, so a
+        new stage runs there the day it joins the table."""
+        return getattr(self, stage.method)
 
     def processed_source(self, x: torch.Tensor, final: torch.Tensor, s: StepState,
                          normalise: bool = True) -> torch.Tensor:

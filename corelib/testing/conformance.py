@@ -23,6 +23,7 @@ from typing import Optional, Sequence
 import pytest
 import torch
 
+from .. import pipeline
 from ..params import SamplingParams
 from ..sampler import Sampler
 from .engine import EngineConformance
@@ -30,44 +31,33 @@ from .rules import OUTPUT, PROMPT, RULES, chi_square_p_value, params_text, viola
 
 Request = tuple  # (request_id, SamplingParams, prompt_token_ids, output_token_ids or None)
 
-# The kept-set cases: one stage (or a combination) each, on random logits.
-STAGE_CASES: dict[str, dict] = {
-    "temperature": dict(temperature=0.7),
-    "min_p": dict(min_p=0.05),
-    "top_k": dict(top_k=20),
-    "top_k_ties": dict(top_k=5),
-    "top_p": dict(top_p=0.9),
-    "top_p_small": dict(top_p=0.2, temperature=0.5),
-    "top_k_top_p_temperature": dict(top_k=50, top_p=0.9, temperature=0.7),
-    "min_p_top_k_top_p": dict(min_p=0.02, top_k=40, top_p=0.8, temperature=1.3),
-    "allowed_ids": dict(allowed_token_ids=[3, 5, 7, 11, 200]),
-    "bad_words": dict(bad_words=[[4], [1, 2], [9, 9, 8]]),
-    "min_tokens": dict(min_tokens=3, stop_token_ids=[6, 10]),
-    "logit_bias": dict(logit_bias={0: 5.0, 17: -100.0, 42: 2.5}),
-    "repetition_penalty": dict(repetition_penalty=1.3),
-    "frequency_presence": dict(frequency_penalty=0.7, presence_penalty=-0.4),
-    "all_penalties": dict(repetition_penalty=0.8, frequency_penalty=-1.0, presence_penalty=1.5),
-    "greedy": dict(temperature=0.0, top_k=3),
-    "dry": dict(dry_multiplier=0.8, dry_base=1.75, dry_allowed_length=2),
-    "dry_range_breakers": dict(dry_multiplier=1.5, dry_allowed_length=1, dry_range=6,
-                               dry_sequence_breakers=[100]),
-    "top_n_sigma": dict(top_n_sigma=1.0, temperature=0.8),
-    "typical_p": dict(typical_p=0.6),
-    "xtc": dict(xtc_probability=1.0, xtc_threshold=0.02),
-    "xtc_seeded_coin": dict(xtc_probability=0.5, xtc_threshold=0.02, seed=77),
-    "new_samplers": dict(dry_multiplier=1.0, top_n_sigma=2.0, typical_p=0.9, xtc_probability=1.0,
-                         xtc_threshold=0.05, top_k=60, temperature=1.2),
+# The kept-set cases, on random logits: each stage of the table (corelib.pipeline) with its
+# example parameters, so a stage added to the table is checked on every backend at once, and
+# the combinations and edge cases below.
+COMBINED_CASES: dict[str, tuple[dict, str]] = {
+    "top_k": (dict(top_k=20), "top_k"),
+    "top_k_ties": (dict(top_k=5), "top_k"),
+    "top_p": (dict(top_p=0.9), "top_p"),
+    "top_p_small": (dict(top_p=0.2, temperature=0.5), "top_p"),
+    "top_k_top_p_temperature": (dict(top_k=50, top_p=0.9, temperature=0.7), "filters"),
+    "min_p_top_k_top_p": (dict(min_p=0.02, top_k=40, top_p=0.8, temperature=1.3), "filters"),
+    "repetition_penalty": (dict(repetition_penalty=1.3), "repetition"),
+    "frequency_presence": (dict(frequency_penalty=0.7, presence_penalty=-0.4), "freq_presence"),
+    "greedy": (dict(temperature=0.0, top_k=3), "greedy_prep"),
+    "dry_range_breakers": (dict(dry_multiplier=1.5, dry_allowed_length=1, dry_range=6,
+                                dry_sequence_breakers=[100]), "dry"),
+    "xtc_seeded_coin": (dict(xtc_probability=0.5, xtc_threshold=0.02, seed=77), "xtc"),
+    "new_samplers": (dict(dry_multiplier=1.0, top_n_sigma=2.0, typical_p=0.9, xtc_probability=1.0,
+                          xtc_threshold=0.05, top_k=60, temperature=1.2), "new_samplers"),
 }
-
+STAGE_CASES: dict[str, dict] = {
+    **{stage.name: stage.example for stage in pipeline.STAGES if stage.example is not None},
+    **{name: params for name, (params, _) in COMBINED_CASES.items()},
+}
 # Which rule each kept-set case checks.
 STAGE_RULES: dict[str, str] = {
-    "temperature": "temperature", "min_p": "min_p", "top_k": "top_k", "top_k_ties": "top_k",
-    "top_p": "top_p", "top_p_small": "top_p", "top_k_top_p_temperature": "filters",
-    "min_p_top_k_top_p": "filters", "allowed_ids": "allowed", "bad_words": "bad_words",
-    "min_tokens": "min_tokens", "logit_bias": "bias", "repetition_penalty": "repetition",
-    "frequency_presence": "freq_presence", "all_penalties": "penalties", "greedy": "greedy_prep",
-    "dry": "dry", "dry_range_breakers": "dry", "top_n_sigma": "top_n_sigma", "typical_p": "typical_p",
-    "xtc": "xtc", "xtc_seeded_coin": "xtc", "new_samplers": "new_samplers",
+    **{stage.name: stage.name for stage in pipeline.STAGES if stage.example is not None},
+    **{name: rule for name, (_, rule) in COMBINED_CASES.items()},
 }
 
 class ConformanceSuite(EngineConformance):
@@ -460,7 +450,7 @@ class ConformanceSuite(EngineConformance):
                               f"drew token {token}, which top_p drops")
 
     def test_caller_logits_are_not_modified(self, sampler):
-        params = SamplingParams(**STAGE_CASES["all_penalties"], top_k=3, logit_bias={1: 3.0},
+        params = SamplingParams(**STAGE_CASES["penalties"], top_k=3, logit_bias={1: 3.0},
                                 allowed_token_ids=[1, 2, 3, 4])
         requests = [("a", params, PROMPT, OUTPUT)]
         logits = self.on(sampler, self.logits(1, seed=2))

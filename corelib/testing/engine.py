@@ -17,13 +17,18 @@ from pydantic import BaseModel, ConfigDict
 
 from ..bitmask import pack_bitmask
 from ..hookspecs import hookimpl
+from .. import pipeline
 from ..params import SamplingParams
 from ..stages import StageError, StageSpec, StageState
 from .rules import PROMPT, chi_square_p_value, params_text, violation
 
 # Parameters that switch every stage on (steps 3-13b), for requests whose state must advance
-# correctly at every draft slot.
-EVERY_STAGE = dict(temperature=0.9, top_k=40, top_p=0.95, min_p=0.01, repetition_penalty=1.2,
+# correctly at every draft slot: each table stage's example (so a new stage joins them), with
+# the values below where they set the same field.
+EVERY_STAGE = {k: v for stage in pipeline.STAGES if stage.example is not None
+               # allowed ids would leave most drafts no token to match
+               and stage.name != "allowed_token_ids" for k, v in stage.example.items()}
+EVERY_STAGE.update(temperature=0.9, top_k=40, top_p=0.95, min_p=0.01, repetition_penalty=1.2,
                    frequency_penalty=0.4, presence_penalty=0.3, logit_bias={3: 1.5, 7: -2.0},
                    min_tokens=3, stop_token_ids=[4], bad_words=[[1, 5], [9, 9, 6]],
                    dry_multiplier=0.8, dry_allowed_length=1, dry_sequence_breakers=[8],

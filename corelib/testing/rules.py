@@ -6,14 +6,15 @@ from __future__ import annotations
 import pytest
 import torch
 
+from .. import pipeline
 from ..params import SamplingParams
 
 # The contract's rules, as failure messages name them (docs/contract.md explains each).
 RULES: dict[str, str] = {
+    # each stage of the table by its name (corelib.pipeline), then the rules below
+    **{stage.name: f"step {stage.step} ({stage.rule})" for stage in pipeline.STAGES},
     "copy": "step 2 (work on a float32 copy: the caller's logits are never modified)",
     "allowed": "step 3 (allowed_token_ids)",
-    "bad_words": "step 4 (bad_words)",
-    "min_tokens": "step 5 (min_tokens masks stop ids and eos)",
     "bias": "step 6 (logit_bias)",
     "repetition": "step 7 (repetition_penalty)",
     "freq_presence": "step 8 (frequency and presence penalties)",
@@ -21,8 +22,6 @@ RULES: dict[str, str] = {
     "masks": "steps 3-4 (allowed_token_ids, bad_words: masked tokens are never drawn)",
     "greedy": "step 9 (temperature 0 = argmax, lowest id on ties)",
     "greedy_prep": "steps 2-9 (greedy rows: penalties and masks, then argmax)",
-    "temperature": "step 10 (temperature)",
-    "min_p": "step 11 (min_p)",
     "top_k": "step 12 (top_k, ties at the boundary kept)",
     "top_p": "step 13 (top_p, smallest set with mass >= top_p, ties kept)",
     "filters": "steps 10-13 (temperature, min_p, top_k, top_p)",
@@ -38,10 +37,6 @@ RULES: dict[str, str] = {
     "bad_rows": "bad rows (NaN/+inf or fully masked rows are flagged with id -1, others untouched)",
     "flagged_append": "a flagged row in append (-1 is no token this step: the row's position, counts, windows, DRY history and stage state stay as they were)",
     "dtype": "step 2 (logits of any float dtype are upcast to float32 first)",
-    "dry": "step 8a (DRY: tokens extending a repeat are penalised by its length)",
-    "top_n_sigma": "step 10a (top-n-sigma: drop logits below max - n * sigma)",
-    "typical_p": "step 13a (typical-p: smallest set of most typical tokens, ties kept)",
-    "xtc": "step 13b (XTC: drop the likely tokens but the least likely of them, by a seeded coin)",
     "new_samplers": "steps 8a-13b (DRY, top-n-sigma, typical-p, XTC together)",
     "bitmask": "step 3 (token_bitmask: only tokens whose bit is set may be kept or drawn)",
     "bitmask_args": "token_bitmask checks (another dtype, shape or row count raises ValueError naming it)",

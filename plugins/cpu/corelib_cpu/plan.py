@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
-from corelib import StepState
+from corelib import StepState, pipeline
 from corelib.noise import mix32_, row_key_prefix
 
 from . import kernels
@@ -50,6 +50,10 @@ class BlockPlan:
     #: is monotone, so the top k of x / T are the top k of x divided) and steps 10-13 never
     #: write x itself.
     candidates_only: bool = False
+    #: A stage this backend does not override runs on whole rows before step 12 (the
+    #: reference on a dense view, ``CpuSampler.stage_method``): the temperature must then
+    #: divide x itself, never the candidates only.
+    whole_rows_first: bool = False
     _index: dict = field(default_factory=dict, repr=False)
 
     def __post_init__(self):
@@ -63,7 +67,8 @@ class BlockPlan:
         self.any_seeded = any(self.seeded)
         self.any_unseeded = any(not self.seeded[i] for i in random)
         top_k, whole = set(self.top_k_rows), set(self.min_p_rows) | set(self.top_n_sigma_rows)
-        self.candidates_only = bool(random) and all(i in top_k and i not in whole for i in random)
+        self.candidates_only = (bool(random) and not self.whole_rows_first
+                                and all(i in top_k and i not in whole for i in random))
         self.temperature_below_one = self.temperature_on and bool((self.temperature < 1.0).any())
 
     @property
@@ -103,9 +108,11 @@ class StepPlan:
         self._key_buffers = (torch.empty(size, dtype=torch.int32), torch.empty(size, dtype=torch.int32))
 
 
-def make_plan(s: StepState, rows_per_block: int, sparse_penalties: bool) -> StepPlan:
+def make_plan(s: StepState, rows_per_block: int, sparse_penalties: bool,
+              whole_rows_first: bool = False) -> StepPlan:
     """The plan of a step state (see the module docstring): blocks of ``rows_per_block`` rows
-    (a verify step's state passes a multiple of its slots, so a block holds whole rows)."""
+    (a verify step's state passes a multiple of its slots, so a block holds whole rows).
+    ``whole_rows_first``: see ``BlockPlan.whole_rows_first``."""
     B, V = s.num_rows, s.vocab_size
     temperature, min_p, top_p = s.temperature, s.min_p, s.top_p
     top_k = s.top_k.to(torch.long).clamp(max=V)
@@ -150,6 +157,7 @@ def make_plan(s: StepState, rows_per_block: int, sparse_penalties: bool) -> Step
             top_k=top_k[r0:r1],
             top_p=top_p[r0:r1],
             top_k_max=max((top_k_list[i] for i in local if top_k_on[i]), default=0),
+            whole_rows_first=whole_rows_first,
         ))
     return StepPlan(B, blocks, key_prefix, sparse_penalties)
 
@@ -158,9 +166,9 @@ def reads_logits_once(s: StepState) -> bool:
     """Whether the step reads its logits in one pass: every row greedy, no logprobs, and no
     stage that writes a copy (step 9's group maxima find each row's token and check step 3 at
     once)."""
-    return (s.all_greedy and s.num_logprobs is None and not s.stages
-            and not (s.any_penalties or s.any_bias or s.any_allowed or s.any_bad_words
-                     or s.any_bitmask or s.any_dry or s.any_min_tokens or s.any_thinking))
+    return (s.all_greedy and s.num_logprobs is None and not s.stages and not s.any_thinking
+            and not any(stage.enabled(s) for group in ("mask", "adjust")
+                        for stage in pipeline.stages_in(group)))
 
 
 def _random_and(on: torch.Tensor, random: list) -> list:

@@ -29,13 +29,15 @@ tokens. Shapes: ``B`` rows, ``V`` vocabulary, ``n`` rows of a block.
 
 from __future__ import annotations
 
-from typing import Optional
+import functools
+from typing import Callable, Optional
 
 import torch
-from corelib import Logprobs, Sampler, SamplerOutput, SamplingBatch, StepState
+from corelib import Logprobs, Sampler, SamplerOutput, SamplingBatch, StepState, pipeline
 from corelib.sampler import Drafts, VerifyOutput
 
 from .batch import CpuBatch
+from .block import Block
 from .draw_stage import DrawStage
 from .filter_stages import FilterStages
 from .logit_stages import LogitStages
@@ -59,6 +61,8 @@ class CpuSampler(LogitStages, FilterStages, DrawStage, Verification, LogprobStag
     batch_class = CpuBatch
     #: Logits per block: 4 MiB of float32, so a block's few live copies stay in L2/L3.
     BLOCK_ELEMENTS = 1 << 20
+    #: The filter stages before steps 12-13 (which may divide the top-k candidates only).
+    TOP_K_AT = [stage.name for stage in pipeline.stages_in("filter")].index("top_k_top_p")
 
     def __init__(self, device: torch.device | str | None = None,
                  generator: Optional[torch.Generator] = None,
@@ -71,6 +75,7 @@ class CpuSampler(LogitStages, FilterStages, DrawStage, Verification, LogprobStag
             raise ValueError(f"block_elements must be >= 1, got {block_elements!r}")
         self.workspace = Workspace()
         self._offsets: dict[int, torch.Tensor] = {}
+        self._stage_methods: dict[str, Callable] = {}
 
     def sample_state(self, logits: torch.Tensor, batch: SamplingBatch, s: StepState) -> SamplerOutput:
         """Steps 1-15: the core template (``Sampler.sample_state``) on each block of rows."""
@@ -101,6 +106,33 @@ class CpuSampler(LogitStages, FilterStages, DrawStage, Verification, LogprobStag
             out[bs.plan.r0:bs.plan.r1] = Sampler.processed_state(self, logits, batch, bs)
         return out
 
+    def stage_method(self, stage: pipeline.Stage) -> Callable[[Block, StepState], Block]:
+        """This backend's method for ``stage``; for a stage it does not override, the reference
+        method on the block's rows written out whole (``run_dense``), so a stage new to the
+        table runs here the day it is added, correctly if not at this backend's speed."""
+        method = self._stage_methods.get(stage.name)
+        if method is None:
+            method = getattr(self, stage.method)
+            if not self.overrides(stage):
+                method = functools.partial(self.run_dense, stage, method)
+            self._stage_methods[stage.name] = method
+        return method
+
+    def overrides(self, stage: pipeline.Stage) -> bool:
+        """Whether this class has its own method for ``stage`` (else the reference's runs)."""
+        return getattr(type(self), stage.method) is not getattr(Sampler, stage.method)
+
+    def run_dense(self, stage: pipeline.Stage, method: Callable, x: Block, s: StepState) -> Block:
+        """``method`` (a reference stage: float32 [n, V] -> a new float32 [n, V]) on the block's
+        rows written out whole (``Block.densify``: cuts applied, candidates written out; the
+        random rows for a filter); its result becomes the block's x."""
+        rows = x.plan.random_rows if stage.rows == pipeline.RANDOM_ROWS else list(range(x.plan.n))
+        x.densify(rows)
+        x.x, x.owned = method(x.own(), s), True
+        x.changed()
+        x.dropped = True
+        return x
+
     def speculative_step_state(self, batch: SamplingBatch, drafts: Drafts) -> StepState:
         """The verification state; a ``CpuBatch`` gives each slot its penalty slots and leaves
         out the dense penalty state (``[B (K+1), V]`` copies this backend never reads)."""
@@ -130,7 +162,9 @@ class CpuSampler(LogitStages, FilterStages, DrawStage, Verification, LogprobStag
         else:   # whole rows of K + 1 slots: the nearest count to block_elements
             rows_per_block = max(1, round(self.block_elements / (s.vocab_size * slots))) * slots
         sparse = s.any_penalties and s.slot_ids is not None
-        build = lambda: make_plan(s, rows_per_block, sparse)                   # noqa: E731
+        whole_first = any(stage.enabled(s) and not self.overrides(stage)
+                          for stage in pipeline.stages_in("filter")[:self.TOP_K_AT])
+        build = lambda: make_plan(s, rows_per_block, sparse, whole_first)      # noqa: E731
         if isinstance(batch, CpuBatch):
             return batch.cached_plan((s.num_rows, rows_per_block, slots), build)
         return build()
