@@ -88,7 +88,8 @@ if compgen -G "$WHEELS/flashinfer/*.whl" >/dev/null && { [ "$DRY" = 1 ] || ! "$P
   cut "$lim" "$PY" -m pip install -q --no-index --no-deps --no-compile --target "$SITE" "$WHEELS"/flashinfer/*.whl \
     >>"$OUTDIR/install.log" 2>&1 || setup_rc=3
 fi
-cut "$lim" "$PY" -m pip install -q --upgrade --no-index --no-deps --no-build-isolation --target "$SITE" . ./plugins/cuda \
+# No --upgrade: the folder is new, and --upgrade would replace the bundle's bin/ (its ninja).
+cut "$lim" "$PY" -m pip install -q --no-index --no-deps --no-build-isolation --target "$SITE" . ./plugins/cuda \
   >>"$OUTDIR/install.log" 2>&1 || setup_rc=3
 # What is imported must be this tree's code (corelib comes from the tree itself when run from
 # its root), and the plugin's entry point this run's install.
