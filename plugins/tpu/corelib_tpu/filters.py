@@ -47,6 +47,7 @@ def typical_p_by_bisection(x: torch.Tensor, typical_p: torch.Tensor) -> torch.Te
     lo = torch.zeros_like(target, dtype=torch.int64)                     # mass(score < 0) = 0
     top = torch.where(p > 0, score, 0.0).max(dim=-1, keepdim=True).values
     hi = order_keys(top).to(torch.int64) + 1
+    lo = torch.where(target >= 1.0, hi - 1, lo)        # off: a closed bracket, its result unread
     threshold = _bisect_largest(
         lo, hi, SCORE_BISECTION_STEPS,
         lambda t, score, p, target: torch.where(score < t, p, 0.0).sum(dim=-1, keepdim=True) < target,

@@ -63,14 +63,18 @@ def _bisect_largest(lo: torch.Tensor, hi: torch.Tensor, steps: int, holds,
     order equals the float order), so no ``[B, V]`` bitcast is needed.
     Returns float32 ``[B, 1]``, a value ``holds`` was true at.
     """
-    def step(lo, hi, *operands):
+    def step(lo, hi, open_, *operands):
         # A shift, not ``//``: torch-xla 2.9 divides int64 through float32 (2**30 + 1 // 1
         # rounds), which would stop the search short of the exact threshold.
         mid = torch.bitwise_right_shift(lo + hi, 1)
         ok = holds(value_of_key(mid.to(torch.int32)), *operands)
-        return torch.where(ok, mid, lo), torch.where(ok, hi, mid)
+        lo, hi = torch.where(ok, mid, lo), torch.where(ok, hi, mid)
+        return lo, hi, (hi - lo > 1).any()
 
-    lo, _ = xla.fori_loop(steps, step, (lo, hi), operands, ("bisect", key))
+    # The loop ends when every row's bracket is closed (a step changes nothing after that),
+    # so a search over a narrow bracket takes as many passes as the bracket has bits.
+    lo, _, _ = xla.fori_loop(steps, step, (lo, hi, (hi - lo > 1).any()), operands,
+                             ("bisect", key), live=2)
     return value_of_key(lo.to(torch.int32))
 
 
@@ -85,8 +89,12 @@ def top_k_by_bisection(x: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
     k = top_k.to(torch.int64).clamp(min=0, max=V)[:, None]               # (B, 1)
     lo = torch.full_like(k, _NEG_INF_KEY)                                  # count(x >= -inf) = V
     hi = order_keys(x.max(dim=-1, keepdim=True).values).to(torch.int64) + 1   # count 0 < k
+    lo = torch.where(k == 0, hi - 1, lo)               # off: a closed bracket, its result unread
+    # counts summed in float32 (exact below 2**24): an int sum is int64 in torch, which
+    # XLA:CPU may widen into an s64 [B, V] copy at every pass
     kth = _bisect_largest(lo, hi, KEY_BISECTION_STEPS,
-                          lambda t, x, k: (x >= t).sum(dim=-1, keepdim=True) >= k, (x, k), "top_k")
+                          lambda t, x, k: (x >= t).to(torch.float32).sum(dim=-1, keepdim=True) >= k,
+                          (x, k.to(torch.float32)), "top_k")
     return torch.where((x >= kth) | (k == 0), x, NEG_INF)
 
 
@@ -113,8 +121,14 @@ def top_p_by_bisection(x: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     """
     probs = softmax_rows(x)
     p = top_p[:, None]
-    lo = torch.zeros_like(p, dtype=torch.int64)                          # mass(p >= 0) = 1
+    # The bracket starts at the smallest positive probability where the mass of everything
+    # holds there (as it does at 0: no probability lies between them): flat rows then need
+    # about 20 passes, not 30. Where it does not hold (top_p above the float32 total), at 0.
+    smallest = torch.where(probs > 0, probs, 1.0).min(dim=-1, keepdim=True).values
+    whole = torch.where(probs >= smallest, probs, 0.0).sum(dim=-1, keepdim=True) >= p
     hi = order_keys(probs.max(dim=-1, keepdim=True).values).to(torch.int64) + 1
+    lo = torch.where(whole, order_keys(smallest).to(torch.int64), 0)
+    lo = torch.where(p >= 1.0, hi - 1, lo)             # off: a closed bracket, its result unread
     threshold = _bisect_largest(
         lo, hi, PROB_BISECTION_STEPS,
         lambda t, probs, p: torch.where(probs >= t, probs, 0.0).sum(dim=-1, keepdim=True) >= p,

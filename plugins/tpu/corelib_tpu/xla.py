@@ -124,9 +124,12 @@ def switch(index: torch.Tensor, branches: Sequence[Callable[..., Branch]],
 
 
 def fori_loop(steps: int, body: Callable[..., tuple], carry: Sequence[torch.Tensor],
-              operands: Sequence[torch.Tensor], key: Hashable) -> tuple[torch.Tensor, ...]:
+              operands: Sequence[torch.Tensor], key: Hashable,
+              live: Optional[int] = None) -> tuple[torch.Tensor, ...]:
     """``carry = body(*carry, *operands)`` ``steps`` times (``steps`` a Python int); returns
-    the last carry, a tuple of tensors of the shapes and dtypes of ``carry``.
+    the last carry, a tuple of tensors of the shapes and dtypes of ``carry``. live: None, or
+    the index in ``carry`` of a 0-d bool: the loop also stops as soon as it is False (checked
+    on the device before each step), for a body that knows when further steps change nothing.
 
     On XLA this is one ``While`` inside the lazy graph whose body is compiled once, where
     unrolling would paste ``steps`` copies of it into the graph (compile time grows with the
@@ -136,14 +139,16 @@ def fori_loop(steps: int, body: Callable[..., tuple], carry: Sequence[torch.Tens
     carry = tuple(carry)
     if not carry or carry[0].device.type != "xla":
         for _ in range(steps):
+            if live is not None and not bool(carry[live]):
+                break
             carry = tuple(body(*carry, *operands))
         return carry
     import torch_xla
     tensors = [*carry, *operands]
-    cache_key = (key, steps, len(carry), _signature(tensors))
+    cache_key = (key, steps, len(carry), live, _signature(tensors))
     entry = _LOOPS.get(cache_key)
     if entry is None:
-        entry = _LOOPS[cache_key] = _build_loop(steps, body, tensors, len(carry), key)
+        entry = _LOOPS[cache_key] = _build_loop(steps, body, tensors, len(carry), key, live)
     computation, inputs = entry
     args = [tensors[i] if isinstance(i, int) else i for i in inputs]
     return tuple(torch_xla._XLAC._xla_user_computation("xla::corelib_loop", args, computation))
@@ -183,7 +188,7 @@ def _build_cond(true_fn, false_fn, operands: Sequence[torch.Tensor], key: Hashab
 
 
 def _build_loop(steps: int, body, tensors: Sequence[torch.Tensor], n_carry: int,
-                key: Hashable) -> tuple:
+                key: Hashable, live: Optional[int] = None) -> tuple:
     """The ``While`` computation of ``fori_loop`` and the tensors to pass it: the carry, then
     the body's other inputs (operand indices, or captured scalars and iotas)."""
     import torch_xla.core.xla_builder as xb
@@ -203,7 +208,8 @@ def _build_loop(steps: int, body, tensors: Sequence[torch.Tensor], n_carry: int,
              for i in body_inputs]
 
     def condition(counter, *rest):
-        return counter < counter.scalar_like(steps)
+        more = counter < counter.scalar_like(steps)
+        return more if live is None else more & rest[live]
 
     def step(counter, *rest):
         elements = (counter, *rest)
