@@ -199,6 +199,23 @@ def test_fori_loop_off_xla_runs_the_body_eagerly():
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_fori_loop_stops_when_its_live_flag_turns_false(device):
+    """A loop with ``live`` runs while the flag holds (here: until the count reaches 3 of at
+    most 10 steps), on the device as one ``While`` whose condition reads it."""
+    from corelib_tpu import xla
+    dev = _device(device)
+
+    def body(count, more, limit):
+        count = count + 1
+        return count, count < limit
+
+    count, more = xla.fori_loop(10, body, (torch.zeros((), dtype=torch.int32).to(dev),
+                                           torch.ones((), dtype=torch.bool).to(dev)),
+                                (torch.tensor(3, dtype=torch.int32).to(dev),), "live test", live=1)
+    assert int(count.cpu()) == 3 and not bool(more.cpu())
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_the_draw_over_candidates_picks_the_vocabulary_draws_token(device):
     """``TpuSampler.draw``'s two races agree wherever the narrow one may run: rows keeping at
     most K tokens (ties at the boundary, tied maxima, one token) and greedy rows, over many
