@@ -12,17 +12,22 @@ instead of re-reading histories.
 from __future__ import annotations
 
 import operator
-from dataclasses import dataclass, field, make_dataclass
-from typing import Iterable, Optional, Sequence
+from dataclasses import dataclass
+from typing import Optional, Sequence
 
 import torch
 
+from . import catalog
 from .bitmask import bitmask_width
 from . import pipeline, thinking
 from .history import advance_matches, match_lengths, trailing_run
 from .noise import split_seed
 from .params import ALL_LOGPROBS, SamplingParams
 from .stages import StageError, StageInputs, StageSpec, check_stage_spec, describe_stage
+from .step_state import OPTIONAL_NEUTRAL as _OPTIONAL_NEUTRAL
+from .step_state import SCALARS as _SCALARS
+from .step_state import STATE_FIELDS as _STATE_FIELDS
+from .step_state import StepState
 from .transfer import upload
 
 #: Where step 15's values come from: log-probabilities or logits, of the model's logits as
@@ -48,112 +53,15 @@ class _Request:
     rows: list[int]
 
 
-@dataclass(kw_only=True)
-class _StepStateFields:
-    """The fields of ``StepState`` that are not a stage table entry's (``corelib.pipeline``):
-    the step's shape, the seeded draw's and the history's per-row state, the optional stage
-    tensors, and the flags derived from several stages."""
-
-    num_rows: int
-    vocab_size: int
-    logprobs_mode: str
-    # int32 [B]
-    seed_lo: torch.Tensor
-    seed_hi: torch.Tensor
-    child: torch.Tensor
-    position: torch.Tensor       # tokens generated so far by the row
-    # bool [B]
-    seeded: torch.Tensor
-    greedy: torch.Tensor
-    # optional stage state
-    prompt_mask: Optional[torch.Tensor] = None     # bool [B, V]
-    output_counts: Optional[torch.Tensor] = None   # int32 [B, V]
-    allowed_mask: Optional[torch.Tensor] = None    # bool [B, V]
-    bias_ids: Optional[torch.Tensor] = None        # int64 [B, L], padding id 0 value 0
-    bias_values: Optional[torch.Tensor] = None     # float32 [B, L]
-    stop_ids: Optional[torch.Tensor] = None        # int64 [B, S], padding id 0
-    stop_valid: Optional[torch.Tensor] = None      # bool [B, S]
-    bad_prefix: Optional[torch.Tensor] = None      # int64 [B, W, P] right-aligned, -2 = any
-    bad_last: Optional[torch.Tensor] = None        # int64 [B, W], padding 0
-    bad_valid: Optional[torch.Tensor] = None       # bool [B, W]
-    recent: Optional[torch.Tensor] = None          # int64 [B, P] last P generated, -1 = none
-    # reasoning budget (stage 8b, corelib.thinking): per-row budget and think count, always
-    # present; markers and their match bits present when a row uses a budget
-    thinking_budget: Optional[torch.Tensor] = None   # int32 [B], -1 = off
-    thinking_count: Optional[torch.Tensor] = None    # int32 [B]: tokens after the start marker, -1 = not thinking
-    thinking_markers: Optional[torch.Tensor] = None  # int64 [B, 3, L]: start, end, forced; -1 padding
-    thinking_match: Optional[torch.Tensor] = None    # bool [B, 3, L]: the history ends with marker[:k + 1]
-    # DRY's history (corelib.history): present when a row uses DRY
-    dry_length: Optional[torch.Tensor] = None      # int32 [B]: history tokens (prompt + output)
-    dry_since_breaker: Optional[torch.Tensor] = None  # int32 [B]: trailing non-breaker tokens
-    dry_history: Optional[torch.Tensor] = None     # int64 [B, H], -1 past dry_length
-    dry_match: Optional[torch.Tensor] = None       # int32 [B, H]: repeat length before each token
-    dry_breakers: Optional[torch.Tensor] = None    # int64 [B, NB], -1 = none
-    # structured output (part of step 3): the caller's mask for this call
-    token_bitmask: Optional[torch.Tensor] = None   # int32 [B, ceil(V / 32)], -1 = unconstrained
-    # custom stages some row uses: (spec, inputs, plugin name), in registration order
-    stages: tuple = ()
-    # verify's flat form (corelib.drafts): the logits row each row reads; None = row i reads
-    # row i (or its request's row, for one logits row per request)
-    logits_rows: Optional[torch.Tensor] = None     # int64 [B]
-    # host flags beyond the stage table's switches
-    any_greedy: bool = False
-    all_greedy: bool = False
-    any_random: bool = True
-    any_seeded: bool = False
-    any_unseeded: bool = True
-    any_thinking: bool = False         # some row has a thinking_budget
-    max_top_k: int = 0                 # largest top_k among random rows (0: none uses it)
-    any_top_p_without_top_k: bool = False  # a random row with top_p < 1 and top_k off
-    all_random_top_k: bool = False     # there are random rows and every one has a top_k
-    num_logprobs: Optional[int] = None  # N = largest `logprobs` asked for (V for -1), None if none asks
-
-    def stages_at(self, slot: str) -> list[tuple[StageSpec, StageInputs, Optional[str]]]:
-        """The custom stages some row uses at ``slot`` (``corelib.stages.SLOTS``)."""
-        return [entry for entry in self.stages if entry[0].slot == slot]
-
-
-StepState = make_dataclass(
-    "StepState",
-    [(f.name, torch.Tensor) for f in pipeline.stage_fields()]
-    + [(switch.flag, bool, field(default=False)) for _, switch in pipeline.switches()],
-    bases=(_StepStateFields,), kw_only=True,
-    namespace={"__module__": __name__, "__doc__": """What one ``sample`` call reads: per-row
-    tensors (first dimension = rows) and host flags.
-
-    Each stage of the table (``corelib.pipeline.STAGES``) contributes its per-row scalars
-    (``[B]`` tensors of the field's dtype, always present, neutral for rows that do not use
-    the stage) and its switches (host flags: some row uses the stage); the other fields are
-    declared in ``_StepStateFields``. The flags say which optional stages any row uses; a
-    backend that prefers a fixed graph (TPU) may ignore them, since every tensor holds neutral
-    values for rows that do not use a stage. Optional stage tensors are None until some row of
-    the batch has used their stage; once allocated they stay, holding neutral values for rows
-    that do not use it. So a backend tests the flags, never ``is None``, to know whether a
-    stage runs. Construct it with keywords."""})
-
-
-# Per-row scalar tensors: name -> (dtype, neutral value used for padding rows): the stage
-# table's fields, then the state of the seeded draw, DRY's history and the reasoning budget.
-_SCALARS: dict[str, tuple[torch.dtype, float]] = {
-    **{f.name: (f.dtype, f.neutral) for f in pipeline.stage_fields()},
-    "seed_lo": (torch.int32, 0),
-    "seed_hi": (torch.int32, 0),
-    "child": (torch.int32, 0),
-    "position": (torch.int32, 0),
-    "seeded": (torch.bool, False),
-    "greedy": (torch.bool, False),
-    "dry_length": (torch.int32, 0),
-    "dry_since_breaker": (torch.int32, 0),
-    "thinking_budget": (torch.int32, thinking.NO_BUDGET),
-    "thinking_count": (torch.int32, thinking.NOT_THINKING),
-}
-
-
 class SamplingBatch:
     """The rows of one running batch and their device state (see the module docstring).
 
     Create it with ``sampler.new_batch(vocab_size, eos_token_id=None, logprobs_mode="raw")``.
     """
+
+    #: The custom stages requests may name (``corelib.catalog``): ``new_batch`` sets the
+    #: sampler's; a batch built directly reads the process-wide registry's.
+    stage_catalog: catalog.StageCatalog = staticmethod(catalog.installed_stages)
 
     def __init__(self, vocab_size: int, device: torch.device | str = "cpu",
                  eos_token_id: Optional[int] = None, logprobs_mode: str = "raw"):
@@ -242,10 +150,9 @@ class SamplingBatch:
 
     def stage_specs(self) -> dict[str, tuple[StageSpec, Optional[str]]]:
         """Custom stages a request may name in ``stage_args``: name -> (spec, plugin name),
-        from the plugin registry (loaded on first use)."""
+        from ``stage_catalog`` (read on first use)."""
         if self._stage_specs is None:
-            from .registry import default_registry
-            self._stage_specs = default_registry().stages()
+            self._stage_specs = self.stage_catalog()
         return self._stage_specs
 
     def use_stage(self, spec: StageSpec, plugin_name: Optional[str] = None) -> None:
@@ -1221,25 +1128,6 @@ def removal_order(num_rows: int, leaving: list[list[int]]) -> list[int]:
     return origin
 
 
-# Neutral (padding) values of the optional tensors: inert for every stage.
-_OPTIONAL_NEUTRAL = {
-    "prompt_mask": False,
-    "output_counts": 0,
-    "allowed_mask": True,
-    "bias_ids": 0,
-    "bias_values": 0.0,
-    "stop_ids": 0,
-    "stop_valid": False,
-    "bad_prefix": -2,   # wildcard: a shorter word's prefix is padded on the left with it
-    "bad_last": 0,
-    "bad_valid": False,
-    "recent": -1,
-    "dry_history": -1,
-    "dry_match": 0,
-    "dry_breakers": -1,
-    "thinking_markers": -1,
-    "thinking_match": False,
-}
 _RIGHT_ALIGNED = {"bad_prefix", "recent"}
 _MIN_HISTORY = 64
 
@@ -1266,4 +1154,3 @@ def _stage_key(stage: str, kind: str, name: str = "") -> str:
 def _pad_columns(x: torch.Tensor, extra: int, value) -> torch.Tensor:
     """x ``[n, C]`` with ``extra`` more columns of ``value`` on the right (new tensor)."""
     return torch.cat([x, torch.full((x.shape[0], extra), value, dtype=x.dtype, device=x.device)], dim=1)
-_STATE_FIELDS = set(_SCALARS) | set(_OPTIONAL_NEUTRAL)

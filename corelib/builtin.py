@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from .hookspecs import hookimpl
-from .registry import Availability, BackendSpec
+from .backends import Availability, BackendSpec
 
 REFERENCE_PRIORITY = 0
 

@@ -85,6 +85,11 @@ class Stage:
     rule: str = ""
     example: Optional[dict] = None
 
+    @property
+    def flags(self) -> tuple[str, ...]:
+        """The names of its switches' flags."""
+        return tuple(switch.flag for switch in self.switches)
+
     def enabled(self, s) -> bool:
         """Whether the stage runs in the step of ``s`` (a ``StepState``)."""
         for switch in self.switches:
@@ -164,6 +169,12 @@ def stages_in(group: str) -> tuple[Stage, ...]:
     return _BY_GROUP[group]
 
 
+def flagged_stages_in(group: str) -> tuple[tuple[Stage, tuple[str, ...]], ...]:
+    """``stages_in(group)`` with each stage's flag names: what a template loop tests per step
+    (made once: the loop runs on every step's critical path)."""
+    return _FLAGGED[group]
+
+
 def stage_fields() -> tuple[Field, ...]:
     """Every stage's per-row scalars, in table order."""
     return tuple(f for stage in STAGES for f in stage.fields)
@@ -186,4 +197,5 @@ def stage_flags(params: list, random: list) -> dict[str, bool]:
 
 
 _BY_GROUP = {group: tuple(s for s in STAGES if s.group == group) for group in GROUPS}
+_FLAGGED = {group: tuple((s, s.flags) for s in stages) for group, stages in _BY_GROUP.items()}
 assert all(s.group in GROUPS and s.rows in (ALL_ROWS, RANDOM_ROWS) for s in STAGES)

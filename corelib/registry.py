@@ -6,44 +6,18 @@ import os
 import threading
 from dataclasses import dataclass, field, fields
 from importlib.metadata import entry_points
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import pluggy
 import torch
 
-from . import hookspecs
+from . import catalog, hookspecs
+from .backends import Availability, BackendSpec  # noqa: F401  (importable from here too)
 from .sampler import Sampler
 from .stages import StageSpec, check_stage_spec
 
 ENV_DEVICE = "CORELIB_DEVICE"
 ENV_PLUGINS = "CORELIB_PLUGINS"
-
-
-@dataclass(frozen=True)
-class Availability:
-    """What a backend's probe says: usable now or not (and why), and whether auto-detection
-    may pick it (False, for example, for an emulated device such as XLA on the CPU)."""
-
-    available: bool
-    reason: str = ""
-    auto: bool = True
-
-
-@dataclass(frozen=True)
-class BackendSpec:
-    """A plugin's description of one backend.
-
-    ``probe()`` returns an :class:`Availability` (cheap: no heavy imports unless they are the
-    only way to know). ``factory(device)`` imports the heavy runtime and returns a
-    :class:`Sampler`; ``device`` is None for the backend's default device.
-    """
-
-    name: str
-    device_type: str
-    priority: int
-    probe: Callable[[], Availability]
-    factory: Callable[[Optional[torch.device]], Sampler]
-    description: str = ""
 
 
 def _shown_fields(status: Any) -> dict[str, Any]:
@@ -292,6 +266,7 @@ class Registry:
             raise BackendUnavailableError(
                 f"backend {status.name!r} factory returned {type(sampler).__name__}, not a corelib.Sampler"
             )
+        sampler.stage_catalog = self.stages      # its batches run this registry's stages
         return sampler
 
 
@@ -398,6 +373,10 @@ def default_registry() -> Registry:
         if _default is None:
             _default = Registry()
         return _default
+
+
+# Samplers and batches built directly ask the process-wide registry for custom stages.
+catalog.provide(lambda: default_registry().stages())
 
 
 def reset_default_registry(registry: Optional[Registry] = None) -> None:

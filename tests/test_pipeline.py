@@ -119,6 +119,8 @@ SCRIPT = textwrap.dedent("""
     pipeline.STAGES = pipeline.STAGES[:at] + (top_a,) + pipeline.STAGES[at:]
     pipeline._BY_GROUP = {g: tuple(s for s in pipeline.STAGES if s.group == g)
                           for g in pipeline.GROUPS}
+    pipeline._FLAGGED = {g: tuple((s, s.flags) for s in stages)
+                         for g, stages in pipeline._BY_GROUP.items()}
 
     import corelib
     from corelib.params import SamplingParams
@@ -133,7 +135,11 @@ SCRIPT = textwrap.dedent("""
         return x.masked_fill(p < cut, float("-inf"))
     Sampler.apply_top_a = apply_top_a
 
-    sampler = corelib.get_sampler(sys.argv[2])
+    if sys.argv[2] == "cuda-torch-path":       # the cuda backend's torch path, on CPU tensors
+        from corelib_cuda import CudaSampler
+        sampler = CudaSampler("cpu", use_flashinfer=False)
+    else:
+        sampler = corelib.get_sampler(sys.argv[2])
     batch = sampler.new_batch(8)
     batch.add("off", Params(temperature=1.0))
     batch.add("on", Params(temperature=1.0, top_a=0.9, n=2, seed=3))
@@ -153,13 +159,15 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
-@pytest.mark.parametrize("backend", ["reference", "cpu"])
+@pytest.mark.parametrize("backend", ["reference", "cpu", "cuda-torch-path"])
 def test_a_stage_added_through_the_table_alone_runs_in_order_with_its_row_values(backend):
     """A fresh interpreter adds top-a to the table before the batch is loaded: the batch keeps
     its per-row value (also after rows move), the step state carries it and its switch, and
     the filter group runs it in its place; its kept set is the hand computation's. The cpu
-    backend, which has no method of its own for it, runs the reference's on whole rows (the
-    TPU plugin's suite runs the same script on XLA)."""
+    backend, which has no method of its own for it, runs the reference's on whole rows; the
+    cuda backend's torch path runs the reference's as it is."""
+    if backend == "cuda-torch-path":
+        pytest.importorskip("corelib_cuda")
     done = subprocess.run([sys.executable, "-c", SCRIPT, pipeline.__file__, backend],
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]

@@ -9,7 +9,8 @@ core recomputes only when requests join or leave.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Optional
 
 from corelib import SamplingBatch, StepState
 
@@ -49,6 +50,19 @@ class FilterBounds:
         return cls(candidates, max_top_k, s.all_random_top_k, max_top_p <= exact_top_p_limit(s.vocab_size))
 
 
+@dataclass
+class CudaStepState(StepState):
+    """``StepState`` plus the batch's host-side filter bounds (None: unknown, so sort),
+    whether the final logits must be complete even where FlashInfer draws (a verify step with
+    draft probabilities reads them for the ratio test), and the graph runner's memo."""
+
+    bounds: Optional[FilterBounds] = None
+    final_needed: bool = False
+    #: what the graph runner derives from a kept step state (its capture key), shared by the
+    #: step states ``CudaBatch.step_state`` copies from one kept state; None elsewhere
+    graph_memo: Optional[dict] = field(default=None, compare=False, repr=False)
+
+
 class CudaBatch(SamplingBatch):
     """``SamplingBatch`` whose step states carry :class:`FilterBounds`, which the cuda sampler
     uses to avoid sorting. The bounds of ``step_state`` are computed once per kept step state
@@ -67,6 +81,5 @@ class CudaBatch(SamplingBatch):
         return flags
 
     def _new_step_state(self, n: int) -> StepState:
-        from .sampler import CudaStepState
         s = super()._new_step_state(n)
         return CudaStepState(**vars(s), bounds=FilterBounds.of(s, self.max_top_p), graph_memo={})

@@ -29,31 +29,22 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from dataclasses import dataclass
 from typing import Optional
 
 import torch
-from corelib import Sampler, SamplingBatch, StepState
+from corelib import Sampler, SamplingBatch, StepState, pipeline
 from corelib.noise import row_keys
 from corelib.sampler import NEG_INF, Drafts, nucleus_keep
 
-from .batch import CudaBatch, FilterBounds
+from .batch import CudaBatch, CudaStepState, FilterBounds
 from .bitmask import choose_bitmask_path
 from .race import choose_race_path
 from .probe import ENV_FLASHINFER
 
 
-@dataclass
-class CudaStepState(StepState):
-    """``StepState`` plus the batch's host-side filter bounds (None: unknown, so sort),
-    whether the final logits must be complete even where FlashInfer draws (a verify step with
-    draft probabilities reads them for the ratio test), and the graph runner's memo."""
-
-    bounds: Optional[FilterBounds] = None
-    final_needed: bool = False
-    #: what the graph runner derives from a kept step state (its capture key), shared by the
-    #: step states ``CudaBatch.step_state`` copies from one kept state; None elsewhere
-    graph_memo: Optional[dict] = dataclasses.field(default=None, compare=False, repr=False)
+#: The filter stages after steps 12-13, which FlashInfer's fused kernels would run before.
+AFTER_TOP_K_TOP_P = pipeline.stages_in("filter")[
+    [stage.name for stage in pipeline.stages_in("filter")].index("top_k_top_p") + 1:]
 
 
 class CudaSampler(Sampler):
@@ -177,10 +168,12 @@ class CudaSampler(Sampler):
 
     def flashinfer_draws(self, s: StepState) -> bool:
         """Whether FlashInfer draws this step's unseeded rows. Its kernels fuse steps 12-14, so
-        only while no row uses a stage after step 13 (typical-p, XTC, custom "after_filters"
-        stages): those need the filtered distribution before the draw."""
-        return (self.flashinfer is not None and s.any_unseeded and not s.any_typical_p
-                and not s.any_xtc and not s.stages_at("after_filters"))
+        only while no row uses a stage the table puts after steps 12-13 (``AFTER_TOP_K_TOP_P``:
+        typical-p, XTC, any stage added there) or a custom "after_filters" stage: those need
+        the filtered distribution before the draw."""
+        return (self.flashinfer is not None and s.any_unseeded
+                and not any(stage.enabled(s) for stage in AFTER_TOP_K_TOP_P)
+                and not s.stages_at("after_filters"))
 
     def sample_random(self, x: torch.Tensor, s: StepState) -> tuple[torch.Tensor, torch.Tensor]:
         """Steps 10-14 for every row. x float32 [B, V] (after step 8a). Returns (int64 [B]
