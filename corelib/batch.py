@@ -7,6 +7,10 @@ so the requests that join between two steps take one write per tensor); removing
 moves the last rows into the freed places (as vLLM's input batch does), one move for all the
 requests of a call, so no operation rebuilds every row, and ``append`` updates running counts
 instead of re-reading histories.
+
+``SamplingBatch`` keeps the rows' bookkeeping, ``append`` and the step states here; its
+per-row tensors and the values a request's rows start from are the row store's
+(``batch_store``), and the custom stages' rows are ``batch_stages``'s.
 """
 
 from __future__ import annotations
@@ -17,15 +21,14 @@ from typing import Optional, Sequence
 
 import torch
 
-from . import catalog
+from . import catalog, pipeline, thinking
+from .batch_stages import CustomStageRows, _stage_key  # noqa: F401  (the TPU plugin reads _stage_key here)
+from .batch_store import _MIN_CAPACITY, RowStore
 from .bitmask import bitmask_width
-from . import pipeline, thinking
-from .history import advance_matches, match_lengths, trailing_run
-from .noise import split_seed
+from .history import advance_matches
 from .params import ALL_LOGPROBS, SamplingParams
-from .stages import StageError, StageInputs, StageSpec, check_stage_spec, describe_stage
+from .stages import StageSpec
 from .step_state import OPTIONAL_NEUTRAL as _OPTIONAL_NEUTRAL
-from .step_state import SCALARS as _SCALARS
 from .step_state import STATE_FIELDS as _STATE_FIELDS
 from .step_state import StepState
 from .transfer import upload
@@ -33,7 +36,6 @@ from .transfer import upload
 #: Where step 15's values come from: log-probabilities or logits, of the model's logits as
 #: given (step 1) or of the final distribution.
 LOGPROBS_MODES = ("raw", "processed", "raw_logits", "processed_logits")
-_MIN_CAPACITY = 8
 #: The token id of a flagged row (no token this step), in outputs and in ``append``.
 INVALID_TOKEN = -1
 # Rows, children and positions are int32 on the device (and in the seeded-draw recipe).
@@ -53,7 +55,7 @@ class _Request:
     rows: list[int]
 
 
-class SamplingBatch:
+class SamplingBatch(RowStore, CustomStageRows):
     """The rows of one running batch and their device state (see the module docstring).
 
     Create it with ``sampler.new_batch(vocab_size, eos_token_id=None, logprobs_mode="raw")``.
@@ -148,33 +150,6 @@ class SamplingBatch:
         self._refresh_generated()
         return list(self._generated)
 
-    def stage_specs(self) -> dict[str, tuple[StageSpec, Optional[str]]]:
-        """Custom stages a request may name in ``stage_args``: name -> (spec, plugin name),
-        from ``stage_catalog`` (read on first use)."""
-        if self._stage_specs is None:
-            self._stage_specs = self.stage_catalog()
-        return self._stage_specs
-
-    def use_stage(self, spec: StageSpec, plugin_name: Optional[str] = None) -> None:
-        """Run the custom stage ``spec`` on every row of this batch, with no plugin registry
-        entry and no ``stage_args``: for an engine that brings stages of its own. Its arguments
-        hold their defaults; its state starts from each row's prompt and output at ``add``.
-        At its slot it runs after the registry's stages, in the order of these calls.
-        ``plugin_name`` names it in errors (``StageError``). Call it before the first ``add``;
-        a batch with rows, or a name already in use, raises ValueError; a malformed ``spec``
-        raises as a plugin's would (``check_stage_spec``)."""
-        check_stage_spec(spec, plugin_name or "engine")
-        if self._row_keys:
-            raise ValueError(f"use_stage({spec.name!r}): the batch already has rows; call it "
-                             f"before the first add")
-        if spec.name in self._engine_stages or spec.name in self.stage_specs():
-            raise ValueError(f"use_stage({spec.name!r}): a stage of that name is already in "
-                             f"use by this batch or its plugins")
-        self._engine_stages[spec.name] = (spec, plugin_name)
-        self._allocate_stage(spec)
-        self._changed()
-
-    # ------------------------------------------------------------------ add / remove
     def add(self, request_id: str, params: SamplingParams,
             prompt_token_ids: Sequence[int] = (),
             output_token_ids: Optional[Sequence[int] | Sequence[Sequence[int]]] = None,
@@ -396,30 +371,6 @@ class SamplingBatch:
             for name, value in zip(("dry_history", "dry_match", "dry_length", "dry_since_breaker"), updated):
                 t[name].copy_(value)
 
-    def _advanced_stage_state(self, t: dict[str, torch.Tensor],
-                              columns: list[tuple[torch.Tensor, torch.Tensor]]) -> dict[str, torch.Tensor]:
-        """Custom stages' state after ``columns`` (see ``_advance``), as new tensors."""
-        staged: dict[str, torch.Tensor] = {}
-        for spec, plugin in self._stages_in_use():
-            active = t[_stage_key(spec.name, "active")]
-            for state in spec.state:
-                key = _stage_key(spec.name, "state", state.name)
-                value = t[key]
-                for ids, advance in columns:
-                    live = advance & active & (ids >= 0) & (ids < self.vocab_size)
-                    safe = torch.where(live, ids, torch.zeros_like(ids))
-                    try:
-                        new = state.update(value, safe, live)
-                    except Exception as exc:
-                        raise StageError(f"{describe_stage(spec, plugin)}: state {state.name!r} "
-                                         f"update failed: {type(exc).__name__}: {exc}") from exc
-                    if not isinstance(new, torch.Tensor) or new.shape != value.shape:
-                        raise StageError(f"{describe_stage(spec, plugin)}: state {state.name!r} "
-                                         f"update returned the wrong shape")
-                    value = torch.where(live.view(-1, *([1] * (value.dim() - 1))), new.to(value.dtype), value)
-                staged[key] = value
-        return staged
-
     def check_token_ids(self, token_ids) -> torch.Tensor:
         """``append``'s argument checks: one integer id per row (``[rows]``, -1 for a flagged
         row), or each row's emitted tokens (``[rows, K+1]``, -1 padding after them); other ids
@@ -580,49 +531,6 @@ class SamplingBatch:
             **fields,
         )
 
-    def _stage_inputs(self, t: dict[str, torch.Tensor]) -> tuple:
-        entries = []
-        for spec, plugin in self._stages_in_use():
-            args = {field: t[_stage_key(spec.name, "arg", field)] for field in spec.arg_fields()}
-            state = {st.name: t[_stage_key(spec.name, "state", st.name)] for st in spec.state}
-            inputs = StageInputs(t[_stage_key(spec.name, "active")], args, state, t["position"])
-            entries.append((spec, inputs, plugin))
-        return tuple(entries)
-
-    def _stages_in_use(self) -> list[tuple[StageSpec, Optional[str]]]:
-        """Custom stages some live request uses, in registration order, then the batch's
-        own (``use_stage``) (cached)."""
-        if self._used_stages is None:
-            named = {name for p in self._row_params for name in p.stage_args}
-            specs = self._stage_specs or {}
-            self._used_stages = ([specs[name] for name in specs if name in named]
-                                 + list(self._engine_stages.values()))
-        return self._used_stages
-
-    def _stage_arguments(self, request_id: str, params: SamplingParams) -> dict:
-        """``params.stage_args`` checked against the stages' models: name -> (spec, validated
-        arguments). Raises ValueError naming the request and the stage."""
-        if not params.stage_args:
-            return {}
-        specs = self.stage_specs()
-        checked = {}
-        for name, raw in params.stage_args.items():
-            if name not in specs:
-                known = ", ".join(sorted(specs)) or "none"
-                raise ValueError(f"request {request_id!r}: stage_args names unknown stage {name!r} "
-                                 f"(known stages: {known})")
-            spec, _ = specs[name]
-            unknown = sorted(set(raw) - set(spec.args.model_fields))
-            if unknown:
-                raise ValueError(f"request {request_id!r}: stage_args[{name!r}] has unknown "
-                                 f"arguments {unknown} (stage {name!r} takes "
-                                 f"{sorted(spec.args.model_fields)})")
-            try:
-                checked[name] = (spec, spec.args.model_validate(raw))
-            except ValueError as exc:
-                raise ValueError(f"request {request_id!r}: stage_args[{name!r}] is invalid: {exc}") from exc
-        return checked
-
     def _compute_flags(self) -> dict:
         """Host flags that change only when requests join or leave."""
         params = self._row_params
@@ -711,42 +619,6 @@ class SamplingBatch:
         return upload(token_bitmask.reshape(-1, width), self.device)
 
     # ------------------------------------------------------------------ internals
-    @property
-    def _tensors(self) -> dict[str, torch.Tensor]:
-        """Every per-row tensor by name, with the values of rows added since the last read
-        written first. Everything that reads or moves rows goes through here; only ``add``'s
-        own writes to other tensors than the pending ones use ``_store`` directly."""
-        if self._pending:
-            self._write_pending()
-        return self._store
-
-    @_tensors.setter
-    def _tensors(self, tensors: dict[str, torch.Tensor]) -> None:
-        self._store = tensors
-
-    def _stage_row_values(self, first: int, values: dict[str, list]) -> None:
-        """Keep per-row values of rows ``first, first + 1, ...`` (one list per tensor name, as
-        long as the rows) for the next read of the state. Rows join at the end, so the rows
-        added between two reads follow each other."""
-        pending = self._pending
-        if pending and first != self._pending_first + len(next(iter(pending.values()))):
-            self._write_pending()
-            pending = self._pending             # a new, empty one
-        if not pending:
-            self._pending_first = first
-        for name, column in values.items():
-            pending.setdefault(name, []).extend(column)
-
-    def _write_pending(self) -> None:
-        pending, self._pending = self._pending, {}
-        first = self._pending_first
-        for name, values in pending.items():
-            rows = self._store[name][first:first + len(values)]
-            if len(values) == 1:
-                rows.fill_(values[0])
-            else:
-                rows.copy_(upload(values, self.device, rows.dtype))
-
     def _changed(self) -> None:
         self._forget_views()
         self._request_index = None
@@ -790,310 +662,6 @@ class SamplingBatch:
             )
         return [self._check_ids(request_id, f"output_token_ids[{c}]", x) for c, x in enumerate(items)]
 
-    def _ensure_capacity(self, rows: int) -> None:
-        if rows <= self._capacity:
-            return
-        capacity = max(_MIN_CAPACITY, self._capacity)
-        while capacity < rows:
-            capacity *= 2
-        for name, (dtype, neutral) in _SCALARS.items():
-            self._grow(name, capacity, lambda c: torch.full((c,), neutral, dtype=dtype, device=self.device))
-        for name, tensor in list(self._tensors.items()):
-            if name in _SCALARS:
-                continue
-            self._grow(name, capacity, lambda c, t=tensor: torch.full(
-                (c, *t.shape[1:]), self._neutral[name], dtype=t.dtype, device=self.device))
-        self._capacity = capacity
-
-    def _grow(self, name, capacity, make):
-        fresh = make(capacity)
-        old = self._tensors.get(name)
-        if old is not None:
-            fresh[: old.shape[0]] = old
-        self._tensors[name] = fresh
-        self._forget_views()
-
-    def _new_optional(self, name: str, width: int, dtype: torch.dtype, *extra: int) -> torch.Tensor:
-        tensor = torch.full((self._capacity, width, *extra), self._neutral[name],
-                            dtype=dtype, device=self.device)
-        self._tensors[name] = tensor
-        self._forget_views()
-        return tensor
-
-    def _widen(self, name: str, width: int, dim: int = 1) -> None:
-        """Grow dimension ``dim`` of an optional padded tensor to at least ``width``."""
-        old = self._tensors[name]
-        if old.shape[dim] >= width:
-            return
-        shape = list(old.shape)
-        shape[dim] = max(width, 2 * old.shape[dim])
-        fresh = torch.full(shape, self._neutral[name], dtype=old.dtype, device=self.device)
-        # Only the token-position dimension (the last) is right-aligned; widening bad_prefix
-        # along its word dimension must keep each word in the slot bad_last/bad_valid use.
-        if name in _RIGHT_ALIGNED and dim == old.dim() - 1:
-            fresh.narrow(dim, shape[dim] - old.shape[dim], old.shape[dim]).copy_(old)
-        else:
-            fresh.narrow(dim, 0, old.shape[dim]).copy_(old)
-        self._tensors[name] = fresh
-        self._forget_views()
-
-    def _allocate_optional_state(self, params: SamplingParams, prompt: list[int],
-                                 outputs: list[list[int]]) -> None:
-        """Create (or widen) the optional tensors this request needs (none of them is a
-        pending one: the checks read the store as it is)."""
-        V, t = self.vocab_size, self._store
-        if params.uses_dry:
-            longest = len(prompt) + max(len(out) for out in outputs)
-            self._history_bound = max(self._history_bound, longest)
-            breakers = max(len(params.dry_sequence_breakers), 1)
-            if "dry_history" not in t:
-                self._new_optional("dry_history", _MIN_HISTORY, torch.long)
-                self._new_optional("dry_match", _MIN_HISTORY, torch.int32)
-                self._new_optional("dry_breakers", breakers, torch.long)
-            self._widen("dry_breakers", breakers)
-            self._ensure_history_room(1)
-        if params.uses_thinking_budget:
-            width = max(len(params.thinking_start_token_ids), len(params.thinking_end_token_ids),
-                        len(params.forced_thinking_ids))
-            if "thinking_markers" not in t:
-                self._new_optional("thinking_markers", 3, torch.long, width)
-                self._new_optional("thinking_match", 3, torch.bool, width)
-            self._widen("thinking_markers", width, dim=2)
-            self._widen("thinking_match", width, dim=2)
-        for name, (spec, args) in self._stage_arguments("", params).items():
-            self._allocate_stage(spec)
-        if params.uses_penalties and "output_counts" not in t:
-            self._new_optional("prompt_mask", V, torch.bool)
-            # Rows added before this point start counting now: they do not use penalties
-            # (parameters never change), so their counts are never read.
-            self._new_optional("output_counts", V, torch.int32)
-        if params.allowed_token_ids is not None and "allowed_mask" not in t:
-            self._new_optional("allowed_mask", V, torch.bool)
-        if params.logit_bias:
-            width = len(params.logit_bias)
-            if "bias_ids" not in t:
-                self._new_optional("bias_ids", width, torch.long)
-                self._new_optional("bias_values", width, torch.float32)
-            self._widen("bias_ids", width)
-            self._widen("bias_values", width)
-        if params.min_tokens > 0:
-            width = len(set(params.stop_token_ids) | self._eos_set())
-            width = max(width, 1)
-            if "stop_ids" not in t:
-                self._new_optional("stop_ids", width, torch.long)
-                self._new_optional("stop_valid", width, torch.bool)
-            self._widen("stop_ids", width)
-            self._widen("stop_valid", width)
-        if params.bad_words:
-            words = len(params.bad_words)
-            prefix = max(len(w) for w in params.bad_words) - 1
-            if "bad_last" not in t:
-                self._new_optional("bad_last", words, torch.long)
-                self._new_optional("bad_valid", words, torch.bool)
-                self._new_optional("bad_prefix", words, torch.long, max(prefix, 1))
-                # Rows without bad words never read the window, so it may start empty.
-                self._new_optional("recent", max(prefix, 1), torch.long)
-            self._widen("bad_last", words)
-            self._widen("bad_valid", words)
-            self._widen("bad_prefix", words)
-            if prefix > self._tensors["recent"].shape[1]:
-                self._widen("bad_prefix", prefix, dim=2)
-                # Older rows' words are shorter than the old window: their prefixes are
-                # padded with wildcards on the left, so the new empty slots are never read.
-                self._widen("recent", prefix)
-
-    def _allocate_stage(self, spec: StageSpec) -> None:
-        key = _stage_key(spec.name, "active")
-        if key in self._tensors:
-            return
-        tensors = {key: (torch.bool, False, ())}
-        for field, (dtype, default) in spec.arg_fields().items():
-            tensors[_stage_key(spec.name, "arg", field)] = (dtype, default, ())
-        for state in spec.state:
-            tensors[_stage_key(spec.name, "state", state.name)] = (state.dtype, 0, tuple(state.shape(self.vocab_size)))
-        for name, (dtype, neutral, shape) in tensors.items():
-            self._neutral[name] = neutral
-            self._tensors[name] = torch.full((self._capacity, *shape), neutral, dtype=dtype, device=self.device)
-        self._forget_views()
-
-    def _ensure_history_room(self, tokens: int) -> None:
-        """Widen the DRY history so every row can take ``tokens`` more (host bound, no sync)."""
-        if "dry_history" not in self._tensors:
-            return
-        self._history_bound += tokens
-        if self._history_bound > self._tensors["dry_history"].shape[1]:
-            self._widen("dry_history", self._history_bound)
-            self._widen("dry_match", self._history_bound)
-
-    def _eos_set(self) -> set[int]:
-        return set() if self.eos_token_id is None else {self.eos_token_id}
-
-    def _write_rows(self, rows: list[int], params: SamplingParams, prompt: list[int],
-                    outputs: list[list[int]], child_offset: int = 0) -> None:
-        n = len(rows)
-        sl = slice(rows[0], rows[0] + n)
-        t, dev = self._store, self.device     # the tensors below are not pending ones
-        seed_lo, seed_hi = split_seed(params.seed) if params.seed is not None else (0, 0)
-        scalar_values = {f.name: f.value(params) for f in pipeline.stage_fields()}
-        scalar_values.update(
-            seed_lo=seed_lo, seed_hi=seed_hi, seeded=params.seed is not None,
-            greedy=params.is_greedy,
-            thinking_budget=(thinking.NO_BUDGET if params.thinking_budget is None
-                             else min(params.thinking_budget, _INT32_MAX)))
-
-        V = self.vocab_size
-        if "output_counts" in t:
-            # Built on the host and uploaded once (a device write from host values would wait).
-            prompt_mask = torch.zeros(V, dtype=torch.bool)
-            if prompt:
-                prompt_mask[torch.tensor(prompt, dtype=torch.long)] = True
-            t["prompt_mask"][sl] = upload(prompt_mask, dev)
-            if any(outputs):
-                counts = torch.zeros((n, V), dtype=torch.int32)
-                for c, out in enumerate(outputs):
-                    if out:
-                        counts[c] = torch.bincount(torch.tensor(out, dtype=torch.long), minlength=V)
-                t["output_counts"][sl] = upload(counts, dev)
-            else:
-                t["output_counts"][sl] = 0
-        if "allowed_mask" in t:
-            if params.allowed_token_ids is None:
-                t["allowed_mask"][sl] = True
-            else:
-                allowed = torch.zeros(V, dtype=torch.bool)
-                allowed[torch.tensor(params.allowed_token_ids, dtype=torch.long)] = True
-                t["allowed_mask"][sl] = upload(allowed, dev)
-        if "bias_ids" in t:
-            width = t["bias_ids"].shape[1]
-            ids = torch.zeros(width, dtype=torch.long)
-            vals = torch.zeros(width, dtype=torch.float32)
-            for i, (token, bias) in enumerate(sorted(params.logit_bias.items())):
-                ids[i], vals[i] = token, bias
-            t["bias_ids"][sl] = upload(ids, dev)
-            t["bias_values"][sl] = upload(vals, dev)
-        if "stop_ids" in t:
-            width = t["stop_ids"].shape[1]
-            ids = torch.zeros(width, dtype=torch.long)
-            valid = torch.zeros(width, dtype=torch.bool)
-            if params.min_tokens > 0:
-                stops = sorted(set(params.stop_token_ids) | self._eos_set())
-                ids[: len(stops)] = torch.tensor(stops, dtype=torch.long)
-                valid[: len(stops)] = True
-            t["stop_ids"][sl] = upload(ids, dev)
-            t["stop_valid"][sl] = upload(valid, dev)
-        if "bad_last" in t:
-            words, width = t["bad_prefix"].shape[1:]
-            last = torch.zeros(words, dtype=torch.long)
-            valid = torch.zeros(words, dtype=torch.bool)
-            prefix = torch.full((words, width), _OPTIONAL_NEUTRAL["bad_prefix"], dtype=torch.long)
-            for i, word in enumerate(params.bad_words):
-                last[i], valid[i] = word[-1], True
-                if len(word) > 1:
-                    prefix[i, width - (len(word) - 1):] = torch.tensor(word[:-1], dtype=torch.long)
-            t["bad_last"][sl] = upload(last, dev)
-            t["bad_valid"][sl] = upload(valid, dev)
-            t["bad_prefix"][sl] = upload(prefix, dev)
-            recent = torch.full((n, t["recent"].shape[1]), -1, dtype=torch.long)
-            for c, out in enumerate(outputs):
-                tail = out[-recent.shape[1]:]
-                if tail:
-                    recent[c, recent.shape[1] - len(tail):] = torch.tensor(tail, dtype=torch.long)
-            t["recent"][sl] = upload(recent, dev)
-        if "dry_history" in t:
-            self._write_history(sl, params, prompt, outputs)
-        if "thinking_markers" in t:
-            self._write_thinking(sl, params, prompt, outputs)
-        for name, (spec, args) in self._stage_arguments("", params).items():
-            self._write_stage(sl, spec, args, prompt, outputs)
-        for spec, _ in self._engine_stages.values():
-            self._write_stage(sl, spec, spec.args(), prompt, outputs)
-        # Last, once nothing above can fail: a failed add leaves no pending values behind
-        values = {name: [value] * n for name, value in scalar_values.items()}
-        values["child"] = list(range(child_offset, child_offset + n))
-        values["position"] = [len(o) for o in outputs]
-        self._stage_row_values(rows[0], values)
-
-    def _write_history(self, sl: slice, params: SamplingParams, prompt: list[int],
-                       outputs: list[list[int]]) -> None:
-        """DRY's history, repeat lengths and breakers for the rows ``sl`` (one per child)."""
-        t, n = self._tensors, len(outputs)
-        width, nb = t["dry_history"].shape[1], t["dry_breakers"].shape[1]
-        history = torch.full((n, width), -1, dtype=torch.long)
-        match = torch.zeros((n, width), dtype=torch.int32)
-        length = torch.zeros(n, dtype=torch.int32)
-        since = torch.zeros(n, dtype=torch.int32)
-        breakers = torch.full((nb,), -1, dtype=torch.long)
-        if params.uses_dry:
-            stops = params.dry_sequence_breakers
-            breakers[: len(stops)] = torch.tensor(stops, dtype=torch.long)
-            for c, out in enumerate(outputs):
-                h = prompt + out
-                if h:
-                    history[c, : len(h)] = torch.tensor(h, dtype=torch.long)
-                    match[c, : len(h)] = torch.tensor(match_lengths(h), dtype=torch.int32)
-                length[c], since[c] = len(h), trailing_run(h, stops)
-        for name, value in (("dry_history", history), ("dry_match", match), ("dry_length", length),
-                            ("dry_since_breaker", since), ("dry_breakers", breakers)):
-            t[name][sl] = upload(value, self.device)
-
-    def _write_thinking(self, sl: slice, params: SamplingParams, prompt: list[int],
-                        outputs: list[list[int]]) -> None:
-        """Step 8b's markers, match bits and think count for the rows ``sl`` (one per child),
-        replayed from each child's history (``corelib.thinking.replay``)."""
-        t, n = self._tensors, len(outputs)
-        width = t["thinking_markers"].shape[2]
-        markers = torch.full((n, 3, width), -1, dtype=torch.long)
-        match = torch.zeros((n, 3, width), dtype=torch.bool)
-        count = torch.full((n,), thinking.NOT_THINKING, dtype=torch.int32)
-        if params.uses_thinking_budget:
-            start, end = params.thinking_start_token_ids, params.thinking_end_token_ids
-            forced = params.forced_thinking_ids
-            markers[:] = thinking.marker_table(start, end, forced, width)
-            for c, out in enumerate(outputs):
-                bits, count[c] = thinking.replay(prompt + out, start, end, forced)
-                match[c] = thinking.bits_tensor(bits, width)
-        for name, value in (("thinking_markers", markers), ("thinking_match", match),
-                            ("thinking_count", count)):
-            t[name][sl] = upload(value, self.device)
-
-    def _write_stage(self, sl: slice, spec: StageSpec, args, prompt: list[int],
-                     outputs: list[list[int]]) -> None:
-        """A custom stage's switch, arguments and initial state for the rows ``sl``."""
-        t = self._tensors
-        t[_stage_key(spec.name, "active")][sl] = True
-        for field in spec.arg_fields():
-            t[_stage_key(spec.name, "arg", field)][sl] = getattr(args, field)
-        for state in spec.state:
-            key = _stage_key(spec.name, "state", state.name)
-            for c, out in enumerate(outputs):
-                try:
-                    value = torch.as_tensor(state.init(list(prompt), list(out), args, self.vocab_size))
-                except Exception as exc:
-                    raise StageError(f"{describe_stage(spec)}: state {state.name!r} init failed: "
-                                     f"{type(exc).__name__}: {exc}") from exc
-                if tuple(value.shape) != tuple(t[key].shape[1:]):
-                    raise StageError(f"{describe_stage(spec)}: state {state.name!r} init returned "
-                                     f"shape {list(value.shape)}, expected {list(t[key].shape[1:])}")
-                t[key][sl.start + c] = upload(value.to(t[key].dtype), self.device)
-
-    def _move_rows(self, src: list[int], dst: list[int]) -> None:
-        """Copy rows ``src`` to rows ``dst`` (host row numbers, equal lengths) in every per-row
-        tensor, as one permutation: every source row is read before any row is written, so
-        ``swap_rows`` passes ``[a, b] -> [b, a]``. The row numbers are uploaded once, without
-        waiting. Subclasses with state of their own override this (and call it) to move that
-        state too."""
-        s, d = (upload(rows, self.device, torch.long) for rows in (src, dst))
-        for tensor in self._tensors.values():
-            tensor.index_copy_(0, d, tensor.index_select(0, s))
-
-    def _reset_rows(self, rows: list[int]) -> None:
-        if not rows:
-            return
-        sl = slice(rows[0], rows[-1] + 1)
-        for name, tensor in self._tensors.items():
-            neutral = _SCALARS[name][1] if name in _SCALARS else self._neutral[name]
-            tensor[sl] = neutral
-
     def request_index(self, num_rows: Optional[int] = None) -> torch.Tensor:
         """int64 ``[num_rows]``: each row's place in ``request_ids`` (padding rows: 0).
 
@@ -1128,8 +696,6 @@ def removal_order(num_rows: int, leaving: list[list[int]]) -> list[int]:
     return origin
 
 
-_RIGHT_ALIGNED = {"bad_prefix", "recent"}
-_MIN_HISTORY = 64
 
 
 def padded_ids_problem(ids: torch.Tensor, vocab_size: int) -> Optional[tuple[str, int, int]]:
@@ -1144,11 +710,6 @@ def padded_ids_problem(ids: torch.Tensor, vocab_size: int) -> Optional[tuple[str
     if gap.numel():
         return "gap", int(gap[0, 0]), -1
     return None
-
-
-def _stage_key(stage: str, kind: str, name: str = "") -> str:
-    """Name of a custom stage's tensor in the batch: its switch, an argument or a state."""
-    return f"stage:{stage}:{kind}" + (f":{name}" if name else "")
 
 
 def _pad_columns(x: torch.Tensor, extra: int, value) -> torch.Tensor:
