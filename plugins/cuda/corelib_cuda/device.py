@@ -8,7 +8,7 @@ sampler on ``cuda:1`` while ``cuda:0`` is current, they must be guarded.
 from __future__ import annotations
 
 import contextlib
-from typing import ContextManager
+from typing import Callable, ContextManager, TypeVar
 
 import torch
 
@@ -18,3 +18,19 @@ def device_guard(device: torch.device) -> ContextManager:
     if device.type == "cuda":
         return torch.cuda.device(device)
     return contextlib.nullcontext()
+
+
+Path = TypeVar("Path")
+
+
+def path_for(device: torch.device | str, off_cuda: Callable[[torch.device], Path],
+             on_cuda: Callable[[torch.device], Path]) -> Path:
+    """``on_cuda(device)`` for a CUDA device (an index filled in from the current device, so
+    callers may cache per device), else ``off_cuda(device)``: how a Triton kernel's path is
+    chosen once per device."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return off_cuda(device)
+    if device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return on_cuda(device)

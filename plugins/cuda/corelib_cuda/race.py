@@ -21,13 +21,13 @@ from __future__ import annotations
 import functools
 import os
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable
 
 import torch
 from corelib.noise import seeded_gumbel
 from corelib.transfer import upload
 
-from .device import device_guard
+from .device import device_guard, path_for
 
 #: Tokens per Triton program: V = 128256 makes 63 partial winners per row.
 BLOCK = 2048
@@ -82,12 +82,7 @@ def choose_race_path(device: torch.device | str) -> RacePath:
     """The seeded race of ``device``, decided once per device: the Triton kernel on a CUDA
     device where it imports and its first launch picks the torch expression's tokens, else the
     torch expression with the reason. The first call on a CUDA device launches and waits."""
-    device = torch.device(device)
-    if device.type != "cuda":
-        return RacePath(torch_seeded_race, TORCH.format(device.type))
-    if device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    return _cuda_path(device)
+    return path_for(device, lambda d: RacePath(torch_seeded_race, TORCH.format(d.type)), _cuda_path)
 
 
 @functools.lru_cache(maxsize=None)
