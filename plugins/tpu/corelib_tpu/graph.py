@@ -29,16 +29,13 @@ from corelib.batch import SamplingBatch
 from corelib.bitmask import bitmask_width
 from corelib.drafts import DraftLayout, padded_arguments
 from corelib.params import SamplingParams
-from corelib.sampler import (
+from corelib.outputs import Logprobs, SamplerOutput, VerifyOutput, slot_logprobs
+from corelib.sampler import Sampler
+from corelib.verification import (
     VERIFY_METHODS,
-    Logprobs,
-    Sampler,
-    SamplerOutput,
-    VerifyOutput,
     _check_draft_ids,
     checked_draft_ids,
     checked_draft_probs,
-    slot_logprobs,
     verify_logits_shape,
 )
 
