@@ -29,6 +29,7 @@ from .history import advance_matches
 from .params import ALL_LOGPROBS, SamplingParams
 from .stages import StageSpec
 from .step_state import OPTIONAL_NEUTRAL as _OPTIONAL_NEUTRAL
+from .step_state import DENSE_ROW_STATE
 from .step_state import STATE_FIELDS as _STATE_FIELDS
 from .step_state import StepState
 from .transfer import upload
@@ -486,7 +487,7 @@ class SamplingBatch(RowStore, CustomStageRows):
         self._template = None
 
     def speculative_state(self, draft_token_ids: torch.Tensor,
-                          num_rows: Optional[int] = None) -> StepState:
+                          num_rows: Optional[int] = None, dense_by_row: bool = False) -> StepState:
         """The step state of ``verify``: ``rows * (K + 1)`` virtual rows, row ``r``'s slot ``j``
         at ``r * (K + 1) + j``, each with the row's state as if its first ``j`` drafts had been
         appended (position, penalty counts, recent window for bad words and min_tokens, DRY
@@ -495,15 +496,21 @@ class SamplingBatch(RowStore, CustomStageRows):
         draft_token_ids: int64 ``[rows, K]`` on the batch's device, -1 = no draft (a suffix).
         ``num_rows``: as in ``step_state``, a padded row count (rows past ``len(batch)`` hold
         neutral values; ``draft_token_ids`` then has ``num_rows`` rows). The batch itself is not
-        changed. Costs ``K + 1`` copies of the per-row state."""
+        changed. Costs ``K + 1`` copies of the per-row state; with ``dense_by_row`` the
+        ``[rows, V]`` tensors (``DENSE_ROW_STATE``) are not copied: the state holds the rows'
+        own (views), ``slots_per_row`` K + 1 and ``slot_drafts``, each slot's earlier drafts,
+        which the stages reading those tensors count on top (the reference's do)."""
         n = len(self._row_keys) if num_rows is None else num_rows
         if n > self._capacity:
             self._ensure_capacity(n)
         K = draft_token_ids.shape[1]
         S = K + 1
+        store = self._tensors
+        by_row = {name: store[name][:n] for name in DENSE_ROW_STATE if dense_by_row and name in store}
         # one index for every field: index_select costs half of repeat_interleave's calls
         slot_rows = torch.arange(n, device=self.device).repeat_interleave(S)        # (n*S,)
-        t = {name: tensor[:n].index_select(0, slot_rows) for name, tensor in self._tensors.items()}
+        t = {name: tensor[:n].index_select(0, slot_rows) for name, tensor in store.items()
+             if name not in by_row}
         if "dry_history" in t and K:
             t["dry_history"] = _pad_columns(t["dry_history"], K, -1)
             t["dry_match"] = _pad_columns(t["dry_match"], K, 0)
@@ -511,7 +518,11 @@ class SamplingBatch(RowStore, CustomStageRows):
         drafts = draft_token_ids.to(self.device, torch.long).index_select(0, slot_rows)
         columns = [(drafts[:, j], (slot > j) & (drafts[:, j] >= 0)) for j in range(K)]
         self._advance(t, columns)
-        return self._state_of(t, n * S)
+        s = self._state_of({**t, **by_row}, n * S)
+        if by_row:
+            before = (slot[:, None] > torch.arange(K, device=self.device)[None, :]) & (drafts >= 0)
+            s.slots_per_row, s.slot_drafts = S, torch.where(before, drafts, -1)
+        return s
 
     def _state_of(self, t: dict[str, torch.Tensor], num_rows: int,
                   fields: Optional[dict[str, torch.Tensor]] = None) -> StepState:

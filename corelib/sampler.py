@@ -71,6 +71,17 @@ def nucleus_keep(probs: torch.Tensor, ordered: torch.Tensor, top_p: torch.Tensor
     return (probs >= threshold) | (top_p >= 1.0)[:, None]
 
 
+def penalised(x: torch.Tensor, prompt_mask: torch.Tensor, counts: torch.Tensor, r: torch.Tensor,
+              f: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """Steps 7-8 on x float32 with the prompt mask (bool), output counts (int32) and the
+    repetition, frequency and presence penalties (float32), all broadcast to x's shape. Not
+    in place."""
+    seen = prompt_mask | (counts > 0)
+    x = torch.where(seen, torch.where(x > 0, x / r, x * r), x)               # step 7
+    occurred = (counts > 0).to(torch.float32)
+    return x - f * counts.to(torch.float32) - p * occurred                    # step 8
+
+
 class Sampler(Verification):
     """A sampling backend. This class is the ``reference`` backend; plugins subclass it."""
 
@@ -235,6 +246,16 @@ class Sampler(Verification):
                     break
         return x
 
+    def dense_by_row(self) -> bool:
+        """Whether this sampler's verify states may keep the ``[B, V]`` tensors per row
+        (``DENSE_ROW_STATE``, with ``slots_per_row`` and ``slot_drafts``) instead of a copy per
+        slot: only where the stages that read them (``apply_penalties``, ``apply_allowed_ids``)
+        are the reference's, which count each slot's drafts on top; a backend with its own
+        keeps the copies."""
+        cls = type(self)
+        return (cls.apply_penalties is Sampler.apply_penalties
+                and cls.apply_allowed_ids is Sampler.apply_allowed_ids)
+
     def stage_method(self, stage: pipeline.Stage) -> Callable[[torch.Tensor, StepState], torch.Tensor]:
         """What runs ``stage`` on this backend: its method (``stage.method``). A backend whose
         stages take another form of x than a tensor (the cpu backend's blocks) returns, for a
@@ -324,8 +345,13 @@ class Sampler(Verification):
 
     def apply_allowed_ids(self, x: torch.Tensor, s: StepState) -> torch.Tensor:
         """Step 3: tokens outside a row's allowed set -> -inf. ``s.allowed_mask`` bool [B, V]
-        (all True for rows without the option). Not in place."""
-        return x.masked_fill(~s.allowed_mask, NEG_INF)
+        (all True for rows without the option; a verify state's may be per row, ``[B / S, V]``
+        with ``s.slots_per_row`` S, read by every slot of the row). Not in place."""
+        S = s.slots_per_row
+        if S == 1:
+            return x.masked_fill(~s.allowed_mask, NEG_INF)
+        n, V = x.shape[0] // S, x.shape[-1]
+        return x.view(n, S, V).masked_fill(~s.allowed_mask[:, None], NEG_INF).view(n * S, V)
 
     def apply_token_bitmask(self, x: torch.Tensor, s: StepState) -> torch.Tensor:
         """Step 3, structured output: tokens whose bit is 0 in ``s.token_bitmask`` (int32
@@ -355,14 +381,35 @@ class Sampler(Verification):
 
     def apply_penalties(self, x: torch.Tensor, s: StepState) -> torch.Tensor:
         """Steps 7-8 from running counts. ``prompt_mask`` bool [B, V], ``output_counts`` int32
-        [B, V]; penalties float32 [B] (1, 0, 0 disable them). Not in place."""
-        counts = s.output_counts
-        seen = s.prompt_mask | (counts > 0)
-        r = s.repetition_penalty[:, None]
-        x = torch.where(seen, torch.where(x > 0, x / r, x * r), x)           # step 7
-        occurred = (counts > 0).to(torch.float32)
-        return (x - s.frequency_penalty[:, None] * counts.to(torch.float32)
-                - s.presence_penalty[:, None] * occurred)                    # step 8
+        [B, V]; penalties float32 [B] (1, 0, 0 disable them). A verify state's counts may be
+        per row (``[B / S, V]``, ``s.slots_per_row`` S): every slot reads its row's, and the
+        tokens of its earlier drafts (``s.slot_drafts`` int64 [B, K]) are penalised again with
+        the drafts counted, so no ``[B, V]`` state is copied per slot. Not in place."""
+        S = s.slots_per_row
+        if S == 1:
+            return penalised(x, s.prompt_mask, s.output_counts, s.repetition_penalty[:, None],
+                             s.frequency_penalty[:, None], s.presence_penalty[:, None])
+        B, V = x.shape
+        n = B // S
+        per_slot = lambda v: v.view(n, S, 1)                                # noqa: E731
+        out = penalised(x.view(n, S, V), s.prompt_mask[:, None], s.output_counts[:, None],
+                        per_slot(s.repetition_penalty), per_slot(s.frequency_penalty),
+                        per_slot(s.presence_penalty)).view(B, V)
+        ids = s.slot_drafts
+        if ids.shape[1] == 0:
+            return out
+        live = ids >= 0
+        safe = ids.clamp(min=0)                                            # [B, K]
+        row = torch.arange(B, device=x.device)[:, None] // S
+        # each id's count after the slot's drafts: the row's, plus its live drafts equal to it
+        # (an entry past the drafts names token 0 with its right value too, so any order of
+        # the scatter below writes the same)
+        extra = ((safe[:, :, None] == safe[:, None, :]) & live[:, None, :]).sum(-1)
+        counts = s.output_counts[row, safe] + extra.to(torch.int32)
+        values = penalised(x.gather(1, safe), s.prompt_mask[row, safe], counts,
+                           s.repetition_penalty[:, None], s.frequency_penalty[:, None],
+                           s.presence_penalty[:, None])
+        return out.scatter_(1, safe, values)
 
     def thinking_forced_tokens(self, s: StepState) -> torch.Tensor:
         """Step 8b's forced token per row (``corelib.thinking.forced_tokens``): int64 [B], -1

@@ -65,6 +65,11 @@ class _StepStateFields:
     # verify's flat form (corelib.drafts): the logits row each row reads; None = row i reads
     # row i (or its request's row, for one logits row per request)
     logits_rows: Optional[torch.Tensor] = None     # int64 [B]
+    # verify's state with the dense [rows, V] tensors kept per row (DENSE_ROW_STATE:
+    # prompt_mask, output_counts, allowed_mask; speculative_state(dense_by_row=True)): virtual
+    # row r * S + j reads row r's, and its drafts before slot j count on top (slot_drafts)
+    slots_per_row: int = 1
+    slot_drafts: Optional[torch.Tensor] = None     # int64 [B, K]: drafts before the slot, -1 = none
     # host flags beyond the stage table's switches
     any_greedy: bool = False
     all_greedy: bool = False
@@ -139,3 +144,5 @@ OPTIONAL_NEUTRAL = {
 }
 #: Every per-row tensor name that is a ``StepState`` field.
 STATE_FIELDS = set(SCALARS) | set(OPTIONAL_NEUTRAL)
+#: The ``[rows, V]`` tensors a verify state may keep per row instead of per slot.
+DENSE_ROW_STATE = ("prompt_mask", "output_counts", "allowed_mask")

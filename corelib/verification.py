@@ -102,8 +102,10 @@ class Verification:
 
     def speculative_step_state(self, batch: SamplingBatch, drafts: Drafts) -> StepState:
         """The step state of ``verify`` (``batch.speculative_state``: ``B (K+1)`` virtual rows);
-        a backend that extends ``step_state`` extends this the same way."""
-        return batch.speculative_state(drafts.token_ids)
+        a backend that extends ``step_state`` extends this the same way. The ``[B, V]`` state
+        stays per row where this class's stages that read it are the reference's
+        (``dense_by_row``)."""
+        return batch.speculative_state(drafts.token_ids, dense_by_row=self.dense_by_row())
 
     def check_drafts(self, logits: torch.Tensor, batch: SamplingBatch,
                      draft_token_ids: torch.Tensor, draft_probs: Optional[torch.Tensor],

@@ -234,3 +234,48 @@ def test_flat_verify_names_the_out_of_range_draft_by_its_flat_index():
     with pytest.raises(ValueError, match=r"draft_token_ids\[2\] = 40 \(row 1's draft 0, request 'b'\)"):
         REF.verify(torch.zeros(5, V), batch, torch.tensor([3, 4, 40]), num_drafts=[2, 1])
     assert batch.generated_counts() == [0, 0]
+
+
+class PerSlotCopies(Sampler):
+    """The reference with every ``[B, V]`` tensor copied per verification slot (the form a
+    backend with its own penalty or allowed-ids stage gets)."""
+
+    def dense_by_row(self):
+        return False
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_per_row_dense_state_verifies_bitwise_as_per_slot_copies(seed):
+    """Penalty counts and allowed masks read per row, with each slot's drafts counted on top
+    (drafts repeating a token, repeating each other, padded with -1), give the tokens and the
+    processed logprobs of the per-slot copies, bit for bit, and the state moves no [B, V]
+    tensor per slot."""
+    gen = torch.Generator().manual_seed(seed)
+    K = 4
+    per_row, copies = Sampler("cpu"), PerSlotCopies("cpu")
+    batches = []
+    for sampler in (per_row, copies):
+        batch = sampler.new_batch(V, logprobs_mode="processed")
+        batch.add("p", SamplingParams(repetition_penalty=1.4, frequency_penalty=0.7,
+                                      presence_penalty=-0.3, seed=5, logprobs=3, n=2),
+                  prompt_token_ids=PROMPT, output_token_ids=[[4, 4, 7], [1]])
+        batch.add("a", SamplingParams(allowed_token_ids=list(range(3, 30)), frequency_penalty=1.5,
+                                      temperature=0.0, logprobs=2), prompt_token_ids=[3, 3])
+        batch.add("g", SamplingParams(presence_penalty=2.0, temperature=0.0), output_token_ids=[9])
+        batches.append(batch)
+    drafts = torch.randint(0, 8, (4, K), generator=gen)           # few ids: many repeats
+    drafts[1, 2:] = -1
+    drafts[3, 0] = drafts[3, 1] = 4
+    logits = torch.randn(4, K + 1, V, generator=gen) * 3
+    s = batches[0].speculative_state(drafts, dense_by_row=True)
+    assert s.slots_per_row == K + 1 and s.output_counts.shape[0] == 4 and s.allowed_mask.shape[0] == 4
+    flat = logits.reshape(-1, V)
+    slot_logits = [sampler.prepare(flat, batch, state)[0] for sampler, batch, state in
+                   ((per_row, batches[0], s), (copies, batches[1], batches[1].speculative_state(drafts)))]
+    assert torch.equal(*slot_logits)                     # every slot's logits after steps 3-8
+    got, want = (sampler.verify(logits, batch, drafts) for sampler, batch in zip((per_row, copies), batches))
+    assert torch.equal(got.token_ids, want.token_ids) and torch.equal(got.num_emitted, want.num_emitted)
+    # bit for bit; slots a row never reaches hold NaN on both sides
+    torch.testing.assert_close(got.logprobs.logprobs, want.logprobs.logprobs, rtol=0, atol=0,
+                               equal_nan=True)
+    assert torch.equal(got.logprobs.token_ids, want.logprobs.token_ids)

@@ -162,7 +162,8 @@ class CudaSampler(Sampler):
         if num_rows is None:
             s = super().speculative_step_state(batch, drafts)
         else:
-            s = batch.speculative_state(drafts.token_ids, num_rows=num_rows)
+            s = batch.speculative_state(drafts.token_ids, num_rows=num_rows,
+                                        dense_by_row=self.dense_by_row())
         s = with_bounds(s, batch)
         return dataclasses.replace(s, final_needed=drafts.probs is not None)
 
