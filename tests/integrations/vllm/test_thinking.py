@@ -191,9 +191,12 @@ def test_a_budget_without_markers_fails_that_request(corelib_llm):
 @pytest.mark.parametrize("key", ["thinking_budget", "thinking_start_token_ids",
                                  "thinking_end_token_ids", "thinking_forced_token_ids"])
 def test_corelibs_thinking_fields_are_not_extra_args(key):
-    with pytest.raises(ValueError, match=f"extra_args\\['{key}'\\]: the reasoning budget is "
-                                         f"vLLM's thinking_token_budget"):
-        corelib_params(vllm_params(extra_args={key: 3}), 512)
+    """Under corelib's key they are refused with the field to use instead; at the top level of
+    extra_args a key corelib does not take from there belongs to other code."""
+    with pytest.raises(ValueError, match=f"extra_args\\['corelib'\\]\\['{key}'\\]: the reasoning "
+                                         f"budget is vLLM's thinking_token_budget"):
+        corelib_params(vllm_params(extra_args={"corelib": {key: 3}}), 512)
+    assert corelib_params(vllm_params(extra_args={key: 3}), 512).thinking_budget is None
 
 
 def test_a_forced_end_that_does_not_end_with_the_end_marker_stops_the_engine(model_dir,
