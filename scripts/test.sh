@@ -31,7 +31,7 @@ run_suite() {  # name, python, pytest args...
   fi
 }
 
-run_suite core "$VENV/bin/python" tests --ignore=tests/integrations/vllm
+run_suite core "$VENV/bin/python" tests benchmarks/test_harness.py --ignore=tests/integrations/vllm
 for plugin in $TEST_PLUGINS; do
   run_suite "plugin $plugin" "$VENV/bin/python" "plugins/$plugin/tests"
 done
