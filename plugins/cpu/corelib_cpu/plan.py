@@ -166,9 +166,17 @@ def reads_logits_once(s: StepState) -> bool:
     """Whether the step reads its logits in one pass: every row greedy, no logprobs, and no
     stage that writes a copy (step 9's group maxima find each row's token and check step 3 at
     once)."""
-    return (s.all_greedy and s.num_logprobs is None and not s.stages and not s.any_thinking
-            and not any(stage.enabled(s) for group in ("mask", "adjust")
-                        for stage in pipeline.stages_in(group)))
+    if not s.all_greedy or s.num_logprobs is not None or s.stages or s.any_thinking:
+        return False
+    for flag in _WRITING_FLAGS:
+        if getattr(s, flag):
+            return False
+    return True
+
+
+# The flags of the table's stages before the filters: each writes a copy of the logits.
+_WRITING_FLAGS = tuple(flag for group in ("mask", "adjust")
+                       for _, flags in pipeline.flagged_stages_in(group) for flag in flags)
 
 
 def _random_and(on: torch.Tensor, random: list) -> list:

@@ -122,6 +122,12 @@ class CpuSampler(LogitStages, FilterStages, DrawStage, Verification, LogprobStag
         """Whether this class has its own method for ``stage`` (else the reference's runs)."""
         return getattr(type(self), stage.method) is not getattr(Sampler, stage.method)
 
+    def whole_rows_first(self, s: StepState) -> bool:
+        """Whether a stage this class does not override runs before steps 12-13 in the step of
+        ``s`` (``BlockPlan.whole_rows_first``); read when a plan is made, not every step."""
+        return any(stage.enabled(s) and not self.overrides(stage)
+                   for stage in pipeline.stages_in("filter")[:self.TOP_K_AT])
+
     def run_dense(self, stage: pipeline.Stage, method: Callable, x: Block, s: StepState) -> Block:
         """``method`` (a reference stage: float32 [n, V] -> a new float32 [n, V]) on the block's
         rows written out whole (``Block.densify``: cuts applied, candidates written out; the
@@ -162,9 +168,7 @@ class CpuSampler(LogitStages, FilterStages, DrawStage, Verification, LogprobStag
         else:   # whole rows of K + 1 slots: the nearest count to block_elements
             rows_per_block = max(1, round(self.block_elements / (s.vocab_size * slots))) * slots
         sparse = s.any_penalties and s.slot_ids is not None
-        whole_first = any(stage.enabled(s) and not self.overrides(stage)
-                          for stage in pipeline.stages_in("filter")[:self.TOP_K_AT])
-        build = lambda: make_plan(s, rows_per_block, sparse, whole_first)      # noqa: E731
+        build = lambda: make_plan(s, rows_per_block, sparse, self.whole_rows_first(s))  # noqa: E731
         if isinstance(batch, CpuBatch):
             return batch.cached_plan((s.num_rows, rows_per_block, slots), build)
         return build()
