@@ -6,10 +6,6 @@ batch."""
 from __future__ import annotations
 
 import dataclasses
-import json
-import subprocess
-import sys
-import textwrap
 
 import pytest
 import torch
@@ -18,6 +14,7 @@ import corelib
 from corelib import pipeline
 from corelib.batch import StepState
 from corelib.sampler import Sampler
+from corelib.testing.added_stage import expected_kept, run_added_stage
 
 V = 256   # the table's examples are for a vocabulary of 256
 
@@ -100,86 +97,14 @@ def test_the_template_runs_every_stage_in_the_tables_order():
     assert sampler.calls == [stage.name for stage in pipeline.STAGES]
 
 
-SCRIPT = textwrap.dedent("""
-    import importlib.util, json, sys, torch, pydantic
-    # the table module alone, before the package that derives the batch and step state from
-    # it: as if pipeline.py itself had been edited
-    path = sys.argv[1]
-    spec = importlib.util.spec_from_file_location("corelib.pipeline", path)
-    pipeline = sys.modules["corelib.pipeline"] = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(pipeline)
-
-    # a throwaway stage, top-a (drop tokens with p < a * p_max**2), after min-p: its table
-    # entry, its field on a request type of its own, its reference method; nothing else
-    top_a = pipeline.Stage("11a", "top_a", "apply_top_a", "filter", pipeline.RANDOM_ROWS,
-                           (pipeline.Switch("any_top_a", lambda p: getattr(p, "top_a", 0.0) > 0),),
-                           (pipeline.Field("top_a", torch.float32, 0.0,
-                                           lambda p: getattr(p, "top_a", 0.0)),))
-    at = [s.name for s in pipeline.STAGES].index("min_p") + 1
-    pipeline.STAGES = pipeline.STAGES[:at] + (top_a,) + pipeline.STAGES[at:]
-    pipeline._BY_GROUP = {g: tuple(s for s in pipeline.STAGES if s.group == g)
-                          for g in pipeline.GROUPS}
-    pipeline._FLAGGED = {g: tuple((s, s.flags) for s in stages)
-                         for g, stages in pipeline._BY_GROUP.items()}
-
-    import corelib
-    from corelib.params import SamplingParams
-    from corelib.sampler import Sampler
-
-    class Params(SamplingParams):
-        top_a: float = pydantic.Field(default=0.0, ge=0.0, le=1.0)
-
-    def apply_top_a(self, x, s):
-        p = torch.softmax(x, dim=-1)
-        cut = s.top_a[:, None] * p.amax(dim=-1, keepdim=True) ** 2
-        return x.masked_fill(p < cut, float("-inf"))
-    Sampler.apply_top_a = apply_top_a
-
-    if sys.argv[2] == "cuda-torch-path":       # the cuda backend's torch path, on CPU tensors
-        from corelib_cuda import CudaSampler
-        sampler = CudaSampler("cpu", use_flashinfer=False)
-    else:
-        sampler = corelib.get_sampler(sys.argv[2])
-    batch = sampler.new_batch(8)
-    batch.add("off", Params(temperature=1.0))
-    batch.add("on", Params(temperature=1.0, top_a=0.9, n=2, seed=3))
-    # with a top-k, a backend may divide only the top-k candidates by the temperature: top-a
-    # runs before top-k and must see the divided row
-    batch.add("cold", Params(temperature=0.5, top_k=4, top_a=0.2, seed=4))
-    logits = torch.tensor([[2.0, 1.5, 1.0, 0.0, -1.0, -2.0, -3.0, -4.0]]).repeat(4, 1)
-    kept = torch.isfinite(sampler.processed_logits(logits, batch))
-    batch.remove("off")       # the rows move: the scalars move with them
-    moved = torch.isfinite(sampler.processed_logits(logits[:3], batch))
-    solo = sampler.new_batch(8)      # every random row has a top-k here
-    solo.add("cold", Params(temperature=0.5, top_k=4, top_a=0.2, seed=4))
-    alone = torch.isfinite(sampler.processed_logits(logits[:1], solo))
-    print("RESULT " + json.dumps({"kept": kept.tolist(), "moved": moved.tolist(),
-                                  "alone": alone.tolist(),
-                                  "flag": batch.step_state().any_top_a}))
-""")
-
-
 @pytest.mark.parametrize("backend", ["reference", "cpu", "cuda-torch-path"])
 def test_a_stage_added_through_the_table_alone_runs_in_order_with_its_row_values(backend):
-    """A fresh interpreter adds top-a to the table before the batch is loaded: the batch keeps
-    its per-row value (also after rows move), the step state carries it and its switch, and
-    the filter group runs it in its place; its kept set is the hand computation's. The cpu
-    backend, which has no method of its own for it, runs the reference's on whole rows; the
-    cuda backend's torch path runs the reference's as it is."""
+    """A fresh interpreter adds top-a to the table before the batch is loaded
+    (``corelib.testing.added_stage``): the batch keeps its per-row value (also after rows
+    move), the step state carries it and its switch, and the filter group runs it in its
+    place; its kept sets are the hand computation's. The cpu backend, which has no method of
+    its own for it, runs the reference's on whole rows; the cuda backend's torch path runs the
+    reference's as it is; the TPU plugin's suite traces it on XLA."""
     if backend == "cuda-torch-path":
         pytest.importorskip("corelib_cuda")
-    done = subprocess.run([sys.executable, "-c", SCRIPT, pipeline.__file__, backend],
-                          capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    result = json.loads(done.stdout.split("RESULT ")[-1])
-    logits = torch.tensor([2.0, 1.5, 1.0, 0.0, -1.0, -2.0, -3.0, -4.0])
-    probs = torch.softmax(logits, dim=0)
-    hand = (probs >= 0.9 * probs.max() ** 2).tolist()
-    assert hand.count(True) == 2                       # the cut drops something here
-    cold = torch.softmax(logits / 0.5, dim=0)
-    cold = ((cold >= 0.2 * cold.max() ** 2) & (torch.arange(8) < 4)).tolist()
-    assert cold.count(True) == 3                       # top-a, not top-k, makes the cut
-    assert result["kept"] == [[True] * 8, hand, hand, cold]
-    assert result["moved"] == [cold, hand, hand]     # the last row filled the one that left
-    assert result["alone"] == [cold]
-    assert result["flag"] is True
+    assert run_added_stage(backend) == expected_kept()

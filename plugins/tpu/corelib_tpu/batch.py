@@ -30,7 +30,7 @@ from typing import Optional, Sequence
 
 import torch
 from corelib.batch import SamplingBatch, StepState, _stage_key
-from corelib import thinking
+from corelib import pipeline, thinking
 from corelib.bitmask import bitmask_width
 from corelib.noise import split_seed
 from corelib.params import ALL_LOGPROBS, SamplingParams
@@ -41,13 +41,22 @@ from .buckets import Buckets
 
 NEG_INF = float("-inf")
 
-FLOAT_COLUMNS = ("temperature", "top_p", "min_p", "repetition_penalty", "frequency_penalty",
-                 "presence_penalty", "dry_multiplier", "dry_base", "top_n_sigma", "typical_p",
-                 "xtc_threshold", "xtc_probability")
-NEUTRAL_FLOATS = (1.0, 1.0, 0.0, 1.0, 0.0, 0.0, 0.0, 1.75, 0.0, 1.0, 0.1, 0.0)
-INT_COLUMNS = ("top_k", "seed_lo", "seed_hi", "child", "position", "min_tokens", "seeded",
-               "greedy", "dry_allowed_length", "dry_range", "random_key", "thinking_budget",
-               "route", "logprobs_on")
+# The scalar table's columns: the stage table's per-row fields (corelib.pipeline), float32
+# and int32, then the columns of this plugin's own.
+_FLOAT_FIELDS = tuple(f for f in pipeline.stage_fields() if f.dtype == torch.float32)
+_INT_FIELDS = tuple(f for f in pipeline.stage_fields() if f.dtype == torch.int32)
+assert len(_FLOAT_FIELDS) + len(_INT_FIELDS) == len(pipeline.stage_fields()), \
+    "the TPU scalar table holds float32 and int32 stage fields only"
+#: Fields of the stages greedy rows skip (steps 10-13b): neutral in a greedy row, which keeps
+#: the graphs' invariants.
+_RANDOM_ONLY = frozenset(f.name for stage in pipeline.STAGES if stage.rows == pipeline.RANDOM_ROWS
+                         for f in stage.fields)
+FLOAT_COLUMNS = tuple(f.name for f in _FLOAT_FIELDS)
+NEUTRAL_FLOATS = tuple(float(f.neutral) for f in _FLOAT_FIELDS)
+INT_COLUMNS = tuple(f.name for f in _INT_FIELDS) + (
+    "seed_lo", "seed_hi", "child", "position", "seeded", "greedy", "random_key",
+    "thinking_budget", "route", "logprobs_on")
+_NEUTRAL_INTS = tuple(int(f.neutral) for f in _INT_FIELDS)
 _COL = {name: i for i, name in enumerate(FLOAT_COLUMNS + INT_COLUMNS)}
 _POSITION = INT_COLUMNS.index("position")
 _RANDOM_KEY = INT_COLUMNS.index("random_key")
@@ -385,7 +394,7 @@ class XlaSamplingBatch(SamplingBatch):
         stages = self._stage_arguments("", params)
         for child, (row, out) in enumerate(zip(rows, outputs), start=child_offset):
             values = dict(shared, **self._child_rows(params, prompt, out, stages))
-            self._floats[row] = torch.tensor(_float_values(params))
+            self._floats[row] = torch.tensor(_float_values(params, self.vocab_size))
             self._ints[row] = torch.tensor(_int_values(params, child, len(out), self.vocab_size),
                                            dtype=torch.int32)
             self._write_device_row(row, values)
@@ -412,6 +421,7 @@ class XlaSamplingBatch(SamplingBatch):
         if rows:
             self._floats[rows] = torch.tensor(NEUTRAL_FLOATS)
             self._ints[rows] = 0
+            self._ints[rows, :len(_INT_FIELDS)] = torch.tensor(_NEUTRAL_INTS, dtype=torch.int32)
             self._ints[rows, _THINKING_BUDGET] = thinking.NO_BUDGET
 
     # ------------------------------------------------------------------ internals: state
@@ -450,10 +460,10 @@ class XlaSamplingBatch(SamplingBatch):
         return XlaStepState(
             num_rows=B, vocab_size=self.vocab_size, logprobs_mode=self.logprobs_mode,
             **{name: floats[:, _COL[name]] for name in FLOAT_COLUMNS},
-            top_k=col("top_k"), seed_lo=col("seed_lo"), seed_hi=col("seed_hi"),
-            child=col("child"), position=position, min_tokens=col("min_tokens"),
+            **{f.name: col(f.name) for f in _INT_FIELDS},
+            seed_lo=col("seed_lo"), seed_hi=col("seed_hi"),
+            child=col("child"), position=position,
             seeded=col("seeded") != 0, greedy=col("greedy") != 0, random_key=col("random_key"),
-            dry_allowed_length=col("dry_allowed_length"), dry_range=col("dry_range"),
             prompt_mask=dense["prompt_mask"], output_counts=dense["output_counts"],
             bad_prefix=dense["bad_prefix"], bad_last=dense["bad_last"],
             bad_valid=dense["bad_valid"], recent=dense["recent"],
@@ -778,13 +788,12 @@ def flags_for(variant: Variant, asked: Optional[int], padded_logprobs: int) -> d
     every row is greedy: otherwise greedy rows, whose filter parameters are neutral, get their
     argmax from the draw (``TpuSampler.draw``)."""
     random = variant.random
+    stages = {switch.flag: stage.rows == pipeline.ALL_ROWS or random
+              for stage, switch in pipeline.switches()}
     return dict(
+        stages, any_bias=False,
         any_greedy=not random, all_greedy=not random, any_random=random, any_seeded=random,
-        any_unseeded=random, any_top_k=random, any_top_p=random, any_min_p=random,
-        any_temperature=random, any_penalties=True, any_allowed=True, any_bias=False,
-        any_min_tokens=True, any_bad_words=True, any_bitmask=True, any_dry=True,
-        any_thinking=True,
-        any_top_n_sigma=random, any_typical_p=random, any_xtc=random,
+        any_unseeded=random, any_thinking=True,
         num_logprobs=None if asked is None else padded_logprobs,
     )
 
@@ -835,25 +844,28 @@ def _host_checked_bitmask(batch: SamplingBatch, mask: torch.Tensor, slots: Optio
     return SamplingBatch.check_token_bitmask(_HostView(batch), mask, slots)
 
 
-def _float_values(params: SamplingParams) -> list[float]:
-    penalties = [params.repetition_penalty, params.frequency_penalty, params.presence_penalty]
-    dry_values = [params.dry_multiplier, params.dry_base]
-    if params.is_greedy:   # steps 10-13b do not apply: neutral values keep the graphs' invariants
-        return [1.0, 1.0, 0.0, *penalties, *dry_values, 0.0, 1.0, 0.1, 0.0]
-    return [params.temperature, params.top_p, params.min_p, *penalties, *dry_values,
-            params.top_n_sigma, params.typical_p, params.xtc_threshold, params.xtc_probability]
+def _stage_value(field: pipeline.Field, params: SamplingParams, vocab_size: int):
+    """A row's value of a stage field: neutral where a greedy row skips the stage; a top_k of
+    the whole vocabulary or more is off (0), as every token is kept."""
+    if params.is_greedy and field.name in _RANDOM_ONLY:
+        return field.neutral
+    value = field.value(params)
+    if field.name == "top_k" and value >= vocab_size:
+        return 0
+    return value
+
+
+def _float_values(params: SamplingParams, vocab_size: int) -> list[float]:
+    return [_stage_value(f, params, vocab_size) for f in _FLOAT_FIELDS]
 
 
 def _int_values(params: SamplingParams, child: int, position: int, vocab_size: int) -> list[int]:
     seed_lo, seed_hi = split_seed(params.seed) if params.seed is not None else (0, 0)
-    # Past int32, these mean the same as 2**31 - 1: a position or history never reaches either.
-    min_tokens = min(params.min_tokens, _INT32_MAX)
     budget = (thinking.NO_BUDGET if params.thinking_budget is None
               else min(params.thinking_budget, _INT32_MAX))
-    return [_top_k(params, vocab_size), seed_lo, seed_hi, child, position, min_tokens,
-            int(params.seed is not None), int(params.is_greedy),
-            min(params.dry_allowed_length, _INT32_MAX), min(params.dry_range, _INT32_MAX), 0,
-            budget, 0, 0]      # random_key, route and logprobs_on are written at each step
+    return [*(_stage_value(f, params, vocab_size) for f in _INT_FIELDS),
+            seed_lo, seed_hi, child, position, int(params.seed is not None),
+            int(params.is_greedy), 0, budget, 0, 0]   # random_key, route and logprobs_on: per step
 
 
 def _positive(name: str, value: int) -> int:

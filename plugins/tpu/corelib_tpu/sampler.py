@@ -23,7 +23,7 @@ from corelib.batch import SamplingBatch
 from corelib.params import MAX_LOGPROBS
 from corelib.sampler import INVALID_TOKEN, NEG_INF, RAW_MODES, Drafts, Logprobs, Sampler
 
-from corelib import noise
+from corelib import noise, pipeline
 
 from . import bitmask, dry, filters, thresholds, xla
 from .batch import ROUTES, Variant, XlaSamplingBatch, XlaStepState, flags_for
@@ -226,8 +226,13 @@ class TpuSampler(GraphRunner):
     def apply_min_p(self, x: torch.Tensor, s: XlaStepState) -> torch.Tensor:
         """Step 11 runs in the route of steps 11-13 (``apply_top_k_top_p``: every route but
         plain applies ``thresholds.min_p_filter``, or the candidate path its equivalent), so
-        a batch without min-p pays neither a pass nor a conditional for it: ``x`` as it is."""
-        return x
+        a batch without min-p pays neither a pass nor a conditional for it: ``x`` as it is.
+        While the stage table puts a stage between min-p and top-k (``MIN_P_IN_ROUTE``
+        False), min-p runs here, in a conditional of its own, and the route without it."""
+        if MIN_P_IN_ROUTE:
+            return x
+        return xla.cond((s.min_p > 0).any(), thresholds.min_p_filter, _unchanged,
+                        [x, s.min_p], "min_p")
 
     def apply_top_k_top_p(self, x: torch.Tensor, s: XlaStepState) -> torch.Tensor:
         """Steps 11-13 without a sort, by the step's route (``ROUTES``, one branch of an
@@ -254,13 +259,19 @@ class TpuSampler(GraphRunner):
 
         routes = {"plain": _unchanged, "min_p": min_p_only, "candidates": from_candidates,
                   "nucleus": nucleus, "exhaustive": exhaustive}
+        min_p = s.min_p if MIN_P_IN_ROUTE else torch.zeros_like(s.min_p)    # 0 = off
         return xla.switch(s.route[0], [routes[name] for name in ROUTES],
-                          [x, s.top_k, s.top_p, s.min_p], ("top_k_top_p", candidates))
+                          [x, s.top_k, s.top_p, min_p], ("top_k_top_p", candidates))
 
     def apply_typical_p(self, x: torch.Tensor, s: XlaStepState) -> torch.Tensor:
         """Step 13a runs in step 13b's conditional (``apply_xtc``), nothing running between
-        them: a batch that uses neither takes one conditional for both. ``x`` as it is."""
-        return x
+        them: a batch that uses neither takes one conditional for both. ``x`` as it is.
+        While the stage table puts a stage between them (``TYPICAL_P_IN_XTC`` False), 13a
+        runs here, in a conditional of its own, and 13b's without it."""
+        if TYPICAL_P_IN_XTC:
+            return x
+        return xla.cond((s.typical_p < 1).any(), filters.typical_p_by_bisection, _unchanged,
+                        [x, s.typical_p], "typical_p")
 
     def apply_xtc(self, x: torch.Tensor, s: XlaStepState) -> torch.Tensor:
         """Steps 13a and 13b in one conditional that runs when some row uses typical-p or
@@ -276,8 +287,9 @@ class TpuSampler(GraphRunner):
                          [x, typical_p], "typical_p")
             return xla.cond(coin.any(), filters.xtc_filter, _unchanged, [x, threshold, coin], "xtc")
 
-        return xla.cond((s.typical_p < 1).any() | coin.any(), typical_then_xtc, _unchanged,
-                        [x, s.typical_p, s.xtc_threshold, coin], "typical_p, xtc")
+        typical_p = s.typical_p if TYPICAL_P_IN_XTC else torch.ones_like(s.typical_p)  # 1 = off
+        return xla.cond((typical_p < 1).any() | coin.any(), typical_then_xtc, _unchanged,
+                        [x, typical_p, s.xtc_threshold, coin], "typical_p, xtc")
 
     def draw(self, x: torch.Tensor, s: XlaStepState) -> torch.Tensor:
         """Step 14 (and step 9 for greedy rows): int64 ``[B]``, ``argmax(x + gumbel)`` over the
@@ -430,6 +442,13 @@ class TpuSampler(GraphRunner):
         asked = s.logprobs_asked if variant.folded else padded
         return dataclasses.replace(s, variant=variant, logprobs_asked=asked,
                                    **flags_for(variant, padded, batch.padded_logprobs))
+
+
+# Steps this backend runs inside a later stage's conditional, while the stage table puts
+# nothing between them (a stage added there runs in its place, and these then run alone).
+_FILTERS = [stage.name for stage in pipeline.stages_in("filter")]
+MIN_P_IN_ROUTE = _FILTERS.index("min_p") + 1 == _FILTERS.index("top_k_top_p")
+TYPICAL_P_IN_XTC = _FILTERS.index("typical_p") + 1 == _FILTERS.index("xtc")
 
 
 def _unchanged(x: torch.Tensor, *rest: torch.Tensor) -> torch.Tensor:

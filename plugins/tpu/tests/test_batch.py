@@ -10,7 +10,7 @@ import torch
 from corelib import SamplingParams
 from corelib.sampler import Sampler
 
-from corelib_tpu.batch import choose_path
+from corelib_tpu.batch import _POSITION, choose_path
 from corelib_tpu.sampler import TpuSampler
 
 from tpu_support import needs_xla, xla_device
@@ -75,7 +75,7 @@ def _churn(sampler: Sampler, reference: Sampler, steps: int, seed: int):
 
 def test_state_follows_rows_through_churn_on_cpu():
     batch = _churn(TpuSampler("cpu", buckets=(4, 8, 16)), Sampler("cpu"), steps=60, seed=1)
-    assert batch.generated_counts() == [int(p) for p in batch._ints[:len(batch), 4]]
+    assert batch.generated_counts() == [int(p) for p in batch._ints[:len(batch), _POSITION]]
 
 
 def _row_state(batch, row: int) -> dict:
