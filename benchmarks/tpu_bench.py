@@ -445,7 +445,6 @@ def main():
     from corelib_tpu.sampler import TpuSampler
     from corelib_tpu.xla import default_device
     device = default_device()
-    load = lambda: os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")  # noqa: E731
     print(f"V = {args.vocab}, XLA:CPU ({os.cpu_count()} cores), torch {torch.__version__}, "
           f"median of {args.reps} interleaved rounds\n")
 
@@ -493,14 +492,7 @@ def main():
         for name, params in COST_CONFIGS.items():
             results.append(bench_costs(name, params, args.cost_rows, args.vocab, args.reps, device))
             print(f"# costs {name}: {results[-1]['ratios']}", flush=True)
-        print(f"\n## costs (load average {load():.1f})\n")
-        print("| config | B | step | ms | / production | / production, CPU time | first s (graphs) |")
-        print("|---|---|---|---|---|---|---|")
-        for r in results:
-            for label, t in r["times"].items():
-                print(f"| {r['config']} | {r['rows']} | {label} | {t[2] * 1e3:.1f} | "
-                      f"{r['ratios'][label]:.2f} | {r['cpu_ratios'][label]:.2f} | {t[0]:.1f} ({t[1]}) |",
-                      flush=True)
+        print_parts("costs", results)
 
 
     if "profile" in args.suites:
@@ -508,14 +500,23 @@ def main():
         for name, (params, scale) in PROFILE_CONFIGS.items():
             results.append(bench_profile(name, params, scale, args.cost_rows, args.vocab, args.reps, device))
             print(f"# profile {name}: {results[-1]['ratios']}", flush=True)
-        print(f"\n## profile (load average {load():.1f})\n")
-        print("| config | B | step | ms | / production | / production, CPU time | first s (graphs) |")
-        print("|---|---|---|---|---|---|---|")
-        for r in results:
-            for label, t in r["times"].items():
-                print(f"| {r['config']} | {r['rows']} | {label} | {t[2] * 1e3:.1f} | "
-                      f"{r['ratios'][label]:.2f} | {r['cpu_ratios'][label]:.2f} | {t[0]:.1f} ({t[1]}) |",
-                      flush=True)
+        print_parts("profile", results)
+
+def load() -> float:
+    """The machine's one-minute load average (NaN where the OS has none)."""
+    return os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+
+
+def print_parts(title: str, results: list) -> None:
+    """The table of a suite that times a step's parts against the production step."""
+    print(f"\n## {title} (load average {load():.1f})\n")
+    print("| config | B | step | ms | / production | / production, CPU time | first s (graphs) |")
+    print("|---|---|---|---|---|---|---|")
+    for r in results:
+        for label, t in r["times"].items():
+            print(f"| {r['config']} | {r['rows']} | {label} | {t[2] * 1e3:.1f} | "
+                  f"{r['ratios'][label]:.2f} | {r['cpu_ratios'][label]:.2f} | {t[0]:.1f} ({t[1]}) |",
+                  flush=True)
 
 
 if __name__ == "__main__":
