@@ -12,7 +12,7 @@
 # when FlashInfer is missing (both made by plugins/cuda/gpu_wheels.sh), then this tree's corelib
 # and corelib-cuda (no deps: torch stays the machine's; no build isolation).
 #
-# Budget: a short GPU loan (about 15 minutes in all, machine start included) must fit it, so
+# Budget: it must fit a GPU machine held for about 15 minutes in all, machine start included, so
 # the check stops within BUDGET (default 480 s). Each section is cut at its share (at most what
 # is left) by SIGINT, so pytest still writes its report and JUnit XML; every section writes its
 # own files under $OUT as it goes, so a cut section loses only itself:
