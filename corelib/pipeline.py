@@ -196,6 +196,16 @@ def stage_flags(params: list, random: list) -> dict[str, bool]:
     return flags
 
 
-_BY_GROUP = {group: tuple(s for s in STAGES if s.group == group) for group in GROUPS}
-_FLAGGED = {group: tuple((s, s.flags) for s in stages) for group, stages in _BY_GROUP.items()}
+def reindex() -> None:
+    """Rebuild the group indexes from ``STAGES``: after ``STAGES`` is replaced in a fresh
+    interpreter, before the rest of corelib is imported (the batch, the step state and the
+    backends read the table when they are; ``corelib.testing.added_stage`` does this)."""
+    global _BY_GROUP, _FLAGGED
+    _BY_GROUP = {group: tuple(s for s in STAGES if s.group == group) for group in GROUPS}
+    _FLAGGED = {group: tuple((s, s.flags) for s in stages) for group, stages in _BY_GROUP.items()}
+
+
+_BY_GROUP: dict = {}
+_FLAGGED: dict = {}
+reindex()
 assert all(s.group in GROUPS and s.rows in (ALL_ROWS, RANDOM_ROWS) for s in STAGES)

@@ -42,10 +42,7 @@ SCRIPT = textwrap.dedent("""
                                            lambda p: getattr(p, "top_a", 0.0)),))
     at = [s.name for s in pipeline.STAGES].index("min_p") + 1
     pipeline.STAGES = pipeline.STAGES[:at] + (top_a,) + pipeline.STAGES[at:]
-    pipeline._BY_GROUP = {g: tuple(s for s in pipeline.STAGES if s.group == g)
-                          for g in pipeline.GROUPS}
-    pipeline._FLAGGED = {g: tuple((s, s.flags) for s in stages)
-                         for g, stages in pipeline._BY_GROUP.items()}
+    pipeline.reindex()
 
     import corelib
     from corelib.params import SamplingParams
