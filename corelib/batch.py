@@ -40,7 +40,7 @@ LOGPROBS_MODES = ("raw", "processed", "raw_logits", "processed_logits")
 #: The token id of a flagged row (no token this step), in outputs and in ``append``.
 INVALID_TOKEN = -1
 # Rows, children and positions are int32 on the device (and in the seeded-draw recipe).
-_INT32_MAX = 2**31 - 1
+_INT32_MAX = pipeline.INT32_MAX
 MAX_ROWS = _INT32_MAX
 
 

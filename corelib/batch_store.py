@@ -20,8 +20,6 @@ from .transfer import upload
 _MIN_CAPACITY = 8
 _RIGHT_ALIGNED = {"bad_prefix", "recent"}
 _MIN_HISTORY = 64
-# Rows, children and positions are int32 on the device (and in the seeded-draw recipe).
-_INT32_MAX = 2**31 - 1
 
 
 class RowStore:
@@ -198,7 +196,7 @@ class RowStore:
             seed_lo=seed_lo, seed_hi=seed_hi, seeded=params.seed is not None,
             greedy=params.is_greedy,
             thinking_budget=(thinking.NO_BUDGET if params.thinking_budget is None
-                             else min(params.thinking_budget, _INT32_MAX)))
+                             else min(params.thinking_budget, pipeline.INT32_MAX)))
 
         V = self.vocab_size
         if "output_counts" in t:

@@ -7,7 +7,7 @@ disables it) and the host flags that say whether any row of a batch uses it. Wha
 written by hand in several places is derived from this table:
 
 - the per-row scalar tensors of ``SamplingBatch`` and the ``StepState`` fields that carry
-  them (``row_scalars``), and the values a request writes there (``Field.value``);
+  them (``stage_fields``), and the values a request writes there (``Field.value``);
 - the host flags of ``StepState`` and how a batch computes them (``Switch``);
 - the order in which ``Sampler.prepare`` and ``Sampler.filter`` call the stages
   (``stages_in``): the template loops over its groups, and nothing else repeats the order.

@@ -845,14 +845,13 @@ def _host_checked_bitmask(batch: SamplingBatch, mask: torch.Tensor, slots: Optio
 
 
 def _stage_value(field: pipeline.Field, params: SamplingParams, vocab_size: int):
-    """A row's value of a stage field: neutral where a greedy row skips the stage; a top_k of
-    the whole vocabulary or more is off (0), as every token is kept."""
+    """A row's value of a stage field: neutral where a greedy row skips the stage; top_k as
+    the routes read it (``_top_k``)."""
+    if field.name == "top_k":
+        return _top_k(params, vocab_size)
     if params.is_greedy and field.name in _RANDOM_ONLY:
         return field.neutral
-    value = field.value(params)
-    if field.name == "top_k" and value >= vocab_size:
-        return 0
-    return value
+    return field.value(params)
 
 
 def _float_values(params: SamplingParams, vocab_size: int) -> list[float]:
