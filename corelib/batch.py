@@ -22,6 +22,7 @@ from typing import Optional, Sequence
 import torch
 
 from . import catalog, pipeline, thinking
+from .batch_selectors import SelectorRows
 from .batch_stages import CustomStageRows, _stage_key  # noqa: F401  (the TPU plugin reads _stage_key here)
 from .batch_store import _MIN_CAPACITY, RowStore
 from .bitmask import bitmask_width
@@ -56,7 +57,7 @@ class _Request:
     rows: list[int]
 
 
-class SamplingBatch(RowStore, CustomStageRows):
+class SamplingBatch(RowStore, CustomStageRows, SelectorRows):
     """The rows of one running batch and their device state (see the module docstring).
 
     Create it with ``sampler.new_batch(vocab_size, eos_token_id=None, logprobs_mode="raw")``.
@@ -108,6 +109,8 @@ class SamplingBatch(RowStore, CustomStageRows):
         self._views: Optional[tuple[int, dict, dict]] = None
         self._template: Optional[StepState] = None
         self._all_true: Optional[torch.Tensor] = None
+        self._orders: dict[tuple[str, ...], int] = {}       # filter order -> its filter_order
+        self._selector_source: Optional[tuple[torch.Tensor, int]] = None
         self._ensure_capacity(_MIN_CAPACITY)
 
     # ------------------------------------------------------------------ public views
@@ -154,15 +157,17 @@ class SamplingBatch(RowStore, CustomStageRows):
     def add(self, request_id: str, params: SamplingParams,
             prompt_token_ids: Sequence[int] = (),
             output_token_ids: Optional[Sequence[int] | Sequence[Sequence[int]]] = None,
-            child_offset: int = 0) -> list[int]:
+            child_offset: int = 0, sampler_state: Optional[Sequence[Sequence[float]]] = None) -> list[int]:
         """Add a request as ``params.n`` rows; returns their row indices (child order).
 
         ``output_token_ids`` resumes a request that already generated tokens: one list for
         n = 1, or one list per child. ``child_offset``: the child index its first row draws
         as (seeded draws are keyed by seed, child and position): an engine that splits a
         parallel request into n requests of n = 1 adds child i with ``child_offset=i``, so it
-        draws exactly what row ``(parent, i)`` of the unsplit request draws. Raises ValueError
-        naming the request on any bad id.
+        draws exactly what row ``(parent, i)`` of the unsplit request draws.
+        ``sampler_state``: what ``sampler_state(request_id)`` returned where the request ran
+        before (its stateful selectors' state); None starts it afresh. Raises ValueError
+        naming the request on any bad id or state.
         """
         if not isinstance(request_id, str) or not request_id:
             raise TypeError(f"request_id must be a non-empty str, got {request_id!r}")
@@ -196,6 +201,7 @@ class SamplingBatch(RowStore, CustomStageRows):
                 f"for vocab_size={self.vocab_size}"
             )
         self._stage_arguments(request_id, params)   # unknown stages or bad arguments raise here
+        selector_rows = self._selector_rows(request_id, params, params.n, sampler_state)
 
         first = len(self._row_keys)
         rows = list(range(first, first + params.n))
@@ -205,7 +211,7 @@ class SamplingBatch(RowStore, CustomStageRows):
         try:
             self._ensure_capacity(first + params.n)
             self._allocate_optional_state(params, prompt, outputs)
-            self._write_rows(rows, params, prompt, outputs, child_offset)
+            self._write_rows(rows, params, prompt, outputs, child_offset, selector_rows)
         except BaseException:
             self._tensors, self._capacity = saved_tensors, saved_capacity
             self._forget_views()
@@ -310,6 +316,7 @@ class SamplingBatch(RowStore, CustomStageRows):
         self._ensure_history_room(len(columns))
         t, _ = self._row_views(n)
         self._advance(t, columns, one_per_row=ids.dim() == 1, every=every)
+        self._advance_selectors(t, columns)
         self._appended(columns, every)
         if steps is None:
             self._stale_generated = True     # read back from the positions when needed
@@ -519,6 +526,9 @@ class SamplingBatch(RowStore, CustomStageRows):
         columns = [(drafts[:, j], (slot > j) & (drafts[:, j] >= 0)) for j in range(K)]
         self._advance(t, columns)
         s = self._state_of({**t, **by_row}, n * S)
+        s.verify_slots = S
+        after = torch.full((drafts.shape[0], 1), -1, dtype=torch.long, device=self.device)
+        s.verify_drafts = torch.cat([drafts, after], dim=1).gather(1, slot[:, None])[:, 0]
         if by_row:
             before = (slot[:, None] > torch.arange(K, device=self.device)[None, :]) & (drafts >= 0)
             s.slots_per_row, s.slot_drafts = S, torch.where(before, drafts, -1)
@@ -556,6 +566,8 @@ class SamplingBatch(RowStore, CustomStageRows):
             any_seeded=any(p.seed is not None for p in random),
             any_unseeded=any(p.seed is None for p in random),
             any_thinking=any(p.uses_thinking_budget for p in params),
+            any_selector=any(p.uses_mirostat or p.uses_adaptive_p for p in random),
+            filter_orders=self._filter_orders(random),
             max_top_k=max((p.effective_top_k for p in random), default=0),
             any_top_p_without_top_k=any(p.top_p < 1.0 and p.effective_top_k == 0 for p in random),
             all_random_top_k=bool(random) and all(p.effective_top_k > 0 for p in random),
@@ -631,6 +643,7 @@ class SamplingBatch(RowStore, CustomStageRows):
 
     # ------------------------------------------------------------------ internals
     def _changed(self) -> None:
+        self._selector_source = None
         self._forget_views()
         self._request_index = None
         self._flags = None

@@ -7,6 +7,8 @@ next read. ``SamplingBatch`` inherits it.
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from . import pipeline, thinking
@@ -186,7 +188,8 @@ class RowStore:
         return set() if self.eos_token_id is None else {self.eos_token_id}
 
     def _write_rows(self, rows: list[int], params: SamplingParams, prompt: list[int],
-                    outputs: list[list[int]], child_offset: int = 0) -> None:
+                    outputs: list[list[int]], child_offset: int = 0,
+                    row_values: Optional[dict[str, list]] = None) -> None:
         n = len(rows)
         sl = slice(rows[0], rows[0] + n)
         t, dev = self._store, self.device     # the tensors below are not pending ones
@@ -194,7 +197,7 @@ class RowStore:
         scalar_values = {f.name: f.value(params) for f in pipeline.stage_fields()}
         scalar_values.update(
             seed_lo=seed_lo, seed_hi=seed_hi, seeded=params.seed is not None,
-            greedy=params.is_greedy,
+            greedy=params.is_greedy, filter_order=self._order_index(params),
             thinking_budget=(thinking.NO_BUDGET if params.thinking_budget is None
                              else min(params.thinking_budget, pipeline.INT32_MAX)))
 
@@ -268,6 +271,7 @@ class RowStore:
         values = {name: [value] * n for name, value in scalar_values.items()}
         values["child"] = list(range(child_offset, child_offset + n))
         values["position"] = [len(o) for o in outputs]
+        values.update(row_values or {})
         self._stage_row_values(rows[0], values)
 
     def _write_history(self, sl: slice, params: SamplingParams, prompt: list[int],

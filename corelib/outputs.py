@@ -32,6 +32,10 @@ class SamplerOutput:
     token_ids: torch.Tensor            # int64 [B]
     valid: torch.Tensor                # bool [B]
     logprobs: Optional[Logprobs] = None
+    # float32 [B, V]: the log-probabilities after the filter group, from which ``batch.append``
+    # advances the stateful selectors' state (``Sampler.sample`` hands it to the batch); None
+    # when no row uses one
+    selector_source: Optional[torch.Tensor] = None
 
     def raise_on_invalid(self, batch: SamplingBatch) -> None:
         """Raise ValueError naming the first flagged row's request (waits on the device)."""
@@ -58,6 +62,9 @@ class VerifyOutput:
     num_emitted: torch.Tensor
     valid: torch.Tensor
     logprobs: Optional[Logprobs] = None
+    # float32 [B (K + 1), V]: each slot's log-probabilities after the filter group (as
+    # ``SamplerOutput.selector_source``, one per slot); None when no row uses a selector
+    selector_source: Optional[torch.Tensor] = None
 
     def raise_on_invalid(self, batch: SamplingBatch) -> None:
         """Raise ValueError naming the first flagged row's request (waits on the device)."""

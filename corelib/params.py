@@ -2,17 +2,20 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Optional
+from typing import Annotated, Any, Literal, Optional
 
 from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    StrictBool,
     StrictFloat,
     StrictInt,
     field_validator,
     model_validator,
 )
+
+from . import pipeline
 
 TokenId = Annotated[StrictInt, Field(ge=0)]
 # Floats accept ints too (temperature=1 is natural) but never bools or strings.
@@ -48,11 +51,25 @@ _RANGES = {
     "typical_p": (lambda v: 0.0 < v <= 1.0, "must be in (0, 1]"),
     "xtc_threshold": (lambda v: 0.0 <= v <= 1.0, "must be in [0, 1]"),
     "xtc_probability": (lambda v: 0.0 <= v <= 1.0, "must be in [0, 1]"),
+    "dynatemp_range": (lambda v: v >= 0.0, "must be >= 0 (0 disables it)"),
+    "dynatemp_exponent": (lambda v: v > 0.0, "must be > 0"),
+    "smoothing_factor": (lambda v: v >= 0.0, "must be >= 0 (0 disables it)"),
+    "smoothing_curve": (lambda v: 1.0 <= v <= 3.0, "must be in [1, 3]"),
+    "top_a": (lambda v: 0.0 <= v <= 1.0, "must be in [0, 1]"),
+    "epsilon_cutoff": (lambda v: 0.0 <= v < 1.0, "must be in [0, 1)"),
+    "eta_cutoff": (lambda v: 0.0 <= v < 1.0, "must be in [0, 1)"),
+    "tfs": (lambda v: 0.0 < v <= 1.0, "must be in (0, 1]"),
+    "mirostat_tau": (lambda v: v >= 0.0, "must be >= 0 (0 disables it)"),
+    "mirostat_eta": (lambda v: 0.0 <= v <= 1.0, "must be in [0, 1]"),
+    "adaptive_p_target": (lambda v: 0.0 <= v <= 1.0, "must be in [0, 1]"),
+    "adaptive_p_decay": (lambda v: 0.0 <= v <= 0.99, "must be in [0, 0.99]"),
 }
 _FLOAT_FIELDS = (
     "temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
     "repetition_penalty", "dry_multiplier", "dry_base", "top_n_sigma", "typical_p",
-    "xtc_threshold", "xtc_probability",
+    "xtc_threshold", "xtc_probability", "dynatemp_range", "dynatemp_exponent",
+    "smoothing_factor", "smoothing_curve", "top_a", "epsilon_cutoff", "eta_cutoff", "tfs",
+    "mirostat_tau", "mirostat_eta", "adaptive_p_target", "adaptive_p_decay",
 )
 
 
@@ -100,6 +117,23 @@ class SamplingParams(BaseModel):
     typical_p: Float = 1.0
     xtc_threshold: Float = 0.1
     xtc_probability: Float = 0.0
+    # Fourth release: the local engines' filters (steps 10, 10b, 11a-11c, 13c, 13d), the
+    # order of the filter group, and the stateful selectors of step 14.
+    dynatemp_range: Float = 0.0
+    dynatemp_exponent: Float = 1.0
+    smoothing_factor: Float = 0.0
+    smoothing_curve: Float = 1.0
+    top_a: Float = 0.0
+    epsilon_cutoff: Float = 0.0
+    eta_cutoff: Float = 0.0
+    tfs: Float = 1.0
+    p_less: Optional[Literal["plain", "norm"]] = None
+    sampler_order: Optional[list[str]] = None
+    temperature_last: StrictBool = False
+    mirostat_tau: Float = 0.0
+    mirostat_eta: Float = 0.1
+    adaptive_p_target: Optional[Float] = None
+    adaptive_p_decay: Float = 0.9
     # Reasoning budget (contract step 8b): off unless thinking_budget is set.
     thinking_budget: Optional[StrictInt] = None
     thinking_start_token_ids: list[TokenId] = Field(default_factory=list)
@@ -186,6 +220,34 @@ class SamplingParams(BaseModel):
         return self
 
     @model_validator(mode="after")
+    def _check_filter_order(self):
+        if self.sampler_order is None:
+            return self
+        if self.temperature_last:
+            raise ValueError("temperature_last cannot be combined with sampler_order (list "
+                             "temperature where it should run instead)")
+        names = pipeline.order_names()
+        seen = set()
+        for name in self.sampler_order:
+            if name not in names:
+                raise ValueError(f"sampler_order: unknown filter {name!r} (known: {', '.join(names)})")
+            if name in seen:
+                raise ValueError(f"sampler_order: {name!r} is listed twice")
+            seen.add(name)
+        for name in pipeline.filters_on(self):
+            if name not in seen:
+                raise ValueError(f"sampler_order must list every filter the request turns on: "
+                                 f"{name!r} is on but not listed")
+        return self
+
+    @model_validator(mode="after")
+    def _check_one_selector(self):
+        if self.mirostat_tau > 0.0 and self.adaptive_p_target is not None:
+            raise ValueError(f"mirostat_tau={self.mirostat_tau} and adaptive_p_target="
+                             f"{self.adaptive_p_target} both replace the draw: ask for one")
+        return self
+
+    @model_validator(mode="after")
     def _check_greedy_n(self):
         if self.n > 1 and self.temperature == 0.0:
             raise ValueError(
@@ -211,6 +273,35 @@ class SamplingParams(BaseModel):
     @property
     def uses_xtc(self) -> bool:
         return self.xtc_probability > 0.0
+
+    @property
+    def uses_dynatemp(self) -> bool:
+        return self.dynatemp_range > 0.0 and self.temperature > 0.0
+
+    @property
+    def uses_mirostat(self) -> bool:
+        return self.mirostat_tau > 0.0
+
+    @property
+    def uses_adaptive_p(self) -> bool:
+        return self.adaptive_p_target is not None
+
+    @property
+    def filter_order(self) -> Optional[tuple[str, ...]]:
+        """The filters this request turns on, in the order it runs them, when that differs
+        from the default order (``sampler_order`` or ``temperature_last``); None otherwise.
+        Listed filters that are off do nothing, so they are left out."""
+        if self.sampler_order is None and not self.temperature_last:
+            return None
+        on = set(pipeline.filters_on(self))
+        if self.sampler_order is not None:
+            order = tuple(name for name in self.sampler_order if name in on)
+        else:
+            last = ("temperature", "smoothing")
+            order = tuple(n for n in pipeline.order_names() if n in on and n not in last)
+            order += tuple(n for n in last if n in on)
+        default = tuple(n for n in pipeline.order_names() if n in on)
+        return None if order == default else order
 
     @property
     def uses_penalties(self) -> bool:

@@ -28,8 +28,9 @@ from typing import Any, Callable, Optional
 import torch
 
 #: The groups of the template, in the order a step runs them (``Sampler.prepare`` runs "mask"
-#: then, after the row-validity check, "adjust"; ``Sampler.filter`` runs "filter").
-GROUPS = ("mask", "adjust", "filter")
+#: then, after the row-validity check, "adjust"; ``Sampler.filter`` runs "filter", whose
+#: order a request may change, then "select": the stateful selectors of step 14).
+GROUPS = ("mask", "adjust", "filter", "select")
 #: Rows a stage applies to: every row, or random rows only (greedy rows skip steps 10-13b).
 ALL_ROWS, RANDOM_ROWS = "all", "random"
 # Rows, children and positions are int32 on the device; larger ints are clamped to this
@@ -64,6 +65,10 @@ class Switch:
 
     flag: str
     uses: Optional[Callable[[Any], bool]] = None
+    #: In the filter group: the name ``sampler_order`` gives this filter, and the stage's
+    #: fields it owns (a stage with two switches runs one of them alone under that name).
+    name: Optional[str] = None
+    owns: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -84,6 +89,14 @@ class Stage:
     fields: tuple[Field, ...] = ()
     rule: str = ""
     example: Optional[dict] = None
+    #: Per-row state the batch keeps for the stage (its ``Field``s: ``read`` gives a joining
+    #: row's initial value) and how appending a token advances it: the name of a function of
+    #: ``corelib.selectors``, ``advance(state, fields, logp, ids)`` with ``state`` and
+    #: ``fields`` dicts of float32 [R] tensors, ``logp`` float32 [R, V] the row's distribution
+    #: after the filter group at the step the token was drawn in, ``ids`` int64 [R] the
+    #: appended tokens; it returns the new state (float32 [R]).
+    state: tuple[Field, ...] = ()
+    advance: Optional[str] = None
 
     @property
     def flags(self) -> tuple[str, ...]:
@@ -98,6 +111,9 @@ class Stage:
         return False
 
 
+#: ``p_less`` as the int32 column its stage reads: off, "plain", "norm".
+P_LESS_OFF = 0
+P_LESS_MODES = {None: P_LESS_OFF, "plain": 1, "norm": 2}
 STAGES: tuple[Stage, ...] = (
     Stage("3", "allowed_token_ids", "apply_allowed_ids", "mask", ALL_ROWS,
           (Switch("any_allowed", lambda p: p.allowed_token_ids is not None),),
@@ -130,37 +146,95 @@ STAGES: tuple[Stage, ...] = (
            Field("dry_range", torch.int32, 0)),
           rule="DRY: tokens extending a repeat are penalised by its length",
           example=dict(dry_multiplier=0.8, dry_base=1.75, dry_allowed_length=2)),
+    # Steps 10-13b: the filter group, whose order a request may change (``sampler_order``,
+    # by the switches' names); the table's order is the default one.
     Stage("10", "temperature", "apply_temperature", "filter", RANDOM_ROWS,
-          (Switch("any_temperature", lambda p: p.temperature != 1.0),),
-          (Field("temperature", torch.float32, 1.0),),
-          rule="temperature", example=dict(temperature=0.7)),
+          (Switch("any_temperature", lambda p: p.temperature != 1.0 or p.uses_dynatemp,
+                  "temperature"),
+           Switch("any_dynatemp", lambda p: p.uses_dynatemp)),
+          (Field("temperature", torch.float32, 1.0),
+           Field("dynatemp_range", torch.float32, 0.0),
+           Field("dynatemp_exponent", torch.float32, 1.0)),
+          rule="temperature, dynamic with the entropy when dynatemp_range > 0",
+          example=dict(temperature=0.7, dynatemp_range=0.5, dynatemp_exponent=1.5)),
     Stage("10a", "top_n_sigma", "apply_top_n_sigma", "filter", RANDOM_ROWS,
-          (Switch("any_top_n_sigma", lambda p: p.top_n_sigma > 0.0),),
+          (Switch("any_top_n_sigma", lambda p: p.top_n_sigma > 0.0, "top_n_sigma"),),
           (Field("top_n_sigma", torch.float32, 0.0),),
           rule="top-n-sigma: drop logits below max - n * sigma",
           example=dict(top_n_sigma=1.0, temperature=0.8)),
+    Stage("10b", "smoothing", "apply_smoothing", "filter", RANDOM_ROWS,
+          (Switch("any_smoothing", lambda p: p.smoothing_factor > 0.0, "smoothing"),),
+          (Field("smoothing_factor", torch.float32, 0.0),
+           Field("smoothing_curve", torch.float32, 1.0)),
+          rule="quadratic smoothing around the largest kept logit",
+          example=dict(smoothing_factor=0.3, smoothing_curve=2.0)),
     Stage("11", "min_p", "apply_min_p", "filter", RANDOM_ROWS,
-          (Switch("any_min_p", lambda p: p.min_p > 0.0),),
+          (Switch("any_min_p", lambda p: p.min_p > 0.0, "min_p"),),
           (Field("min_p", torch.float32, 0.0),),
           rule="min_p", example=dict(min_p=0.05)),
-    # One stage for steps 12 and 13: backends cut both in one pass (a sort, a kernel).
+    Stage("11a", "top_a", "apply_top_a", "filter", RANDOM_ROWS,
+          (Switch("any_top_a", lambda p: p.top_a > 0.0, "top_a"),),
+          (Field("top_a", torch.float32, 0.0),),
+          rule="top-a: drop p < top_a * max(p)**2", example=dict(top_a=0.2)),
+    Stage("11b", "epsilon", "apply_epsilon", "filter", RANDOM_ROWS,
+          (Switch("any_epsilon", lambda p: p.epsilon_cutoff > 0.0, "epsilon"),),
+          (Field("epsilon_cutoff", torch.float32, 0.0),),
+          rule="epsilon: drop p < epsilon_cutoff", example=dict(epsilon_cutoff=0.003)),
+    Stage("11c", "eta", "apply_eta", "filter", RANDOM_ROWS,
+          (Switch("any_eta", lambda p: p.eta_cutoff > 0.0, "eta"),),
+          (Field("eta_cutoff", torch.float32, 0.0),),
+          rule="eta: drop p < min(eta, sqrt(eta) * exp(-H))", example=dict(eta_cutoff=0.004)),
+    # One stage for steps 12 and 13: backends cut both in one pass (a sort, a kernel); a
+    # request that orders them apart runs each switch alone (``Switch.owns``).
     Stage("12-13", "top_k_top_p", "apply_top_k_top_p", "filter", RANDOM_ROWS,
-          (Switch("any_top_k", lambda p: p.effective_top_k > 0),
-           Switch("any_top_p", lambda p: p.top_p < 1.0)),
+          (Switch("any_top_k", lambda p: p.effective_top_k > 0, "top_k", ("top_k",)),
+           Switch("any_top_p", lambda p: p.top_p < 1.0, "top_p", ("top_p",))),
           (Field("top_k", torch.int32, 0, lambda p: p.effective_top_k),
            Field("top_p", torch.float32, 1.0)),
           rule="top_k then top_p, ties at the boundary kept", example=dict(top_k=20, top_p=0.8)),
     Stage("13a", "typical_p", "apply_typical_p", "filter", RANDOM_ROWS,
-          (Switch("any_typical_p", lambda p: p.typical_p < 1.0),),
+          (Switch("any_typical_p", lambda p: p.typical_p < 1.0, "typical_p"),),
           (Field("typical_p", torch.float32, 1.0),),
           rule="typical-p: smallest set of most typical tokens, ties kept",
           example=dict(typical_p=0.6)),
+    Stage("13c", "tfs", "apply_tfs", "filter", RANDOM_ROWS,
+          (Switch("any_tfs", lambda p: p.tfs < 1.0, "tfs"),),
+          (Field("tfs", torch.float32, 1.0),),
+          rule="tail-free: keep the head before the second differences' mass passes tfs",
+          example=dict(tfs=0.7)),
+    Stage("13d", "p_less", "apply_p_less", "filter", RANDOM_ROWS,
+          (Switch("any_p_less", lambda p: p.p_less is not None, "p_less"),),
+          (Field("p_less", torch.int32, P_LESS_OFF, lambda p: P_LESS_MODES[p.p_less]),),
+          rule="p-less: drop p < sum p**2 (normalised by V for 'norm')",
+          example=dict(p_less="plain")),
     Stage("13b", "xtc", "apply_xtc", "filter", RANDOM_ROWS,
-          (Switch("any_xtc", lambda p: p.uses_xtc),),
+          (Switch("any_xtc", lambda p: p.uses_xtc, "xtc"),),
           (Field("xtc_threshold", torch.float32, 0.1),
            Field("xtc_probability", torch.float32, 0.0)),
           rule="XTC: drop the likely tokens but the least likely of them, by a seeded coin",
           example=dict(xtc_probability=1.0, xtc_threshold=0.02)),
+    # Step 14's stateful selectors: they reshape what the draw sees, after the filter group.
+    Stage("14", "mirostat", "apply_mirostat", "select", RANDOM_ROWS,
+          (Switch("any_mirostat", lambda p: p.uses_mirostat),),
+          (Field("mirostat_tau", torch.float32, 0.0),
+           Field("mirostat_eta", torch.float32, 0.1)),
+          rule="mirostat v2: drop tokens of more than mu bits, mu follows tau",
+          example=dict(mirostat_tau=3.0, mirostat_eta=0.1),
+          state=(Field("mirostat_mu", torch.float32, 0.0, lambda p: 2.0 * p.mirostat_tau),),
+          advance="advance_mirostat"),
+    Stage("14", "adaptive_p", "apply_adaptive_p", "select", RANDOM_ROWS,
+          (Switch("any_adaptive_p", lambda p: p.uses_adaptive_p),),
+          (Field("adaptive_p_target", torch.float32, -1.0,
+                 lambda p: -1.0 if p.adaptive_p_target is None else p.adaptive_p_target),
+           Field("adaptive_p_decay", torch.float32, 0.9)),
+          rule="adaptive-p: favour tokens near a probability that tracks the target",
+          example=dict(adaptive_p_target=0.3, adaptive_p_decay=0.9),
+          # w = target / (1 - decay), s = 1 / (1 - decay) when the request joins
+          state=(Field("adaptive_p_weighted", torch.float32, 0.0, lambda p: (
+                     p.adaptive_p_target / (1.0 - p.adaptive_p_decay) if p.uses_adaptive_p else 0.0)),
+                 Field("adaptive_p_total", torch.float32, 0.0, lambda p: (
+                     1.0 / (1.0 - p.adaptive_p_decay) if p.uses_adaptive_p else 0.0))),
+          advance="advance_adaptive_p"),
 )
 
 
@@ -196,16 +270,49 @@ def stage_flags(params: list, random: list) -> dict[str, bool]:
     return flags
 
 
+def order_names() -> tuple[str, ...]:
+    """The names ``sampler_order`` accepts, in the default order of the filter group."""
+    return _ORDER_NAMES
+
+
+def filters_on(params) -> tuple[str, ...]:
+    """The names of the filters ``params`` turns on, in the default order."""
+    return tuple(switch.name for _, switch in _NAMED if switch.uses(params))
+
+
+def named_switch(name: str) -> tuple[Stage, Switch]:
+    """The filter stage and switch ``sampler_order`` calls ``name``."""
+    return _BY_NAME[name]
+
+
+def stateful_stages() -> tuple[Stage, ...]:
+    """The stages that keep per-row state in the batch (``Stage.state``), in table order."""
+    return _STATEFUL
+
+
+def state_fields() -> tuple[Field, ...]:
+    """Every stage's per-row state scalars, in table order."""
+    return tuple(f for stage in _STATEFUL for f in stage.state)
+
+
 def reindex() -> None:
     """Rebuild the group indexes from ``STAGES``: after ``STAGES`` is replaced in a fresh
     interpreter, before the rest of corelib is imported (the batch, the step state and the
     backends read the table when they are; ``corelib.testing.added_stage`` does this)."""
-    global _BY_GROUP, _FLAGGED
+    global _BY_GROUP, _FLAGGED, _NAMED, _ORDER_NAMES, _BY_NAME, _STATEFUL
     _BY_GROUP = {group: tuple(s for s in STAGES if s.group == group) for group in GROUPS}
     _FLAGGED = {group: tuple((s, s.flags) for s in stages) for group, stages in _BY_GROUP.items()}
+    _NAMED = tuple((s, w) for s in _BY_GROUP["filter"] for w in s.switches if w.name is not None)
+    _ORDER_NAMES = tuple(w.name for _, w in _NAMED)
+    _BY_NAME = {w.name: (s, w) for s, w in _NAMED}
+    _STATEFUL = tuple(s for s in STAGES if s.state)
 
 
 _BY_GROUP: dict = {}
 _FLAGGED: dict = {}
+_NAMED: tuple = ()
+_ORDER_NAMES: tuple = ()
+_BY_NAME: dict = {}
+_STATEFUL: tuple = ()
 reindex()
 assert all(s.group in GROUPS and s.rows in (ALL_ROWS, RANDOM_ROWS) for s in STAGES)

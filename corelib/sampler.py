@@ -13,13 +13,14 @@ Shapes: ``B`` rows, ``V`` vocabulary. Reference stages never modify their input 
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Callable, Optional
 
 import torch
 
 from .batch import INVALID_TOKEN, SamplingBatch, StepState
 from .bitmask import unpack_bitmask
-from . import catalog, pipeline, thinking
+from . import catalog, pipeline, selectors, thinking
 from .noise import STREAM_XTC, gumbel_from_uniform, row_keys, seeded_gumbel, stream_uniform
 # outputs and verification are their own modules; their names stay importable from here
 from .outputs import Logprobs, SamplerOutput, VerifyOutput, raise_on_flagged, slot_logprobs  # noqa: F401
@@ -121,7 +122,9 @@ class Sampler(Verification):
         s = self.with_bitmask(self.step_state(logits, batch), batch, token_bitmask)
         if s.num_rows == 0:
             return self.empty_output(s)
-        return self.sample_state(logits, batch, s)
+        out = self.sample_state(logits, batch, s)
+        batch.keep_selector_source(out.selector_source)
+        return out
 
     def sample_state(self, logits: torch.Tensor, batch: SamplingBatch, s: StepState) -> SamplerOutput:
         """Steps 1-15 for a given step state: the contract's stage order, in one place
@@ -130,22 +133,64 @@ class Sampler(Verification):
 
         Split from ``sample`` so a backend can capture it (CUDA graphs) or trace it (XLA)."""
         x, raw, valid = self.prepare(logits, batch, s)                     # steps 1-8a
-        token_ids, final = self.choose_tokens(x, s)                        # steps 9-14
+        token_ids, final, filtered = self.choose_tokens(x, s)              # steps 9-14
         valid = valid & self.drawn_is_finite(x, final, token_ids, s)
         logprobs = self.step_logprobs(raw, x, final, token_ids, s)         # step 15
         token_ids = torch.where(valid, token_ids, INVALID_TOKEN)
-        return SamplerOutput(token_ids, valid, logprobs)
+        return SamplerOutput(token_ids, valid, logprobs, filtered)
 
-    def choose_tokens(self, x: torch.Tensor, s: StepState) -> tuple[torch.Tensor, torch.Tensor]:
-        """Steps 9-14: (int64 [B] token ids, float32 [B, V] final logits) from x float32 [B, V]
-        after step 8a; greedy rows take the argmax and keep x as their final logits."""
+    def choose_tokens(self, x: torch.Tensor, s: StepState) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+        """Steps 9-14: (int64 [B] token ids, float32 [B, V] final logits, the log-probabilities
+        after the filter group that the stateful selectors' state advances from, float32
+        [B, V], None when no row uses one) from x float32 [B, V] after step 8a; greedy rows
+        take the argmax and keep x as their final logits."""
         greedy_ids = self.argmax(x) if s.any_greedy else None              # step 9
-        final, token_ids = x, greedy_ids
+        final, token_ids, filtered = x, greedy_ids, None
         if s.any_random:
-            token_ids, final = self.sample_random(x, s)                    # steps 10-14
+            if s.any_selector:
+                token_ids, final, filtered = self.sample_selected(x, s)    # steps 10-14
+            else:
+                token_ids, final = self.sample_random(x, s)                # steps 10-14
             if greedy_ids is not None:
                 token_ids = torch.where(s.greedy, greedy_ids, token_ids)
-        return token_ids, final
+        return token_ids, final, filtered
+
+    def sample_selected(self, x: torch.Tensor, s: StepState) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Steps 10-14 when a row uses a stateful selector: the filter group, then the
+        selectors (group "select" of the table) reshape the distribution the draw takes.
+        Returns (int64 [B] ids, float32 [B, V] final logits, float32 [B, V] log-probabilities
+        after the filter group). In ``verify`` (``s.verify_slots`` > 1) each slot's selector
+        state first advances by the row's earlier drafts (``selector_slot_state``)."""
+        filtered = self.filter(x, s)
+        logp = self.log_softmax(filtered)
+        if s.verify_slots > 1:
+            s = self.selector_slot_state(logp, s)
+        final = self.select(filtered, s)
+        return self.draw(final, s), final, logp
+
+    def selector_slot_state(self, logp: torch.Tensor, s: StepState) -> StepState:
+        """``s`` with each verify slot's selector state (``pipeline.state_fields``) advanced by
+        the row's drafts before it, slot after slot, as ``append`` would advance it:
+        ``logp`` float32 [B S, V] each slot's distribution after the filter group;
+        ``s.verify_drafts`` int64 [B S], the draft after each slot (-1: none, the state stays)."""
+        S = s.verify_slots
+        rows = s.num_rows // S
+        draft = s.verify_drafts.view(rows, S)
+        logp = logp.view(rows, S, -1)
+        changes = {}
+        for stage in pipeline.stateful_stages():
+            state = {f.name: getattr(s, f.name).view(rows, S).clone() for f in stage.state}
+            fields = {f.name: getattr(s, f.name).view(rows, S) for f in stage.fields}
+            for j in range(S - 1):
+                now = {name: value[:, j] for name, value in state.items()}
+                ids = draft[:, j]
+                moved = getattr(selectors, stage.advance)(
+                    now, {n: v[:, j] for n, v in fields.items()}, logp[:, j], ids.clamp(min=0))
+                for name, value in moved.items():
+                    state[name][:, j + 1] = torch.where((ids >= 0) & ~s.greedy.view(rows, S)[:, j],
+                                                        value, now[name])
+            changes.update({name: value.view(-1) for name, value in state.items()})
+        return dataclasses.replace(s, **changes)
 
     def step_logprobs(self, raw: Optional[torch.Tensor], x: torch.Tensor, final: torch.Tensor,
                       token_ids: torch.Tensor, s: StepState) -> Optional[Logprobs]:
@@ -186,7 +231,13 @@ class Sampler(Verification):
         """``processed_logits`` for a given step state (split from it as ``sample_state`` is
         from ``sample``, so a backend can run it per block of rows)."""
         x, _, _ = self.prepare(logits, batch, s)
-        final = self.filter(x, s) if s.any_random else x
+        final = x
+        if s.any_random:
+            final = self.filter(x, s)
+            if s.any_selector:
+                if s.verify_slots > 1:
+                    s = self.selector_slot_state(self.log_softmax(final), s)
+                final = self.select(final, s)
         return self.processed_source(x, final, s, normalise=False)
 
     # ------------------------------------------------------------------ template parts
@@ -231,10 +282,51 @@ class Sampler(Verification):
     def filter(self, x: torch.Tensor, s: StepState) -> torch.Tensor:
         """Steps 10-13b and the custom stages after them, for every row (greedy rows' results
         are ignored by the caller)."""
-        x = self.run_group("filter", x, s)                                 # steps 10-13b
+        if s.filter_orders:
+            x = self.run_orders(x, s)                                      # steps 10-13b
+        else:
+            x = self.run_group("filter", x, s)                             # steps 10-13b
         if s.stages:
             x = self.apply_custom_stages(x, s, "after_filters")
         return x
+
+    def select(self, x: torch.Tensor, s: StepState) -> torch.Tensor:
+        """Step 14's stateful selectors (group "select"): what the draw takes from each row
+        that uses one. x float32 [B, V] after ``filter``."""
+        return self.run_group("select", x, s)
+
+    def run_orders(self, x: torch.Tensor, s: StepState) -> torch.Tensor:
+        """The filter group when some row orders it its own way (``s.filter_orders``): the
+        default order for the other rows, and each order in the batch over the whole batch,
+        kept for its rows only (``s.filter_order``), so each row gets what it would alone.
+        x float32 [B, V]; not in place."""
+        out = self.run_group("filter", x, s)
+        for index, names in s.filter_orders:
+            y = x
+            for name in names:
+                stage, switch = pipeline.named_switch(name)
+                if getattr(s, switch.flag):
+                    y = self.stage_method(stage)(y, self.switch_state(s, stage, switch))
+            out = torch.where((s.filter_order == index)[:, None], y, out)
+        return out
+
+    def switch_state(self, s: StepState, stage: pipeline.Stage, switch: pipeline.Switch) -> StepState:
+        """``s`` for running ``switch`` of ``stage`` alone (a stage with several named
+        switches: top-k or top-p by itself): the fields and flags of its other switches
+        neutral. ``s`` itself for a stage of one."""
+        others = [w for w in stage.switches if w is not switch and w.owns]
+        if not others:
+            return s
+        neutral = {f.name: f.neutral for f in stage.fields}
+        changes = {w.flag: False for w in others}
+        for w in others:
+            for name in w.owns:
+                changes[name] = torch.full_like(getattr(s, name), neutral[name])
+        if "top_k" in changes:     # the flags derived from top-k follow it
+            changes.update(max_top_k=0, all_random_top_k=False, any_top_p_without_top_k=s.any_top_p)
+        elif "top_p" in changes:
+            changes.update(any_top_p_without_top_k=False)
+        return dataclasses.replace(s, **changes)
 
     def run_group(self, group: str, x: torch.Tensor, s: StepState) -> torch.Tensor:
         """The stages of ``group`` (``corelib.pipeline``) in the contract's order, each one some
@@ -479,9 +571,35 @@ class Sampler(Verification):
         return torch.argmax(x, dim=-1)
 
     def apply_temperature(self, x: torch.Tensor, s: StepState) -> torch.Tensor:
-        """Step 10: ``x / temperature`` per row (greedy rows divide by 1). Not in place."""
+        """Step 10: ``x / temperature`` per row (greedy rows divide by 1). With
+        ``dynatemp_range`` d > 0 (float32 [B], 0 = static), the row's temperature comes from
+        the entropy H of its current distribution over its n kept tokens: T' = lo + (hi - lo)
+        * (H / ln n) ** ``dynatemp_exponent``, lo = max(0, T - d), hi = T + d; n <= 1 leaves
+        the logits as they are, T' = 0 keeps the argmax tokens only. Not in place."""
         t = torch.where(s.greedy, torch.ones_like(s.temperature), s.temperature)
-        return x / t[:, None]
+        if not s.any_dynatemp:
+            return x / t[:, None]
+        t, argmax_only = self.dynamic_temperature(x, t, s)
+        out = x / t[:, None]
+        return torch.where(argmax_only[:, None] & (x < x.amax(dim=-1, keepdim=True)), NEG_INF, out)
+
+    def dynamic_temperature(self, x: torch.Tensor, t: torch.Tensor,
+                            s: StepState) -> tuple[torch.Tensor, torch.Tensor]:
+        """Step 10's temperature per row when some row is dynamic: (float32 [B] divisor, 1 where
+        the logits stay as they are; bool [B]: T' = 0, only the argmax tokens stay). ``t``:
+        the static temperatures (greedy rows 1). Not in place."""
+        logp = torch.log_softmax(x, dim=-1)
+        p = logp.exp()
+        kept = (x > NEG_INF).sum(dim=-1)
+        entropy = -torch.where(p > 0, p * logp, 0.0).sum(dim=-1)
+        ratio = (entropy / kept.clamp(min=2).to(torch.float32).log()).clamp(min=0.0)
+        d = s.dynatemp_range
+        lo = (t - d).clamp(min=0.0)
+        dynamic = lo + (t + d - lo) * ratio.pow(s.dynatemp_exponent)
+        on = (d > 0) & ~s.greedy
+        t = torch.where(on, torch.where(kept > 1, dynamic, 1.0), t)
+        argmax_only = on & (kept > 1) & (dynamic == 0)
+        return torch.where(argmax_only, 1.0, t), argmax_only
 
     def apply_top_n_sigma(self, x: torch.Tensor, s: StepState) -> torch.Tensor:
         """Step 10a: over each row's finite logits, drop those below max - n * sigma (sigma their
@@ -499,6 +617,42 @@ class Sampler(Verification):
         probs = torch.softmax(x, dim=-1)
         threshold = s.min_p[:, None] * probs.max(dim=-1, keepdim=True).values
         return x.masked_fill(probs < threshold, NEG_INF)
+
+    def apply_smoothing(self, x: torch.Tensor, s: StepState) -> torch.Tensor:
+        """Step 10b, quadratic smoothing: with m the row's largest kept logit, d = x - m and c =
+        ``smoothing_curve`` (float32 [B]), each kept logit becomes m - (3 - c) / 2 * f * d**2
+        + (c - 1) / 2 * f * d**3, f = ``smoothing_factor`` (float32 [B], 0 = off); dropped
+        tokens stay -inf. Not in place."""
+        f, c = s.smoothing_factor[:, None], s.smoothing_curve[:, None]
+        m = x.amax(dim=-1, keepdim=True)
+        d = x - m
+        smoothed = m - (3.0 - c) / 2.0 * f * d * d + (c - 1.0) / 2.0 * f * d * d * d
+        return torch.where((f > 0) & (x > NEG_INF), smoothed, x)
+
+    def apply_top_a(self, x: torch.Tensor, s: StepState) -> torch.Tensor:
+        """Step 11a: drop tokens with p < ``top_a`` * max(p)**2 (``top_a`` float32 [B], 0 =
+        off; the most likely tokens always stay). Not in place."""
+        p = torch.softmax(x, dim=-1)
+        most = p.amax(dim=-1, keepdim=True)
+        return x.masked_fill((p < s.top_a[:, None] * most * most) & (p < most), NEG_INF)
+
+    def apply_epsilon(self, x: torch.Tensor, s: StepState) -> torch.Tensor:
+        """Step 11b: drop tokens with p < ``epsilon_cutoff`` (float32 [B], 0 = off), never the
+        most likely ones. Not in place."""
+        p = torch.softmax(x, dim=-1)
+        most = p.amax(dim=-1, keepdim=True)
+        return x.masked_fill((p < s.epsilon_cutoff[:, None]) & (p < most), NEG_INF)
+
+    def apply_eta(self, x: torch.Tensor, s: StepState) -> torch.Tensor:
+        """Step 11c: with H = -sum p ln p, drop tokens with p < min(eta, sqrt(eta) * exp(-H))
+        (``eta_cutoff`` float32 [B], 0 = off), never the most likely ones. Not in place."""
+        logp = torch.log_softmax(x, dim=-1)
+        p = logp.exp()
+        entropy = -torch.where(p > 0, p * logp, 0.0).sum(dim=-1, keepdim=True)
+        eta = s.eta_cutoff[:, None]
+        cutoff = torch.minimum(eta, eta.sqrt() * torch.exp(-entropy))
+        most = p.amax(dim=-1, keepdim=True)
+        return x.masked_fill((p < cutoff) & (p < most), NEG_INF)
 
     def apply_top_k_top_p(self, x: torch.Tensor, s: StepState) -> torch.Tensor:
         """Steps 12-13 by a full sort (the reference; fast backends avoid the sort).
@@ -535,6 +689,41 @@ class Sampler(Verification):
         keep = typical_keep(x, s.typical_p) | (s.typical_p >= 1.0)[:, None]
         return x.masked_fill(~keep, NEG_INF)
 
+    def apply_tfs(self, x: torch.Tensor, s: StepState) -> torch.Tensor:
+        """Step 13c, tail-free sampling (``tfs`` float32 [B], 1 = off): the kept probabilities
+        sorted descending, q_1 >= ... >= q_n (n <= 2: nothing happens); the second differences
+        |q_i - 2 q_(i+1) + q_(i+2)|, i = 1..n-2, normalised to sum 1 (uniform when their sum
+        is <= 1e-6); keep q_1..q_j for the smallest j whose running sum passes ``tfs`` (j =
+        n - 2 when none does), with every token tied with q_j. Sums in float64, by a full sort
+        (the reference). Not in place."""
+        p = torch.softmax(x, dim=-1)
+        q = torch.sort(p, dim=-1, descending=True).values.double()
+        n = (x > NEG_INF).sum(dim=-1, keepdim=True)
+        second = (q[:, :-2] - 2.0 * q[:, 1:-1] + q[:, 2:]).abs()
+        inside = torch.arange(second.shape[-1], device=x.device)[None, :] < n - 2
+        second = torch.where(inside, second, 0.0)
+        total = second.sum(dim=-1, keepdim=True)
+        weights = torch.where(total > 1e-6, second / total.clamp(min=1e-300),
+                              inside.double() / (n - 2).clamp(min=1).double())
+        passed_before = (torch.cumsum(weights, dim=-1) <= s.tfs.double()[:, None]) & inside
+        j = torch.minimum(passed_before.sum(dim=-1, keepdim=True) + 1, (n - 2).clamp(min=1))
+        threshold = q.gather(1, j - 1).to(p.dtype)
+        keep = (p >= threshold) | (n <= 2) | (s.tfs >= 1.0)[:, None]
+        return x.masked_fill(~keep, NEG_INF)
+
+    def apply_p_less(self, x: torch.Tensor, s: StepState) -> torch.Tensor:
+        """Step 13d, p-less: drop tokens with p < L, L = sum p**2 ("plain") or (V sum p**2 - 1)
+        / (V - 1) ("norm", V the vocabulary); ``p_less`` int32 [B]: ``pipeline.P_LESS_MODES``,
+        0 = off. Never the most likely tokens. Not in place."""
+        p = torch.softmax(x, dim=-1)
+        collision = (p * p).sum(dim=-1, keepdim=True)
+        V = x.shape[-1]
+        norm = (V * collision - 1.0) / max(V - 1, 1)
+        mode = s.p_less[:, None]
+        level = torch.where(mode == pipeline.P_LESS_MODES["norm"], norm, collision)
+        most = p.amax(dim=-1, keepdim=True)
+        return x.masked_fill((mode != pipeline.P_LESS_OFF) & (p < level) & (p < most), NEG_INF)
+
     def apply_xtc(self, x: torch.Tensor, s: StepState) -> torch.Tensor:
         """Step 13b, XTC: with probability ``xtc_probability`` (float32 [B], 0 = off; the coin
         from ``row_uniforms`` on the XTC stream), when two or more kept tokens have probability
@@ -546,6 +735,22 @@ class Sampler(Verification):
         coin = self.row_uniforms(s, STREAM_XTC) < s.xtc_probability
         act = (above.sum(dim=-1) >= 2) & coin
         return x.masked_fill(above & (p > smallest) & act[:, None], NEG_INF)
+
+    def apply_mirostat(self, x: torch.Tensor, s: StepState) -> torch.Tensor:
+        """Step 14, mirostat v2 (``mirostat_tau`` float32 [B], 0 = off): drop the tokens whose
+        surprise -log2 p exceeds the row's ``mirostat_mu`` (float32 [B], the batch's state),
+        never the most likely ones; the draw then takes the renormalised rest. Not in place."""
+        dropped = selectors.mirostat_dropped(torch.log_softmax(x, dim=-1), s.mirostat_mu, s.mirostat_tau)
+        return x.masked_fill(dropped, NEG_INF)
+
+    def apply_adaptive_p(self, x: torch.Tensor, s: StepState) -> torch.Tensor:
+        """Step 14, adaptive-p (``adaptive_p_target`` float32 [B], < 0 = off): each kept token's
+        logit becomes 5 - 10 u**2 / (1 + u), u = |p - a| / 0.3, a = clamp(2 target - w / s, 0,
+        1) from the row's state (``adaptive_p_weighted`` w, ``adaptive_p_total`` s, float32
+        [B]); dropped tokens stay -inf. Not in place."""
+        shaped = selectors.adaptive_logits(torch.softmax(x, dim=-1), s.adaptive_p_target,
+                                           s.adaptive_p_weighted, s.adaptive_p_total)
+        return torch.where((s.adaptive_p_target >= 0)[:, None] & (x > NEG_INF), shaped, x)
 
     def draw(self, x: torch.Tensor, s: StepState) -> torch.Tensor:
         """Step 14: int64 [B] by the Gumbel-max race ``argmax(x + gumbel)`` over kept tokens

@@ -34,6 +34,9 @@ class _StepStateFields:
     # bool [B]
     seeded: torch.Tensor
     greedy: torch.Tensor
+    # int32 [B]: the row's order of the filter group, 0 = the default one, k > 0 the order
+    # ``filter_orders`` gives for k (the batch numbers the orders its requests ask for)
+    filter_order: torch.Tensor
     # optional stage state
     prompt_mask: Optional[torch.Tensor] = None     # bool [B, V]
     output_counts: Optional[torch.Tensor] = None   # int32 [B, V]
@@ -70,6 +73,10 @@ class _StepStateFields:
     # row r * S + j reads row r's, and its drafts before slot j count on top (slot_drafts)
     slots_per_row: int = 1
     slot_drafts: Optional[torch.Tensor] = None     # int64 [B, K]: drafts before the slot, -1 = none
+    # verify's slots per row (1 outside verify), and the draft after each virtual row's slot
+    # (-1: none), which advances the stateful selectors' state to the next slot
+    verify_slots: int = 1
+    verify_drafts: Optional[torch.Tensor] = None   # int64 [B]
     # host flags beyond the stage table's switches
     any_greedy: bool = False
     all_greedy: bool = False
@@ -81,6 +88,9 @@ class _StepStateFields:
     any_top_p_without_top_k: bool = False  # a random row with top_p < 1 and top_k off
     all_random_top_k: bool = False     # there are random rows and every one has a top_k
     num_logprobs: Optional[int] = None  # N = largest `logprobs` asked for (V for -1), None if none asks
+    # the non-default filter orders some row runs: (k, names in order), k as in filter_order
+    filter_orders: tuple = ()
+    any_selector: bool = False         # some random row uses a stateful selector (group "select")
 
     def stages_at(self, slot: str) -> list[tuple[StageSpec, StageInputs, Optional[str]]]:
         """The custom stages some row uses at ``slot`` (``corelib.stages.SLOTS``)."""
@@ -89,7 +99,7 @@ class _StepStateFields:
 
 StepState = make_dataclass(
     "StepState",
-    [(f.name, torch.Tensor) for f in pipeline.stage_fields()]
+    [(f.name, torch.Tensor) for f in pipeline.stage_fields() + pipeline.state_fields()]
     + [(switch.flag, bool, field(default=False)) for _, switch in pipeline.switches()],
     bases=(_StepStateFields,), kw_only=True,
     namespace={"__module__": __name__, "__doc__": """What one ``sample`` call reads: per-row
@@ -97,7 +107,8 @@ StepState = make_dataclass(
 
     Each stage of the table (``corelib.pipeline.STAGES``) contributes its per-row scalars
     (``[B]`` tensors of the field's dtype, always present, neutral for rows that do not use
-    the stage) and its switches (host flags: some row uses the stage); the other fields are
+    the stage), the per-row state the batch keeps for it (``Stage.state``, same form) and its
+    switches (host flags: some row uses the stage); the other fields are
     declared in ``_StepStateFields``. The flags say which optional stages any row uses; a
     backend that prefers a fixed graph (TPU) may ignore them, since every tensor holds neutral
     values for rows that do not use a stage. Optional stage tensors are None until some row of
@@ -109,7 +120,8 @@ StepState = make_dataclass(
 # Per-row scalar tensors: name -> (dtype, neutral value used for padding rows): the stage
 # table's fields, then the state of the seeded draw, DRY's history and the reasoning budget.
 SCALARS: dict[str, tuple[torch.dtype, float]] = {
-    **{f.name: (f.dtype, f.neutral) for f in pipeline.stage_fields()},
+    **{f.name: (f.dtype, f.neutral) for f in pipeline.stage_fields() + pipeline.state_fields()},
+    "filter_order": (torch.int32, 0),
     "seed_lo": (torch.int32, 0),
     "seed_hi": (torch.int32, 0),
     "child": (torch.int32, 0),

@@ -81,8 +81,11 @@ class Verification:
             return self.empty_verify_output(s, S)
         if layout is not None and not layout.uniform:
             s.logits_rows = layout.slot_rows.reshape(-1)
-            return self.verify_state(logits, batch, s, drafts)
-        return self.verify_state(logits.reshape(B * S, V), batch, s, drafts)
+            out = self.verify_state(logits, batch, s, drafts)
+        else:
+            out = self.verify_state(logits.reshape(B * S, V), batch, s, drafts)
+        batch.keep_selector_source(out.selector_source, slots=S)
+        return out
 
     def verify_state(self, logits: torch.Tensor, batch: SamplingBatch, s: StepState,
                      drafts: Drafts) -> VerifyOutput:
@@ -91,14 +94,14 @@ class Verification:
         judgement, the emitted tokens and step 15 with a slot axis. logits float ``[B (K+1),
         V]``, slot-major per row."""
         x, raw, valid = self.prepare(logits, batch, s)                     # steps 1-8a
-        token_ids, final = self.choose_tokens(x, s)                        # steps 9-14
+        token_ids, final, filtered = self.choose_tokens(x, s)              # steps 9-14
         valid = valid & self.drawn_is_finite(x, final, token_ids, s)
         accepted, tokens = self.judge_drafts(final, token_ids, s, drafts, valid)  # verification
         emitted, num_emitted = self.emit_tokens(tokens, accepted, valid, drafts)
         logprobs = self.step_logprobs(raw, x, final, emitted.flatten(), s)  # step 15
         if logprobs is not None:
             logprobs = slot_logprobs(logprobs, emitted)
-        return VerifyOutput(emitted, num_emitted, num_emitted > 0, logprobs)
+        return VerifyOutput(emitted, num_emitted, num_emitted > 0, logprobs, filtered)
 
     def speculative_step_state(self, batch: SamplingBatch, drafts: Drafts) -> StepState:
         """The step state of ``verify`` (``batch.speculative_state``: ``B (K+1)`` virtual rows);

@@ -19,25 +19,37 @@ from corelib.testing.added_stage import expected_kept, run_added_stage
 V = 256   # the table's examples are for a vocabulary of 256
 
 
+# Between them, every field of the table away from its neutral value (the two selectors
+# exclude each other).
+EVERY_FIELD_ON = (
+    dict(temperature=0.5, top_k=3, top_p=0.8, min_p=0.1, typical_p=0.9, top_n_sigma=1.0,
+         xtc_probability=0.5, xtc_threshold=0.2, repetition_penalty=1.1, presence_penalty=0.5,
+         frequency_penalty=0.25, dry_multiplier=0.5, dry_base=2.0, dry_allowed_length=3,
+         dry_range=16, min_tokens=2, dynatemp_range=0.3, dynatemp_exponent=2.0,
+         smoothing_factor=0.2, smoothing_curve=2.0, top_a=0.1, epsilon_cutoff=0.01,
+         eta_cutoff=0.01, tfs=0.9, p_less="norm", mirostat_tau=4.0, mirostat_eta=0.2, seed=1),
+    dict(adaptive_p_target=0.4, adaptive_p_decay=0.5),
+)
+
+
 def test_every_stage_field_is_a_step_state_tensor_with_its_dtype_and_neutral_padding():
-    sampler = Sampler()
-    batch = sampler.new_batch(V)
-    batch.add("a", corelib.SamplingParams(temperature=0.5, top_k=3, top_p=0.8, min_p=0.1,
-                                          typical_p=0.9, top_n_sigma=1.0, xtc_probability=0.5,
-                                          xtc_threshold=0.2, repetition_penalty=1.1,
-                                          presence_penalty=0.5, frequency_penalty=0.25,
-                                          dry_multiplier=0.5, dry_base=2.0, dry_allowed_length=3,
-                                          dry_range=16, min_tokens=2, seed=1))
-    s = batch.step_state(num_rows=3)          # two padding rows past the request's one
     names = {f.name for f in dataclasses.fields(StepState)}
-    params = batch.params_of("a")
-    for f in pipeline.stage_fields():
-        assert f.name in names
-        tensor = getattr(s, f.name)
-        assert tensor.dtype == f.dtype and tuple(tensor.shape) == (3,)
-        assert tensor[0].item() == pytest.approx(f.value(params)), f.name
-        assert tensor[0].item() != pytest.approx(f.neutral), f"{f.name}: the request turns it on"
-        assert tensor[1:].tolist() == pytest.approx([f.neutral] * 2), f"{f.name}: padding rows are neutral"
+    turned_on = set()
+    for fields in EVERY_FIELD_ON:
+        batch = Sampler().new_batch(V)
+        batch.add("a", corelib.SamplingParams(**fields))
+        s = batch.step_state(num_rows=3)          # two padding rows past the request's one
+        params = batch.params_of("a")
+        for f in pipeline.stage_fields() + pipeline.state_fields():
+            assert f.name in names
+            tensor = getattr(s, f.name)
+            assert tensor.dtype == f.dtype and tuple(tensor.shape) == (3,)
+            assert tensor[0].item() == pytest.approx(f.value(params)), f.name
+            if tensor[0].item() != pytest.approx(f.neutral):
+                turned_on.add(f.name)
+            assert tensor[1:].tolist() == pytest.approx([f.neutral] * 2), f"{f.name}: padding rows are neutral"
+    every = {f.name for f in pipeline.stage_fields() + pipeline.state_fields()}
+    assert turned_on == every, f"not turned on by EVERY_FIELD_ON: {every - turned_on}"
 
 
 def test_int32_fields_are_clamped_and_top_k_disabled_both_ways():
@@ -91,16 +103,19 @@ def test_the_template_runs_every_stage_in_the_tables_order():
         temperature=0.9, top_k=20, top_p=0.95, min_p=0.01, typical_p=0.99, top_n_sigma=3.0,
         xtc_probability=0.5, xtc_threshold=0.3, presence_penalty=0.1, dry_multiplier=0.1,
         logit_bias={5: 1.0}, bad_words=[[7]], allowed_token_ids=list(range(1, 60)),
-        min_tokens=3, seed=2), prompt_token_ids=[1, 2, 3])
-    mask = torch.full((1, (V + 31) // 32), -1, dtype=torch.int32)
-    sampler.sample(torch.randn(1, V), batch, token_bitmask=mask)
+        min_tokens=3, dynatemp_range=0.2, smoothing_factor=0.1, top_a=0.01, epsilon_cutoff=1e-4,
+        eta_cutoff=1e-4, tfs=0.99, p_less="plain", mirostat_tau=5.0, seed=2),
+        prompt_token_ids=[1, 2, 3])
+    batch.add("adaptive", corelib.SamplingParams(adaptive_p_target=0.5, seed=3))
+    mask = torch.full((2, (V + 31) // 32), -1, dtype=torch.int32)
+    sampler.sample(torch.randn(2, V), batch, token_bitmask=mask)
     assert sampler.calls == [stage.name for stage in pipeline.STAGES]
 
 
 @pytest.mark.parametrize("backend", ["reference", "cpu", "cuda-torch-path"])
 def test_a_stage_added_through_the_table_alone_runs_in_order_with_its_row_values(backend):
-    """A fresh interpreter adds top-a to the table before the batch is loaded
-    (``corelib.testing.added_stage``): the batch keeps its per-row value (also after rows
+    """A fresh interpreter adds a throwaway stage (top-a's rule as "cut-a") to the table
+    before the batch is loaded (``corelib.testing.added_stage``): the batch keeps its per-row value (also after rows
     move), the step state carries it and its switch, and the filter group runs it in its
     place; its kept sets are the hand computation's. The cpu backend, which has no method of
     its own for it, runs the reference's on whole rows; the cuda backend's torch path runs the

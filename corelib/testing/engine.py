@@ -22,17 +22,21 @@ from ..params import SamplingParams
 from ..stages import StageError, StageSpec, StageState
 from .rules import PROMPT, chi_square_p_value, params_text, violation
 
-# Parameters that switch every stage on (steps 3-13b), for requests whose state must advance
+# Parameters that switch every stage on (steps 3-14), for requests whose state must advance
 # correctly at every draft slot: each table stage's example (so a new stage joins them), with
-# the values below where they set the same field.
+# the values below where they set the same field. Of the two selectors, which exclude each
+# other, mirostat (``EVERY_STAGE_ADAPTIVE`` has adaptive-p instead).
 EVERY_STAGE = {k: v for stage in pipeline.STAGES if stage.example is not None
                # allowed ids would leave most drafts no token to match
-               and stage.name != "allowed_token_ids" for k, v in stage.example.items()}
+               and stage.name not in ("allowed_token_ids", "adaptive_p")
+               for k, v in stage.example.items()}
 EVERY_STAGE.update(temperature=0.9, top_k=40, top_p=0.95, min_p=0.01, repetition_penalty=1.2,
                    frequency_penalty=0.4, presence_penalty=0.3, logit_bias={3: 1.5, 7: -2.0},
                    min_tokens=3, stop_token_ids=[4], bad_words=[[1, 5], [9, 9, 6]],
                    dry_multiplier=0.8, dry_allowed_length=1, dry_sequence_breakers=[8],
                    top_n_sigma=3.0, typical_p=0.97, xtc_probability=0.5, xtc_threshold=0.2)
+EVERY_STAGE_ADAPTIVE = {**{k: v for k, v in EVERY_STAGE.items() if not k.startswith("mirostat")},
+                        **next(s.example for s in pipeline.STAGES if s.name == "adaptive_p")}
 
 
 # ---------------------------------------------------------------------- the suite's own stages
@@ -446,6 +450,8 @@ class EngineConformance:
         for j in range(K + 1):
             batch = self.build(sampler, requests, eos_token_id=6, logprobs_mode="processed")
             for i in range(j):
+                # the step at slot i first: the selectors' state advances from its distribution
+                sampler.sample(self.on(sampler, logits[:, i]), batch)
                 batch.append(drafts[:, i])
             want = sampler.sample(self.on(sampler, logits[:, j]), batch)
             for row in range(2):

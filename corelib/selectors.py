@@ -1,0 +1,59 @@
+"""The arithmetic of step 14's stateful selectors (mirostat v2, adaptive-p): how each reshapes
+a row's distribution, and how appending a token advances its state. Plain torch over ``[R]``
+and ``[R, V]`` tensors, shared by the reference stages (``Sampler.apply_mirostat``,
+``apply_adaptive_p``), the batch (``append``) and ``verify``'s slots; the stage table
+(``corelib.pipeline``) names the ``advance_*`` functions (``Stage.advance``). Imports no other part of corelib.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+#: Bits mirostat counts for an appended token it had dropped (its p' is 0).
+UNKEPT_BITS = 64.0
+#: Adaptive-p's width: u = |p - a| / WIDTH.
+ADAPTIVE_WIDTH = 0.3
+_LN2 = math.log(2.0)
+
+
+def mirostat_dropped(logp: torch.Tensor, mu: torch.Tensor, tau: torch.Tensor) -> torch.Tensor:
+    """bool [R, V]: the tokens mirostat v2 drops: surprise -log2 p > mu (float32 [R]), never the
+    most likely ones; nothing on rows with tau (float32 [R]) 0. ``logp``: float32 [R, V]
+    log-probabilities of the current distribution."""
+    most = logp.amax(dim=-1, keepdim=True)
+    return (-logp / _LN2 > mu[:, None]) & (logp < most) & (tau > 0)[:, None]
+
+
+def advance_mirostat(state: dict, fields: dict, logp: torch.Tensor, ids: torch.Tensor) -> dict:
+    """mu <- mu - eta * (-log2 p'_t - tau) for appended ids (int64 [R]), p'_t the token's
+    probability in the renormalised distribution mirostat drew from (``logp`` float32 [R, V]:
+    the distribution before mirostat); a token it had dropped counts ``UNKEPT_BITS``. Rows with
+    tau 0 keep their mu."""
+    mu, tau, eta = state["mirostat_mu"], fields["mirostat_tau"], fields["mirostat_eta"]
+    kept = logp.masked_fill(mirostat_dropped(logp, mu, tau), float("-inf"))
+    drawn = kept.gather(1, ids[:, None])[:, 0] - torch.logsumexp(kept, dim=-1)
+    bits = torch.where(torch.isfinite(drawn), -drawn / _LN2, UNKEPT_BITS)
+    return {"mirostat_mu": torch.where(tau > 0, mu - eta * (bits - tau), mu)}
+
+
+def adaptive_logits(p: torch.Tensor, target: torch.Tensor, weighted: torch.Tensor,
+                    total: torch.Tensor) -> torch.Tensor:
+    """float32 [R, V]: adaptive-p's logits 5 - 10 u**2 / (1 + u), u = |p - a| / 0.3, a =
+    clamp(2 target - weighted / total, 0, 1), for probabilities ``p`` [R, V] and the row
+    values [R]."""
+    aim = (2.0 * target - weighted / total.clamp(min=1e-30)).clamp(0.0, 1.0)
+    u = (p - aim[:, None]).abs() / ADAPTIVE_WIDTH
+    return 5.0 - 10.0 * u * u / (1.0 + u)
+
+
+def advance_adaptive_p(state: dict, fields: dict, logp: torch.Tensor, ids: torch.Tensor) -> dict:
+    """w <- p_t + decay * w, s <- 1 + decay * s for appended ids (int64 [R]), p_t from ``logp``
+    (float32 [R, V], the distribution before the transform). Rows that are off (target < 0)
+    keep theirs."""
+    on, decay = fields["adaptive_p_target"] >= 0, fields["adaptive_p_decay"]
+    weighted, total = state["adaptive_p_weighted"], state["adaptive_p_total"]
+    p_t = logp.gather(1, ids[:, None])[:, 0].exp()
+    return {"adaptive_p_weighted": torch.where(on, p_t + decay * weighted, weighted),
+            "adaptive_p_total": torch.where(on, 1.0 + decay * total, total)}
