@@ -29,8 +29,9 @@ import torch
 llama_cpp = pytest.importorskip(
     "llama_cpp", reason="llama-cpp-python is not installed (the `oracle` extra)")
 
+from corelib import SamplingParams  # noqa: E402
 from oracle_rows import (  # noqa: E402
-    ROW_IDS, assert_kept_equal, corelib_final, corelib_kept, cumulative_edge, logit_row, near)
+    REF, ROW_IDS, assert_kept_equal, corelib_final, corelib_kept, cumulative_edge, logit_row, near)
 
 SEED = 1234
 
@@ -227,3 +228,170 @@ def test_xtc_ties_at_the_smallest_probability_above_threshold_are_kept_by_the_co
     theirs = llama_kept(logits, llama_cpp.llama_sampler_init_xtc, 1.0, 0.05, 1, SEED)
     assert ours == {1, 2, 3, 4}
     assert len(theirs) == 3 and {3, 4} < theirs and theirs < ours
+
+
+# ---------------------------------------------------------------------- dynamic temperature
+def dynamic_temperature(logits: torch.Tensor, t: float, d: float, exponent: float, n: int) -> float:
+    """The contract's T' (float64) with Hmax = ln n."""
+    p = probs64(logits)
+    p = p[p > 0]
+    h = float(-(p * p.log()).sum())
+    lo, hi = max(0.0, t - d), t + d
+    return lo + (hi - lo) * (h / math.log(n)) ** exponent
+
+
+@pytest.mark.parametrize("t, d, exponent", [(1.0, 0.5, 1.0), (0.7, 0.7, 2.0), (1.2, 0.3, 0.5),
+                                            (0.5, 1.0, 1.0)])
+@pytest.mark.parametrize("row_id", ROW_IDS)
+def test_dynamic_temperature_matches_llama_cpp(row_id, t, d, exponent):
+    """llama_sampler_init_temp_ext(T, d, exponent): T' from the normalised entropy, then
+    logits / T'. Every token is kept here, so llama.cpp's n (its array's size) is the
+    contract's n (the kept tokens)."""
+    logits = logit_row(row_id)
+    theirs = Candidates(logits).apply(
+        oracle(llama_cpp.llama_sampler_init_temp_ext, t, d, exponent)).logits()
+    ours = corelib_final(logits, temperature=t, dynatemp_range=d, dynatemp_exponent=exponent)
+    expected = torch.tensor([theirs[i] for i in range(len(logits))])
+    torch.testing.assert_close(ours, expected, rtol=2e-5, atol=2e-5)
+    t_dyn = dynamic_temperature(logits, t, d, exponent, len(logits))
+    torch.testing.assert_close(ours, logits / t_dyn, rtol=2e-5, atol=2e-5)
+
+
+def test_dynamic_temperature_counts_kept_tokens_where_llama_cpp_counts_its_array():
+    """The contract's Hmax is ln(number of kept tokens); llama.cpp's is ln(its array's size),
+    which counts entries an earlier sampler set to -inf. On an array that holds only the
+    kept tokens the two agree; on one that also holds dropped tokens as -inf they do not."""
+    logits = logit_row("peaked-V50-s0")
+    allowed = [3, 7, 11, 19, 42]
+    params = dict(temperature=1.0, dynatemp_range=0.6, dynatemp_exponent=1.0)
+    ours = corelib_final(logits, allowed_token_ids=allowed, **params)
+    assert corelib_kept(logits, allowed_token_ids=allowed, **params) == set(allowed)
+    init = (llama_cpp.llama_sampler_init_temp_ext, 1.0, 0.6, 1.0)
+    compact = Candidates(logits, ids=allowed).apply(oracle(*init)).logits()
+    torch.testing.assert_close(ours[allowed], torch.tensor([compact[i] for i in allowed]),
+                               rtol=2e-5, atol=2e-5)
+    masked = torch.full_like(logits, float("-inf"))
+    masked[allowed] = logits[allowed]
+    padded = Candidates(masked).apply(oracle(*init)).logits()
+    t_padded = dynamic_temperature(masked, 1.0, 0.6, 1.0, len(logits))
+    t_kept = dynamic_temperature(masked, 1.0, 0.6, 1.0, len(allowed))
+    assert abs(t_padded - t_kept) > 0.05
+    torch.testing.assert_close(torch.tensor([padded[i] for i in allowed]),
+                               logits[allowed] / t_padded, rtol=2e-5, atol=2e-5)
+    torch.testing.assert_close(ours[allowed], logits[allowed] / t_kept, rtol=2e-5, atol=2e-5)
+
+
+def test_dynamic_temperature_leaves_a_single_kept_token_as_it_is_like_llama_cpp():
+    """n <= 1: both leave the logit untouched, not even divided by T."""
+    logits = logit_row("flat-V50-s1")
+    ours = corelib_final(logits, allowed_token_ids=[9], temperature=0.5, dynatemp_range=0.3)
+    theirs = Candidates(logits, ids=[9]).apply(
+        oracle(llama_cpp.llama_sampler_init_temp_ext, 0.5, 0.3, 1.0)).logits()
+    assert corelib_kept(logits, allowed_token_ids=[9], temperature=0.5, dynatemp_range=0.3) == {9}
+    assert float(ours[9]) == theirs[9] == float(logits[9])
+
+
+# ---------------------------------------------------------------------- mirostat v2
+class MirostatV2Ctx(ctypes.Structure):
+    """The head of llama.cpp's ``llama_sampler_mirostat_v2`` context (llama-sampler.cpp of
+    the pinned release): it keeps mu internally and exposes no getter, so the test reads it
+    from the context, after checking tau and eta read back as given."""
+    _fields_ = [("seed", ctypes.c_uint32), ("seed_cur", ctypes.c_uint32),
+                ("tau", ctypes.c_float), ("eta", ctypes.c_float), ("mu", ctypes.c_float)]
+
+
+class SamplerHead(ctypes.Structure):
+    """``struct llama_sampler``: its interface and its context pointers."""
+    _fields_ = [("iface", ctypes.c_void_p), ("ctx", ctypes.c_void_p)]
+
+
+def mirostat_ctx(sampler) -> MirostatV2Ctx:
+    head = ctypes.cast(sampler, ctypes.POINTER(SamplerHead)).contents
+    return MirostatV2Ctx.from_address(head.ctx)
+
+
+def mirostat_edge(logits: torch.Tensor, mu: float) -> set[int]:
+    return near(-probs64(logits).log2(), mu)
+
+
+@pytest.mark.parametrize("tau, eta", [(3.0, 0.1), (5.0, 0.3), (1.5, 1.0)])
+@pytest.mark.parametrize("vocab", [50, 1000])
+def test_mirostat_v2_follows_llama_cpp_step_by_step(vocab, tau, eta):
+    """Twelve steps over different rows. llama.cpp truncates, draws with its own generator
+    and updates mu from the token it drew; that token is appended to corelib's row, whose mu
+    (its sampler_state) and kept set must match llama.cpp's at every step. The contract's
+    update for a token it kept is llama.cpp's (p' from the renormalised kept set)."""
+    sampler = oracle(llama_cpp.llama_sampler_init_mirostat_v2, SEED, tau, eta)
+    ctx = mirostat_ctx(sampler)
+    assert (ctx.tau, ctx.eta, ctx.mu) == pytest.approx((tau, eta, 2 * tau), rel=1e-6)
+    batch = REF.new_batch(vocab_size=vocab)
+    batch.add("r", SamplingParams(mirostat_tau=tau, mirostat_eta=eta, seed=SEED))
+    assert batch.sampler_state("r") == [[pytest.approx(2 * tau)]]
+    rows = [row for row in ROW_IDS if row.endswith(f"V{vocab}-s0") or row.endswith(f"V{vocab}-s1")]
+    truncated = False
+    for step in range(12):
+        logits = logit_row(rows[step % len(rows)])
+        edge = mirostat_edge(logits, ctx.mu)
+        ours = set(torch.isfinite(REF.processed_logits(logits[None], batch)[0]).nonzero()
+                   .flatten().tolist())
+        candidates = Candidates(logits).apply(sampler)
+        assert_kept_equal(ours, candidates.kept(), edge)
+        truncated |= 1 < len(ours) < vocab
+        token = candidates.selected()
+        REF.sample(logits[None], batch)   # append advances the state from the step's sample
+        batch.append([token])
+        (mu,), = batch.sampler_state("r")
+        assert mu == pytest.approx(ctx.mu, rel=1e-4, abs=1e-4), step
+    assert truncated, "mu never cut a row below its full size but above one token: a weak test"
+
+
+def test_mirostat_v2_after_min_p_matches_llama_cpp():
+    """A chain min-p -> mirostat v2: both truncate the renormalised min-p set."""
+    vocab, tau, eta = 1000, 4.0, 0.2
+    min_p = oracle(llama_cpp.llama_sampler_init_min_p, 0.02, 1)
+    sampler = oracle(llama_cpp.llama_sampler_init_mirostat_v2, SEED, tau, eta)
+    ctx = mirostat_ctx(sampler)
+    batch = REF.new_batch(vocab_size=vocab)
+    batch.add("r", SamplingParams(min_p=0.02, mirostat_tau=tau, mirostat_eta=eta))
+    for step in range(8):
+        logits = logit_row(ROW_IDS[6 + step % 6])
+        ours = set(torch.isfinite(REF.processed_logits(logits[None], batch)[0]).nonzero()
+                   .flatten().tolist())
+        candidates = Candidates(logits).apply(min_p).apply(sampler)
+        kept_min_p = corelib_kept(logits, min_p=0.02)
+        renormalised = torch.full_like(logits, float("-inf"))
+        renormalised[list(kept_min_p)] = logits[list(kept_min_p)]
+        assert_kept_equal(ours, candidates.kept(), mirostat_edge(renormalised, ctx.mu))
+        REF.sample(logits[None], batch)
+        batch.append([candidates.selected()])
+        (mu,), = batch.sampler_state("r")
+        assert mu == pytest.approx(ctx.mu, rel=1e-4, abs=1e-4), step
+
+
+# ---------------------------------------------------------------------- adaptive-p
+@pytest.mark.parametrize("target, decay", [(0.5, 0.9), (0.1, 0.5), (0.9, 0.99), (0.3, 0.0)])
+@pytest.mark.parametrize("vocab", [50, 1000])
+def test_adaptive_p_follows_llama_cpp_step_by_step(vocab, target, decay):
+    """Ten steps: llama.cpp transforms and draws; its token is accepted there and appended
+    here. The transformed distribution (log-softmax of both sides' logits) depends on the
+    state (w, s) through the adapted target, so matching it at every step follows the state
+    recurrence; the state itself is checked against the contract's update."""
+    sampler = oracle(llama_cpp.llama_sampler_init_adaptive_p, target, decay, SEED)
+    batch = REF.new_batch(vocab_size=vocab)
+    batch.add("r", SamplingParams(adaptive_p_target=target, adaptive_p_decay=decay, seed=SEED))
+    w, s = target / (1 - decay), 1 / (1 - decay)
+    rows = [row for row in ROW_IDS if f"-V{vocab}-" in row]
+    for step in range(10):
+        logits = logit_row(rows[step % len(rows)])
+        ours = torch.log_softmax(REF.processed_logits(logits[None], batch)[0].double(), -1)
+        candidates = Candidates(logits).apply(sampler)
+        theirs = candidates.logits()
+        theirs = torch.log_softmax(torch.tensor([theirs[i] for i in range(vocab)]).double(), -1)
+        torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-4)
+        token = candidates.selected()
+        llama_cpp.llama_sampler_accept(sampler, token)
+        REF.sample(logits[None], batch)   # append advances the state from the step's sample
+        batch.append([token])
+        w, s = float(probs64(logits)[token]) + decay * w, 1 + decay * s
+        (got_w, got_s), = batch.sampler_state("r")
+        assert (got_w, got_s) == pytest.approx((w, s), rel=1e-5), step

@@ -9,12 +9,16 @@ Skipped without transformers.
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
 transformers = pytest.importorskip("transformers")
 
 from transformers.generation.logits_process import (  # noqa: E402
+    EpsilonLogitsWarper,
+    EtaLogitsWarper,
     MinPLogitsWarper,
     TypicalLogitsWarper,
 )
@@ -85,3 +89,54 @@ def test_typical_p_off_value_is_the_contracts_only():
     assert corelib_kept(logits, typical_p=1.0) == set(range(50))
     with pytest.raises(ValueError):
         TypicalLogitsWarper(mass=1.0)
+
+
+# ---------------------------------------------------------------------- epsilon
+@pytest.mark.parametrize("epsilon", [1e-4, 1e-3, 0.01, 0.05])
+@pytest.mark.parametrize("row_id", ROW_IDS)
+def test_epsilon_cutoff_matches_transformers(row_id, epsilon):
+    """Both drop p < epsilon and keep every token tied at the largest logit (transformers'
+    min_tokens_to_keep = 1 keeps the logits >= the largest, the contract never drops the most
+    likely token): a flat V = 1000 row at epsilon 0.05 keeps only its maximum on both sides."""
+    logits = logit_row(row_id)
+    ours = corelib_kept(logits, epsilon_cutoff=epsilon)
+    theirs = kept_of(hf(EpsilonLogitsWarper(epsilon), logits))
+    assert_kept_equal(ours, theirs, near(probs64(logits), epsilon))
+    assert int(logits.argmax()) in ours
+
+
+def test_epsilon_min_tokens_to_keep_is_transformers_only():
+    logits = logit_row("flat-V1000-s0")
+    assert corelib_kept(logits, epsilon_cutoff=0.05) == {int(logits.argmax())}
+    theirs = kept_of(hf(EpsilonLogitsWarper(0.05, min_tokens_to_keep=5), logits))
+    assert theirs == set(torch.topk(logits, 5).indices.tolist())
+
+
+# ---------------------------------------------------------------------- eta
+def eta_threshold(logits: torch.Tensor, eta: float) -> float:
+    p = probs64(logits)
+    entropy = float(-(p * p.log()).sum())
+    return min(eta, math.sqrt(eta) * math.exp(-entropy))
+
+
+@pytest.mark.parametrize("eta", [1e-4, 3e-4, 2e-3, 0.02])
+@pytest.mark.parametrize("row_id", ROW_IDS)
+def test_eta_cutoff_matches_transformers(row_id, eta):
+    """The contract's eta_cutoff is the probability itself, as transformers' (some front ends
+    count it in units of 1e-4; the contract does not): drop p < min(eta, sqrt(eta) e^-H)."""
+    logits = logit_row(row_id)
+    ours = corelib_kept(logits, eta_cutoff=eta)
+    theirs = kept_of(hf(EtaLogitsWarper(eta), logits))
+    assert_kept_equal(ours, theirs, near(probs64(logits), eta_threshold(logits, eta)))
+
+
+def test_eta_entropy_is_over_the_tokens_still_kept():
+    """After min-p, the contract's H is the entropy of the renormalised kept tokens, and so
+    is transformers' when its warpers are chained (the dropped logits are -inf)."""
+    logits = logit_row("peaked-V1000-s0")
+    after_min_p = hf(MinPLogitsWarper(0.01), logits)
+    theirs = kept_of(hf(EtaLogitsWarper(0.02), after_min_p))
+    ours = corelib_kept(logits, min_p=0.01, eta_cutoff=0.02)
+    masked = torch.where(torch.isfinite(after_min_p), logits, torch.tensor(float("-inf")))
+    assert_kept_equal(ours, theirs, near(probs64(masked), eta_threshold(masked, 0.02)))
+    assert ours < kept_of(after_min_p)
