@@ -100,7 +100,8 @@ def probs64(logits: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("row_id", ROW_IDS[::3])
 def test_temperature_divides_the_logits_as_llama_cpp(row_id, temperature):
     logits = logit_row(row_id)
-    theirs = Candidates(logits).apply(oracle(llama_cpp.llama_sampler_init_temp, temperature)).logits()
+    sampler = oracle(llama_cpp.llama_sampler_init_temp, temperature)
+    theirs = Candidates(logits).apply(sampler).logits()
     ours = corelib_final(logits, temperature=temperature)
     expected = torch.tensor([theirs[i] for i in range(len(logits))])
     torch.testing.assert_close(ours, expected, rtol=1e-6, atol=1e-6)
@@ -216,7 +217,8 @@ def test_xtc_matches_llama_cpp_when_it_acts(row_id, threshold):
 def test_xtc_probability_zero_never_acts_on_either_side():
     logits = logit_row("spiked-V50-s0")
     assert corelib_kept(logits, xtc_probability=0.0, xtc_threshold=0.01) == set(range(50))
-    assert llama_kept(logits, llama_cpp.llama_sampler_init_xtc, 0.0, 0.01, 1, SEED) == set(range(50))
+    theirs = llama_kept(logits, llama_cpp.llama_sampler_init_xtc, 0.0, 0.01, 1, SEED)
+    assert theirs == set(range(50))
 
 
 def test_xtc_ties_at_the_smallest_probability_above_threshold_are_kept_by_the_contract_only():
@@ -395,3 +397,128 @@ def test_adaptive_p_follows_llama_cpp_step_by_step(vocab, target, decay):
         w, s = float(probs64(logits)[token]) + decay * w, 1 + decay * s
         (got_w, got_s), = batch.sampler_state("r")
         assert (got_w, got_s) == pytest.approx((w, s), rel=1e-5), step
+
+
+# ---------------------------------------------------------------------- order of the group
+L = llama_cpp
+ORDERS = {
+    # llama.cpp's own default chain order (its samplers that the contract has, in order)
+    "llama-default": (["top_k", "typical_p", "top_p", "min_p", "xtc", "temperature"],
+                      [(L.llama_sampler_init_top_k, 40), (L.llama_sampler_init_typical, 0.95, 1),
+                       (L.llama_sampler_init_top_p, 0.9, 1), (L.llama_sampler_init_min_p, 0.05, 1),
+                       (L.llama_sampler_init_xtc, 1.0, 0.1, 1, SEED),
+                       (L.llama_sampler_init_temp_ext, 0.8, 0.4, 1.0)]),
+    "sigma-after-min-p": (["min_p", "top_n_sigma", "temperature"],
+                          [(L.llama_sampler_init_min_p, 0.02, 1),
+                           (L.llama_sampler_init_top_n_sigma, 1.0),
+                           (L.llama_sampler_init_temp, 0.7)]),
+    "temperature-first": (["temperature", "min_p", "top_p"],
+                          [(L.llama_sampler_init_temp_ext, 1.3, 0.5, 2.0),
+                           (L.llama_sampler_init_min_p, 0.05, 1),
+                           (L.llama_sampler_init_top_p, 0.8, 1)]),
+}
+ORDER_PARAMS = {
+    "llama-default": dict(top_k=40, typical_p=0.95, top_p=0.9, min_p=0.05, xtc_probability=1.0,
+                          xtc_threshold=0.1, temperature=0.8, dynatemp_range=0.4),
+    "sigma-after-min-p": dict(min_p=0.02, top_n_sigma=1.0, temperature=0.7),
+    "temperature-first": dict(temperature=1.3, dynatemp_range=0.5, dynatemp_exponent=2.0,
+                              min_p=0.05, top_p=0.8),
+}
+
+
+def chain(logits: torch.Tensor, samplers) -> dict[int, float]:
+    """llama.cpp's chain of ``samplers`` on one array (a chain applies each in turn); the
+    finite logits left, by token id."""
+    candidates = Candidates(logits)
+    for init, *args in samplers:
+        candidates.apply(oracle(init, *args))
+    return {i: v for i, v in candidates.logits().items() if math.isfinite(v)}
+
+
+def assert_same_final(ours: torch.Tensor, theirs: dict[int, float]) -> None:
+    assert set(torch.isfinite(ours).nonzero().flatten().tolist()) == set(theirs)
+    ids = sorted(theirs)
+    torch.testing.assert_close(ours[ids], torch.tensor([theirs[i] for i in ids]),
+                               rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("order", sorted(ORDERS))
+@pytest.mark.parametrize("row_id", ROW_IDS)
+def test_sampler_order_matches_a_llama_cpp_chain_in_that_order(row_id, order):
+    """The row runs exactly the listed filters in the listed order, as a llama.cpp chain
+    does: the kept set and the final logits agree. Exact on these fixed rows: a token flipped
+    at some stage's threshold by rounding would show here as a failure to look at, not be
+    allowed. Every stage shrinks llama.cpp's array here, so dynamic temperature's n (the
+    array's size there) is the number of kept tokens, as in the contract."""
+    names, samplers = ORDERS[order]
+    logits = logit_row(row_id)
+    ours = corelib_final(logits, sampler_order=names, seed=SEED, **ORDER_PARAMS[order])
+    assert_same_final(ours, chain(logits, samplers))
+
+
+@pytest.mark.parametrize("row_id", ROW_IDS[::2])
+def test_temperature_last_matches_a_llama_cpp_chain_with_temperature_last(row_id):
+    """temperature_last: min-p and top-p see the untempered distribution; both the kept set
+    and the tempered logits match llama.cpp's chain min-p -> top-p -> temp. The same
+    request without it matches temp -> min-p -> top-p, and the two differ on these rows."""
+    logits = logit_row(row_id)
+    params = dict(temperature=0.5, min_p=0.1, top_p=0.9)
+    last = corelib_final(logits, temperature_last=True, **params)
+    assert_same_final(last, chain(logits, [(L.llama_sampler_init_min_p, 0.1, 1),
+                                           (L.llama_sampler_init_top_p, 0.9, 1),
+                                           (L.llama_sampler_init_temp, 0.5)]))
+    first = corelib_final(logits, **params)
+    assert_same_final(first, chain(logits, [(L.llama_sampler_init_temp, 0.5),
+                                            (L.llama_sampler_init_min_p, 0.1, 1),
+                                            (L.llama_sampler_init_top_p, 0.9, 1)]))
+
+
+def test_temperature_last_changes_the_kept_set_on_some_row():
+    """Guards the test above against rows where the order cannot matter."""
+    params = dict(temperature=0.5, min_p=0.1, top_p=0.9)
+    changed = [row for row in ROW_IDS[::2] if corelib_kept(logit_row(row), **params)
+               != corelib_kept(logit_row(row), temperature_last=True, **params)]
+    assert changed
+
+
+# ---------------------------------------------------------------------- selectors: differences
+def test_mirostat_keeps_every_token_tied_at_the_maximum_where_llama_cpp_keeps_one():
+    """Four equal logits are 2 bits each; with mu = 2 * tau = 1 every token is over mu. The
+    contract never drops the most likely token and keeps all tied at the maximum; llama.cpp
+    truncates its sorted array to nothing and then keeps its first entry."""
+    logits = torch.zeros(4)
+    batch = REF.new_batch(vocab_size=4)
+    batch.add("r", SamplingParams(mirostat_tau=0.5, mirostat_eta=0.1))
+    ours = torch.isfinite(REF.processed_logits(logits[None], batch)[0])
+    theirs = Candidates(logits).apply(oracle(L.llama_sampler_init_mirostat_v2, SEED, 0.5, 0.1))
+    assert ours.all()
+    assert len(theirs.kept()) == 1
+
+
+def test_adaptive_p_advances_on_any_appended_token_where_llama_cpp_only_on_its_own_draw():
+    """llama.cpp's accept updates the state only for the token its last apply drew; the
+    contract advances on any appended token (teacher forcing included), with p_t from the
+    step's distribution. After appending a token llama.cpp did not draw, llama.cpp's next
+    step equals a fresh sampler's, corelib's equals the contract's update."""
+    target, decay, vocab = 0.4, 0.8, 50
+    logits = logit_row("peaked-V50-s0")
+    sampler = oracle(L.llama_sampler_init_adaptive_p, target, decay, SEED)
+    drawn = Candidates(logits).apply(sampler).selected()
+    forced = next(t for t in torch.argsort(logits, descending=True).tolist() if t != drawn)
+    L.llama_sampler_accept(sampler, forced)
+    nxt = logit_row("spiked-V50-s1")
+    after = Candidates(nxt).apply(sampler).logits()
+    fresh_sampler = oracle(L.llama_sampler_init_adaptive_p, target, decay, SEED)
+    fresh = Candidates(nxt).apply(fresh_sampler).logits()
+    assert after == fresh
+
+    batch = REF.new_batch(vocab_size=vocab)
+    batch.add("r", SamplingParams(adaptive_p_target=target, adaptive_p_decay=decay, seed=SEED))
+    REF.sample(logits[None], batch)
+    batch.append([forced])
+    w = float(probs64(logits)[forced]) + decay * target / (1 - decay)
+    s = 1 + decay / (1 - decay)
+    assert batch.sampler_state("r") == [[pytest.approx(w, rel=1e-5), pytest.approx(s, rel=1e-5)]]
+    ours = torch.log_softmax(REF.processed_logits(nxt[None], batch)[0].double(), -1)
+    theirs = torch.log_softmax(torch.tensor([fresh[i] for i in range(vocab)]).double(), -1)
+    assert not torch.allclose(ours, theirs, atol=1e-3)
