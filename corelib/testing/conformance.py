@@ -27,6 +27,7 @@ from .. import pipeline
 from ..params import SamplingParams
 from ..sampler import Sampler
 from .engine import EngineConformance
+from .fourth import FourthReleaseConformance
 from .rules import OUTPUT, PROMPT, RULES, chi_square_p_value, params_text, violation
 
 Request = tuple  # (request_id, SamplingParams, prompt_token_ids, output_token_ids or None)
@@ -60,7 +61,7 @@ STAGE_RULES: dict[str, str] = {
     **{name: rule for name, (_, rule) in COMBINED_CASES.items()},
 }
 
-class ConformanceSuite(EngineConformance):
+class ConformanceSuite(FourthReleaseConformance, EngineConformance):
     """Contract checks for one backend; subclass as ``TestConformance`` and set ``backend``."""
 
     #: the backend's name as ``corelib.get_sampler`` takes it
@@ -248,6 +249,15 @@ class ConformanceSuite(EngineConformance):
             ("s-more", SamplingParams(seed=16, dry_multiplier=1.2, dry_allowed_length=1,
                                       top_n_sigma=2.5, typical_p=0.9, xtc_probability=0.5,
                                       xtc_threshold=0.05), PROMPT, None),
+            # the fourth release: the new filters, the two selectors, an order of its own
+            ("s-fourth", SamplingParams(seed=17, temperature=0.9, dynatemp_range=0.4,
+                                        smoothing_factor=0.2, top_a=0.05, epsilon_cutoff=0.001,
+                                        eta_cutoff=0.001, tfs=0.97, p_less="norm"), PROMPT, None),
+            ("s-mirostat", SamplingParams(seed=18, mirostat_tau=4.0, mirostat_eta=0.2, top_k=60,
+                                          n=2), PROMPT, None),
+            ("s-adaptive", SamplingParams(seed=19, adaptive_p_target=0.3, min_p=0.01), PROMPT, None),
+            ("s-order", SamplingParams(seed=20, temperature=0.6, top_k=30, min_p=0.05,
+                                       sampler_order=["top_k", "min_p", "temperature"]), PROMPT, None),
         ]
 
     def _run_steps(self, sampler, batch, steps: int, seed: int = 5, only: Optional[str] = None,

@@ -438,8 +438,10 @@ class EngineConformance:
                                            f"{got[key]} through verify (K={K}), {want} through "
                                            f"sample (first difference at position {step})")
 
-    def test_verify_applies_every_stage_at_every_slot(self, sampler):
-        requests = [("every", SamplingParams(seed=31, logprobs=4, **EVERY_STAGE), PROMPT, [9, 1]),
+    @pytest.mark.parametrize("selector", ["mirostat", "adaptive_p"])
+    def test_verify_applies_every_stage_at_every_slot(self, sampler, selector):
+        every = EVERY_STAGE if selector == "mirostat" else EVERY_STAGE_ADAPTIVE
+        requests = [("every", SamplingParams(seed=31, logprobs=4, **every), PROMPT, [9, 1]),
                     ("greedy", SamplingParams(temperature=0.0, logprobs=4, frequency_penalty=1.0,
                                               min_tokens=2, dry_multiplier=2.0), PROMPT, [2])]
         K = 3

@@ -51,6 +51,8 @@ RULES: dict[str, str] = {
     "verify_block": "block verification (method='block': the emitted sequence has the target distribution; on average at least as many drafts accepted as by the token rule; rows without draft probabilities keep the token rule)",
     "thinking": "step 8b (reasoning budget: a thinking row whose count reached its budget emits the forced sequence; state kept across join, leave, swap, resume and verify)",
     "verify_args": "verification argument checks (ValueError naming the argument; the batch unchanged)",
+    "order": "the order of the filter group (sampler_order, temperature_last: each row runs its own order, exactly as alone; stages that drop nothing do not change seeded draws)",
+    "selector_state": "stateful selectors' state (mirostat, adaptive-p: kept across join, leave, swap and append; sampler_state moves a request exactly, on any backend; a malformed one raises ValueError naming it)",
     "custom_stage": "custom stages (run at their slot on the rows that use them; state moves and resumes with the row; failures raise StageError)",
 }
 
