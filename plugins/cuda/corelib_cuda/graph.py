@@ -230,8 +230,9 @@ class GraphedSampler:
         inputs["logits"][:n].copy_(logits)
         if slot.masked:
             _copy_mask(inputs["bitmask"], mask, n)
-        out = self._replay(slot.capture)
-        return _first_rows(out, n)
+        out = _first_rows(self._replay(slot.capture), n)
+        batch.keep_selector_source(out.selector_source)
+        return out
 
     def step(self, logits: torch.Tensor, batch: SamplingBatch,
              token_bitmask: Optional[torch.Tensor] = None) -> SamplerOutput:
@@ -301,8 +302,9 @@ class GraphedSampler:
         inputs["draft_usable"][:B].copy_(usable)
         if slot.masked:
             _copy_mask(inputs["bitmask"], mask, B * S)
-        out = self._replay(slot.capture)
-        return _first_verify_rows(out, B)
+        out = _first_verify_rows(self._replay(slot.capture), B, S)
+        batch.keep_selector_source(out.selector_source, slots=S)
+        return out
 
     def _verify_buffers(self, s: CudaStepState, S: int, dtype: torch.dtype, with_probs: bool,
                         masked: bool) -> dict:
@@ -455,10 +457,17 @@ def _clone_logprobs(lp: Optional[Logprobs], n: int) -> Optional[Logprobs]:
     return Logprobs(lp.token_ids[:n].clone(), lp.logprobs[:n].clone(), lp.ranks[:n].clone())
 
 
+def _clone_rows(t: Optional[torch.Tensor], rows: int) -> Optional[torch.Tensor]:
+    return None if t is None else t[:rows].clone()
+
+
 def _first_rows(out: SamplerOutput, n: int) -> SamplerOutput:
-    return SamplerOutput(out.token_ids[:n].clone(), out.valid[:n].clone(), _clone_logprobs(out.logprobs, n))
+    # The selector source is copied too: ``batch.append`` reads it after this call returns,
+    # when another graph's replay may have reused the pool memory it lives in.
+    return SamplerOutput(out.token_ids[:n].clone(), out.valid[:n].clone(), _clone_logprobs(out.logprobs, n),
+                         _clone_rows(out.selector_source, n))
 
 
-def _first_verify_rows(out: VerifyOutput, n: int) -> VerifyOutput:
+def _first_verify_rows(out: VerifyOutput, n: int, slots: int) -> VerifyOutput:
     return VerifyOutput(out.token_ids[:n].clone(), out.num_emitted[:n].clone(), out.valid[:n].clone(),
-                        _clone_logprobs(out.logprobs, n))
+                        _clone_logprobs(out.logprobs, n), _clone_rows(out.selector_source, n * slots))

@@ -169,10 +169,17 @@ class CudaSampler(Sampler):
 
     def flashinfer_draws(self, s: StepState) -> bool:
         """Whether FlashInfer draws this step's unseeded rows. Its kernels fuse steps 12-14, so
-        only while no row uses a stage the table puts after steps 12-13 (``AFTER_TOP_K_TOP_P``:
-        typical-p, XTC, any stage added there) or a custom "after_filters" stage: those need
-        the filtered distribution before the draw."""
+        only while top-k and top-p are the last filters every row runs before the draw: no row
+        uses a stage the table puts after steps 12-13 (``AFTER_TOP_K_TOP_P``: typical-p,
+        tail-free, p-less, XTC, any stage added there) or a custom "after_filters" stage, no
+        row orders the filter group its own way (``s.filter_orders``: top-k or top-p may come
+        before other filters there) and no row uses a stateful selector (``s.any_selector``:
+        the draw takes the selector's reshaped distribution, and the batch advances the state
+        from the filtered one). The filters before 12-13 (temperature, dynamic or not,
+        top-n-sigma, smoothing, min-p, top-a, epsilon, eta) run in torch before the kernels,
+        in the reference's order."""
         return (self.flashinfer is not None and s.any_unseeded
+                and not s.any_selector and not s.filter_orders
                 and not any(stage.enabled(s) for stage in AFTER_TOP_K_TOP_P)
                 and not s.stages_at("after_filters"))
 
@@ -201,6 +208,28 @@ class CudaSampler(Sampler):
         if s.any_seeded:
             token_ids = torch.where(s.seeded, self.draw_seeded(final, s), token_ids)
         return token_ids, final
+
+    def switch_state(self, s: StepState, stage: pipeline.Stage, switch: pipeline.Switch) -> StepState:
+        """The state a named filter of a request's own order runs with (``run_orders``): the
+        core's (top-k or top-p alone: the other's fields and flags neutral) with filter bounds
+        that hold wherever the order puts the filter. The batch's bounds describe the default
+        order, where typical-p runs after top-k and top-p with it; in another order top-p alone
+        may see the whole vocabulary (its threshold by radix select when the batch's top_p
+        allow it, else the reference's sort), top-k alone needs its own candidates only, and
+        typical-p may run before top-k (so it takes the reference's sort, not the top-k
+        candidates). No device read."""
+        out = super().switch_state(s, stage, switch)
+        bounds = getattr(s, "bounds", None)
+        if bounds is None:
+            return out
+        if switch.owns == ("top_p",):
+            bounds = FilterBounds(s.vocab_size if s.any_top_p else 0, 0, False, bounds.exact_top_p)
+        elif switch.owns == ("top_k",):
+            bounds = FilterBounds(bounds.max_top_k, bounds.max_top_k, bounds.every_row_top_k,
+                                  bounds.exact_top_p)
+        else:
+            bounds = dataclasses.replace(bounds, every_row_top_k=False)
+        return dataclasses.replace(out, bounds=bounds)
 
     @staticmethod
     def final_logits_read(s: StepState) -> bool:

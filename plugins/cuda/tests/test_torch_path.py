@@ -525,3 +525,130 @@ def test_typical_p_counts_the_mass_of_ties_beyond_the_candidates(sampler, refere
     kept = torch.isfinite(got[0])
     assert int(kept.sum()) == 100 and not kept[7]
     assert torch.equal(kept, torch.isfinite(want[0]))
+
+
+# ---------------------------------------------------------------------------- fourth release
+def fourth_params(gen: torch.Generator, seeded: bool) -> SamplingParams:
+    """The filters of the fourth release mixed with the older ones, top-k on most rows (so
+    typical-p and top-p take their candidate paths) but not all."""
+    def pick(options):
+        return options[int(torch.randint(len(options), (1,), generator=gen))]
+    return SamplingParams(
+        temperature=pick([0.7, 1.0, 1.3]), dynatemp_range=pick([0.0, 0.3, 0.6]),
+        dynatemp_exponent=pick([0.5, 1.0, 2.0]), smoothing_factor=pick([0.0, 0.2, 0.5]),
+        smoothing_curve=pick([1.0, 2.0]), top_a=pick([0.0, 0.1, 0.3]),
+        epsilon_cutoff=pick([0.0, 0.0003]), eta_cutoff=pick([0.0, 0.0009]),
+        top_k=pick([0, 8, 40, 64]), top_p=pick([1.0, 0.9]), min_p=pick([0.0, 0.02]),
+        typical_p=pick([1.0, 0.8]), tfs=pick([1.0, 0.95, 0.7]), p_less=pick([None, "plain", "norm"]),
+        seed=int(torch.randint(2**62, (1,), generator=gen)) if seeded else None)
+
+
+@pytest.mark.parametrize("trial", range(4))
+def test_the_fourth_releases_filters_keep_the_reference_sets(sampler, reference, trial):
+    """Dynamic temperature, smoothing, top-a, epsilon, eta, tail-free and p-less among the
+    candidate-based top-k / top-p / typical-p, on bf16 logits (ties at every boundary):
+    the reference's kept sets and values, and the reference's seeded tokens."""
+    gen = torch.Generator().manual_seed(700 + trial)
+    requests = [(f"r{i}", fourth_params(gen, seeded=True), [1, 2], None) for i in range(12)]
+    logits = bf16_logits(12, seed=800 + trial)
+    logits[0, 20:60] = logits[0].max()                  # 40 tokens tied at the top
+    got = sampler.processed_logits(logits, build(sampler, requests))
+    want = reference.processed_logits(logits, build(reference, requests))
+    assert torch.equal(torch.isfinite(got), torch.isfinite(want))
+    assert torch.equal(got[torch.isfinite(want)], want[torch.isfinite(want)])
+    got_ids = sampler.sample(logits, build(sampler, requests)).token_ids
+    assert torch.equal(got_ids, reference.sample(logits, build(reference, requests)).token_ids)
+
+
+#: Orders where the batch's filter bounds (made for the default order) would be wrong: top-p
+#: over the whole vocabulary before top-k (its nucleus holds more tokens than the batch's
+#: largest top_k, and epsilon's renormalised cut after it sees them all), typical-p before
+#: top-k; and orders where they hold: top-k alone, then top-p after another filter.
+ORDERED_REQUESTS = [
+    ("default", SamplingParams(top_k=20, top_p=0.9, typical_p=0.9), [], None),
+    ("top-p-first", SamplingParams(sampler_order=["top_p", "epsilon", "top_k"], top_p=0.6,
+                                   epsilon_cutoff=0.001, top_k=300), [], None),
+    ("typical-first", SamplingParams(sampler_order=["typical_p", "top_k", "top_p"], typical_p=0.5,
+                                     top_k=8, top_p=0.9), [], None),
+    ("top-k-first", SamplingParams(sampler_order=["top_k", "min_p", "top_p"], top_k=200, min_p=0.001,
+                                   top_p=0.7), [], None),
+    ("temperature-last", SamplingParams(temperature_last=True, temperature=0.6, min_p=0.05,
+                                        top_k=100, tfs=0.9), [], None),
+]
+
+
+def test_custom_filter_orders_keep_the_reference_sets(sampler, reference):
+    """Rows with their own order of the filter group in one batch with a default-order row:
+    each keeps the reference's set; with the core's ``switch_state`` (the batch's bounds as
+    they are) the same batch keeps other sets, so the bounds this backend gives each named
+    filter are what makes them right."""
+    vocab = 16384
+    logits = torch.randn(len(ORDERED_REQUESTS), vocab, generator=torch.Generator().manual_seed(3))
+    want = torch.isfinite(reference.processed_logits(logits, build(reference, ORDERED_REQUESTS, vocab)))
+    got = torch.isfinite(sampler.processed_logits(logits, build(sampler, ORDERED_REQUESTS, vocab)))
+    assert (got == want).all(dim=-1).tolist() == [True] * len(ORDERED_REQUESTS)
+    plain_bounds = CudaSampler("cpu", use_flashinfer=False)
+    plain_bounds.switch_state = lambda s, stage, switch: Sampler.switch_state(plain_bounds, s, stage, switch)
+    mutant = torch.isfinite(plain_bounds.processed_logits(logits, build(plain_bounds, ORDERED_REQUESTS, vocab)))
+    assert (mutant != want).any(dim=-1).tolist() == [False, True, True, False, False]
+
+
+FOURTH = dict(dynatemp_range=0.4, smoothing_factor=0.3, top_a=0.1, epsilon_cutoff=0.0005,
+              eta_cutoff=0.001, tfs=0.95, p_less="norm", top_k=40, logprobs=3)
+ORDERED = dict(sampler_order=["top_p", "min_p", "temperature", "top_k"], top_p=0.9, min_p=0.02,
+               top_k=30, temperature=0.8)
+MIROSTAT = dict(mirostat_tau=3.0, mirostat_eta=0.1, top_k=60)
+ADAPTIVE = dict(adaptive_p_target=0.4, adaptive_p_decay=0.9, min_p=0.01)
+
+
+def fourth_requests():
+    """Rows of the fourth release: the new filters, their own order, both selectors."""
+    return [("fourth", SamplingParams(**FOURTH), [1, 2], None),
+            ("fourth-seeded", SamplingParams(**FOURTH, seed=11), [1], [3]),
+            ("ordered", SamplingParams(**ORDERED, seed=12), [], None),
+            ("mirostat", SamplingParams(**MIROSTAT, seed=13, n=2), [4], None),
+            ("adaptive", SamplingParams(**ADAPTIVE), [5], [6])]
+
+
+@pytest.mark.parametrize("mode", ["raw", "processed"])
+def test_a_step_with_the_fourth_releases_samplers_reads_nothing_on_the_host(sampler, mode):
+    """New filters, a custom order and both selectors (the selectors' source included), with
+    the older samplers beside them. ``append`` on host tensors checks the ids on the host; its
+    advance of the state is checked on the meta device below."""
+    requests = fourth_requests() + [("new", SamplingParams(**NEW_SAMPLERS, seed=6), [1, 2, 1, 2], [1]),
+                                    ("greedy", SamplingParams(temperature=0.0), [], None)]
+    batch = build(sampler, requests, eos_token_id=9, logprobs_mode=mode)
+    logits = torch.randn(len(batch), V)
+    sampler.step(logits, batch)                           # warm caches (request index, flags)
+    with no_host_sync():
+        out = sampler.sample(logits, batch)
+        per_request = sampler.sample(logits[: batch.num_requests], batch)
+    assert out.selector_source.shape == per_request.selector_source.shape == (len(batch), V)
+    assert batch.sampler_state("mirostat")[0][0] != pytest.approx(6.0)   # mu moved from 2 tau
+
+
+def test_the_fourth_releases_cycle_reads_nothing_on_the_host_with_device_tensors():
+    """As the cycle test above, on the meta device, with the fourth release's rows: sample,
+    verify (the selectors' state advanced per slot inside it) and the appends that advance
+    the state from the kept source, a request joining with a ``sampler_state``, and the graph
+    runner's replays of the same."""
+    meta = CudaSampler("meta", use_flashinfer=False)
+    K = 3
+    for runner in (meta, GraphedSampler(meta, sizes=(8,), use_graphs=False)):
+        batch = runner.new_batch(V, eos_token_id=9)
+        with no_host_sync():
+            for rid, params, prompt, outputs in fourth_requests():
+                batch.add(rid, params, prompt_token_ids=prompt, output_token_ids=outputs)
+            rows = len(batch)
+            for with_probs in (False, True):
+                out = runner.verify(torch.randn(rows, K + 1, V, device="meta"), batch,
+                                    torch.zeros(rows, K, dtype=torch.long, device="meta"),
+                                    torch.rand(rows, K, V, device="meta") if with_probs else None)
+                batch.append(out.token_ids)
+                step = runner.sample(torch.randn(rows, V, device="meta"), batch)
+                batch.append(step.token_ids)
+            batch.remove("adaptive")
+            batch.add("resumed", SamplingParams(**ADAPTIVE), prompt_token_ids=[5], output_token_ids=[6],
+                      sampler_state=[[2.5, 4.0]])
+            runner.step(torch.randn(len(batch), V, device="meta"), batch)
+        assert out.selector_source.shape == (rows * (K + 1), V)
