@@ -111,7 +111,7 @@ def test_seeded_failure_names_request_child_params_and_position():
 
 def test_batch_composition_failure_names_the_row_place():
     with fails_with("contract seeded draws (independent of batch size", "request 's-",
-                    "params SamplingParams(", "at row", "of a mixed batch of 13 rows"):
+                    "params SamplingParams(", "at row", "of a mixed batch of 18 rows"):
         suite.test_seeded_tokens_independent_of_batch_composition(NoiseKeyedByRowPlace("cpu"))
 
 
@@ -122,9 +122,9 @@ def test_masked_draw_failure_names_row_and_params():
 
 
 def test_removal_failure_names_the_moved_row():
-    # s-more (the last row) moves into s-topk's place and must keep its own state.
-    with fails_with("contract continuous batching", "request 's-more' child 0",
-                    "params SamplingParams(seed=16, dry_multiplier=1.2", "now at row 1"):
+    # s-order (the last row) moves into s-topk's place and must keep its own state.
+    with fails_with("contract continuous batching", "request 's-order' child 0",
+                    "params SamplingParams(temperature=0.6, top_k=30, min_p=0.05, seed=20", "now at row 1"):
         suite.test_remove_keeps_other_rows_state(StaleRowsOnRemove("cpu"))
 
 

@@ -238,7 +238,7 @@ class FourthReleaseConformance:
         kept = probs > 0
         counts = torch.zeros(self.vocab_size, dtype=torch.long)
         torch.manual_seed(4321)
-        for call in range(self.draw_calls):
+        for call in range(max(1, self.draw_calls // 2)):    # eight cases: half the calls each
             requests = [(f"d{call}-{i}", SamplingParams(
                 **params, seed=(call * self.draw_rows + i) if seeded else None), [], None)
                 for i in range(self.draw_rows)]
