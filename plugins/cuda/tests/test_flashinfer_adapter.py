@@ -322,3 +322,70 @@ def test_the_flashinfer_seed_comes_from_the_samplers_own_generator():
         seeds.append(sampler._flashinfer_seed())
         assert torch.equal(torch.get_rng_state(), state), "the global CPU generator was used"
     assert seeds[0] == seeds[1] != seeds[2]
+
+
+# ---------------------------------------------------------------------------- fourth release
+#: What FlashInfer's fused top-k / top-p / draw cannot serve: a filter after steps 12-13, a
+#: stateful selector (the draw takes its reshaped distribution), an order of the filter group
+#: in which top-k or top-p come before other filters.
+NOT_FUSED = {
+    "tail-free": dict(tfs=0.9),
+    "p-less": dict(p_less="norm"),
+    "mirostat": dict(mirostat_tau=3.0),
+    "adaptive-p": dict(adaptive_p_target=0.3),
+    "own-order": dict(sampler_order=["top_k", "min_p", "top_p"], min_p=0.02),
+    "temperature-last": dict(temperature_last=True, temperature=0.7, min_p=0.02),
+}
+#: The fourth release's filters before steps 12-13, with the older ones there.
+BEFORE_TOP_K = dict(temperature=0.8, dynatemp_range=0.5, dynatemp_exponent=1.5, smoothing_factor=0.3,
+                    smoothing_curve=2.0, top_a=0.05, epsilon_cutoff=0.002, eta_cutoff=0.003,
+                    min_p=0.01, top_n_sigma=2.5)
+
+
+@pytest.mark.parametrize("name", sorted(NOT_FUSED))
+def test_what_flashinfer_cannot_fuse_takes_the_torch_path_for_the_whole_batch(sampler, name):
+    """One such row beside a row FlashInfer could serve: no FlashInfer kernel runs, and the
+    batch's seeded tokens and kept sets are the reference's."""
+    vocab = 64
+    params = [SamplingParams(top_k=5, top_p=0.9), SamplingParams(top_k=12, top_p=0.8, **NOT_FUSED[name]),
+              SamplingParams(top_k=12, top_p=0.8, seed=4, **NOT_FUSED[name])]
+    batch = entry_point_batch(sampler, params, vocab)
+    logits = torch.randn(3, vocab, generator=torch.Generator().manual_seed(2)) * 2
+    assert not sampler.flashinfer_draws(sampler.step_state(logits, batch))
+    out = sampler.sample(logits, batch)
+    assert calls() == []
+    reference = Sampler("cpu")
+    ref_batch = entry_point_batch(reference, params, vocab)
+    assert int(out.token_ids[2]) == int(reference.sample(logits, ref_batch).token_ids[2])
+    final = reference.processed_logits(logits, entry_point_batch(reference, params, vocab))
+    assert torch.equal(torch.isfinite(sampler.processed_logits(logits, batch)), torch.isfinite(final))
+    assert bool(torch.isfinite(final.gather(1, out.token_ids[:, None])).all())
+
+
+def test_the_filters_before_top_k_run_in_torch_before_the_fused_kernels(sampler):
+    """Dynamic temperature, smoothing, top-a, epsilon and eta keep the fused path: they run
+    in torch, in the reference's order, and FlashInfer's top-k, top-p and draw follow. The
+    kernels get the reference's logits after steps 10-11 and draw from its final
+    distribution (chi-square over 8000 draws, fixed seeds; nothing outside the kept set)."""
+    vocab, rows, rounds = 64, 4000, 2
+    params = SamplingParams(top_k=20, top_p=0.9, **BEFORE_TOP_K)
+    logits = torch.randn(1, vocab, generator=torch.Generator().manual_seed(21)) * 2
+    reference = Sampler("cpu")
+    final = reference.processed_logits(logits, entry_point_batch(reference, [params], vocab))[0]
+    unfused = params.model_copy(update=dict(top_k=0, top_p=1.0))
+    before = reference.processed_logits(logits, entry_point_batch(reference, [unfused], vocab))[0]
+    assert 1 < int(torch.isfinite(final).sum()) < int(torch.isfinite(before).sum()) < vocab
+    batch = entry_point_batch(sampler, [params] * rows, vocab)
+    assert sampler.flashinfer_draws(sampler.step_state(logits.expand(rows, -1), batch))
+    counts = torch.zeros(vocab, dtype=torch.long)
+    for _ in range(rounds):
+        fake.CALLS.clear()
+        ids = sampler.sample(logits.expand(rows, -1), batch).token_ids
+        counts += torch.bincount(ids, minlength=vocab)
+    assert calls() == ["top_k_mask_logits", "top_p_sampling_from_probs"]
+    given = fake.CALLS[0][1]["logits"][0]
+    assert torch.equal(torch.isfinite(given), torch.isfinite(before))
+    assert torch.allclose(given[torch.isfinite(before)], before[torch.isfinite(before)])
+    kept = torch.isfinite(final)
+    assert int(counts[~kept].sum()) == 0
+    assert chi_square_p_value(counts[kept], torch.softmax(final, dim=-1)[kept]) > 1e-3

@@ -85,6 +85,23 @@ def test_graph_replays_never_sync(sampler):
     assert runner.captures == 1
 
 
+def test_graph_replays_with_the_fourth_releases_samplers_never_sync(sampler):
+    """New filters, a request's own order and both selectors in a captured step; the appends
+    between replays advance the selectors' state from the graph's selector source."""
+    runner = GraphedSampler(sampler, sizes=(16,))
+    requests = mixed_requests() + engine_requests()[-4:]
+    batch = build(sampler, requests, eos_token_id=9)
+    logits = torch.randn((len(batch), V), device="cuda") * 4
+    runner.step(logits, batch)                               # capture
+    torch.cuda.synchronize()
+    with no_host_sync("cuda"):
+        for _ in range(3):
+            out = runner.step(logits, batch)
+    assert runner.captures == 1 and runner.stats["eager_steps"] == 0
+    assert out.selector_source is not None
+    assert batch.sampler_state("mirostat")[0][0] != pytest.approx(6.0)
+
+
 def test_graph_replays_draw_fresh_unseeded_tokens(sampler):
     runner = GraphedSampler(sampler, sizes=(4,))
     requests = [(f"u{i}", SamplingParams(top_k=1000, top_p=0.99), [], None) for i in range(4)]
@@ -97,6 +114,9 @@ def test_graph_replays_draw_fresh_unseeded_tokens(sampler):
 
 CONFIGS = {
     "top_k_top_p_min_p": dict(temperature=0.8, top_k=50, top_p=0.9, min_p=0.01),
+    # the fourth release's filters before steps 12-13 run in torch ahead of the fused kernels
+    "fourth_before_top_k": dict(temperature=0.9, dynatemp_range=0.5, smoothing_factor=0.3, top_a=0.02,
+                                epsilon_cutoff=0.0005, eta_cutoff=0.001, top_k=50, top_p=0.9),
     "top_p": dict(top_p=0.7, temperature=1.2),
     "top_k": dict(top_k=20),
     "plain": dict(temperature=1.5),
@@ -161,9 +181,20 @@ ENGINE = dict(FULL, dry_multiplier=0.8, top_n_sigma=3.0, typical_p=0.95, xtc_pro
               xtc_threshold=0.05)
 
 
+#: The fourth release: new filters, a request's own order, both stateful selectors.
+FOURTH = dict(temperature=0.8, dynatemp_range=0.4, smoothing_factor=0.3, top_a=0.02, epsilon_cutoff=0.0005,
+              eta_cutoff=0.001, tfs=0.95, p_less="norm", top_k=50, top_p=0.9)
+ORDERED = dict(sampler_order=["top_p", "min_p", "temperature", "top_k"], top_p=0.9, min_p=0.02, top_k=40,
+               temperature=0.7)
+
+
 def engine_requests():
     return mixed_requests() + [("engine", SamplingParams(**ENGINE), [1, 2, 3, 1, 2], None),
-                               ("engine-seeded", SamplingParams(**ENGINE, seed=9), [1, 2], None)]
+                               ("engine-seeded", SamplingParams(**ENGINE, seed=9), [1, 2], None),
+                               ("fourth", SamplingParams(**FOURTH), [1, 2], None),
+                               ("ordered", SamplingParams(**ORDERED, seed=10), [3], None),
+                               ("mirostat", SamplingParams(mirostat_tau=3.0, seed=11), [], None),
+                               ("adaptive", SamplingParams(adaptive_p_target=0.3, min_p=0.01), [4], None)]
 
 
 @pytest.mark.parametrize("with_probs, method", [(False, "token"), (True, "token"), (True, "block")],
@@ -232,7 +263,7 @@ def test_the_bitmask_runs_the_triton_kernel(torch_sampler):
 
 @pytest.mark.parametrize("with_probs", [False, True], ids=["match", "ratio"])
 def test_graph_verify_replays_never_sync(sampler, with_probs):
-    runner = GraphedSampler(sampler, sizes=(8,))
+    runner = GraphedSampler(sampler, sizes=(16,))          # engine_requests' 13 rows
     batch = build(sampler, engine_requests(), eos_token_id=9)
     K = 3
     logits, ids, probs, mask = verify_inputs(batch, K, seed=1)

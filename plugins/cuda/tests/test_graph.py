@@ -241,6 +241,73 @@ def test_verify_checks_arguments_before_any_replay(pair):
     assert batch.generated_counts() == [0, 0, 0, 0]
 
 
+# ---------------------------------------------------------------------------- fourth release
+def fourth_requests():
+    """The new filters, a request's own order and both stateful selectors, seeded (so the
+    graph's tokens must be the eager sampler's), beside a greedy row."""
+    return [
+        ("f", SamplingParams(seed=1, dynatemp_range=0.5, smoothing_factor=0.3, top_a=0.05,
+                             epsilon_cutoff=0.0005, eta_cutoff=0.001, tfs=0.95, p_less="norm",
+                             top_k=64, logprobs=2), [1, 2], None),
+        ("o", SamplingParams(seed=2, sampler_order=["top_p", "min_p", "temperature", "top_k"],
+                             top_p=0.8, min_p=0.02, temperature=0.7, top_k=30), [3], None),
+        ("m", SamplingParams(seed=3, mirostat_tau=2.0, mirostat_eta=0.3, n=2), [], None),
+        ("a", SamplingParams(seed=4, adaptive_p_target=0.2, adaptive_p_decay=0.8, min_p=0.01), [4], None),
+        ("g", SamplingParams(temperature=0.0), [], None),
+    ]
+
+
+def selector_states(batch):
+    return [batch.sampler_state(rid) for rid in ("m", "a")]
+
+
+def test_replays_with_the_fourth_releases_samplers_match_the_eager_sampler(pair):
+    """Sample and verify steps with the new filters, a custom order and both selectors: the
+    tokens and, after every append, the selectors' state are the eager sampler's; the state
+    moves every step (an input the replays read from the batch, so no step captures again)."""
+    runner, eager = pair
+    b_graph, b_eager = build(runner, fourth_requests()), build(eager, fourth_requests())
+    seen = [selector_states(b_graph)]
+    for step in range(4):
+        logits = logits_for(step, len(b_graph), runner.device)
+        assert runner.step(logits, b_graph).token_ids.tolist() == eager.step(logits, b_eager).token_ids.tolist()
+        assert selector_states(b_graph) == selector_states(b_eager), f"step {step}"
+        seen.append(selector_states(b_graph))
+    assert runner.captures == 1
+    K = 3
+    for step in range(3):
+        rows = len(b_graph)
+        logits = torch.stack([logits_for(30 + 10 * step + j, rows, runner.device) for j in range(K + 1)], dim=1)
+        ids = torch.argmax(logits, dim=-1)[:, :K] if step == 0 else drafts_for(step, rows, K, runner.device)[0]
+        got = runner.verify(logits, b_graph, ids)
+        want = eager.verify(logits, b_eager, ids)
+        assert got.token_ids.tolist() == want.token_ids.tolist(), f"verify step {step}"
+        assert got.selector_source.shape == (rows * (K + 1), V)
+        b_graph.append(got.token_ids)
+        b_eager.append(want.token_ids)
+        assert selector_states(b_graph) == selector_states(b_eager), f"verify step {step}"
+        seen.append(selector_states(b_graph))
+    assert runner.captures == 2
+    mu = [state[0][0][0] for state in seen]
+    assert len(set(mu)) == len(mu), "mirostat's mu must move at every step"
+
+
+def test_replays_hand_the_batch_a_copy_of_the_selector_source():
+    """A replay's outputs live in the graphs' shared pool, which the next replay of another
+    graph may reuse before ``append`` reads the source: the runner returns copies."""
+    from corelib_cuda.graph import _first_rows, _first_verify_rows
+    from corelib.outputs import SamplerOutput, VerifyOutput
+    source = torch.randn(8, 16)
+    static = SamplerOutput(torch.zeros(4, dtype=torch.long), torch.ones(4, dtype=torch.bool), None, source[:4])
+    out = _first_rows(static, 3)
+    assert out.selector_source.shape == (3, 16) and out.selector_source.data_ptr() != source.data_ptr()
+    static = VerifyOutput(torch.zeros(4, 2, dtype=torch.long), torch.ones(4, dtype=torch.long),
+                          torch.ones(4, dtype=torch.bool), None, source)
+    out = _first_verify_rows(static, 3, 2)
+    assert torch.equal(out.selector_source, source[:6]) and out.selector_source.data_ptr() != source.data_ptr()
+    assert _first_rows(SamplerOutput(torch.zeros(2, dtype=torch.long), torch.ones(2, dtype=torch.bool)), 1).selector_source is None
+
+
 # ---------------------------------------------------------------------------- graph limit, stats
 def test_at_most_max_graphs_are_held_and_further_steps_run_eagerly():
     """Two graphs at most: a third size runs eagerly (and gives the eager tokens); a new key in
