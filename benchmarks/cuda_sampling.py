@@ -21,6 +21,13 @@ it is measured, so a run cut short keeps every batch size it finished. Rows:
 - ``cuda-graph``: ``GraphedSampler`` replays of the default sampler;
 - ``cuda-torch``: the torch path (``use_flashinfer=False``), eager.
 
+Configurations (columns ``name/config``): ``top_k_top_p``, ``full`` (penalties, min-p,
+min-tokens, logit bias, logprobs), ``top_k_top_p_seeded``, and, timed on ``cuda`` and
+``cuda-graph`` only, ``fourth`` (dynamic temperature, smoothing, top-a, epsilon, eta around
+top-k / top-p, then tail-free and p-less: no fused FlashInfer draw) and ``mirostat`` (mirostat
+v2 after top-k / top-p: the torch draw, and the selector source every step). A step's
+``append`` is not timed, so mirostat's state stays where it starts.
+
 A second table (engine features, ``--engine-batch-sizes``, K = ``--k``) times, on the default
 sampler unless named:
 
@@ -61,7 +68,16 @@ CONFIGS = {
                  min_tokens=300, stop_token_ids=[2], logprobs=5,
                  logit_bias={7: 1.5, 99: -2.0, 1234: 0.5, 2000: 3.0, 3000: -1.0}),
     "top_k_top_p_seeded": dict(temperature=TEMPERATURE, top_k=TOP_K, top_p=TOP_P, seed=0),
+    # the fourth release: its filters around top-k / top-p (tail-free and p-less after them,
+    # so FlashInfer draws from the filtered logits), and mirostat v2 (the stateful selector)
+    "fourth": dict(temperature=TEMPERATURE, dynatemp_range=0.3, smoothing_factor=0.3, top_a=0.02,
+                   epsilon_cutoff=0.0003, eta_cutoff=0.0009, top_k=TOP_K, top_p=TOP_P, tfs=0.95,
+                   p_less="norm"),
+    "mirostat": dict(temperature=TEMPERATURE, top_k=TOP_K, top_p=TOP_P, mirostat_tau=3.0, mirostat_eta=0.1),
 }
+#: The configurations only the default sampler and its graph runner time (the check's budget:
+#: the other samplers' paths for them are the default one's, or the reference's sort).
+DEFAULT_ONLY = ("fourth", "mirostat")
 
 
 def sort_based_sample(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
@@ -151,6 +167,8 @@ def run(device: torch.device, batch_sizes: list[int], V: int, iters: int, repeat
             for name, sampler in samplers.items():
                 if config != "top_k_top_p" and name in ("reference",) and B > 32:
                     continue   # the reference's cost is known from top_k_top_p; keep the run short
+                if config in DEFAULT_ONLY and name not in ("cuda", "cuda-graph"):
+                    continue
                 batch = build_batch(sampler, B, V, params, gen)
                 row[f"{name}/{config}"] = time_call(lambda: sampler.sample(logits, batch), device, iters, repeats)
         rows.append(row)
@@ -251,8 +269,8 @@ def ratio(row: dict, num: str, den: str) -> Optional[float]:
 
 
 SUMMARY_HEAD = ["B", "sort", "reference", "fi-bare", "fi-bare-rows", "cuda", "cuda-fast", "cuda-graph",
-                "cuda-torch", "full", "seeded", "sort/cuda", "cuda/fi-bare", "fast/fi-bare",
-                "graph/fi-bare", "full/cuda"]
+                "cuda-torch", "full", "seeded", "fourth", "mirostat", "mirostat-graph", "sort/cuda",
+                "cuda/fi-bare", "fast/fi-bare", "graph/fi-bare", "full/cuda", "fourth/cuda", "mirostat/cuda"]
 
 
 def summary(rows: list[dict]) -> str:
@@ -266,10 +284,12 @@ def summary_line(r: dict) -> str:
     vals = [str(r["B"]), _ms(r.get("sort")), _ms(r.get(f"reference/{cfg}")), _ms(r.get("fi-bare")),
             _ms(r.get("fi-bare-rows")), _ms(r.get(f"cuda/{cfg}")), _ms(r.get(f"cuda-fast/{cfg}")),
             _ms(r.get(f"cuda-graph/{cfg}")), _ms(r.get(f"cuda-torch/{cfg}")), _ms(r.get("cuda/full")),
-            _ms(r.get("cuda/top_k_top_p_seeded")),
+            _ms(r.get("cuda/top_k_top_p_seeded")), _ms(r.get("cuda/fourth")), _ms(r.get("cuda/mirostat")),
+            _ms(r.get("cuda-graph/mirostat")),
             _x(ratio(r, "sort", f"cuda/{cfg}")), _x(ratio(r, f"cuda/{cfg}", "fi-bare")),
             _x(ratio(r, f"cuda-fast/{cfg}", "fi-bare")), _x(ratio(r, f"cuda-graph/{cfg}", "fi-bare")),
-            _x(ratio(r, "cuda/full", f"cuda/{cfg}"))]
+            _x(ratio(r, "cuda/full", f"cuda/{cfg}")), _x(ratio(r, "cuda/fourth", f"cuda/{cfg}")),
+            _x(ratio(r, "cuda/mirostat", f"cuda/{cfg}"))]
     return "| " + " | ".join(vals) + " |"
 
 

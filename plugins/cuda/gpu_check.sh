@@ -19,7 +19,9 @@
 #   setup 60 s | start-up 150 s (FlashInfer's self-test: a FlashInfer without precompiled kernels
 #   compiles its sampling module with nvcc here, timed) | gpu tests 90 s (host syncs, graphs,
 #   the bitmask and seeded-race Triton kernels) | flashinfer + torch-path tests 60 s |
-#   benchmark 100 s (each batch size printed and written to bench.json as it finishes) |
+#   benchmark 100 s (each batch size printed and written to bench.json as it finishes; the
+#   fourth release's "fourth" and "mirostat" configurations are timed on the default sampler
+#   and its graph runner only, to stay within the share) |
 #   conformance on the GPU, what is left
 # TestConformanceOnCuda is left out when the sampler runs its torch path: it would repeat
 # TestTorchPathOnCuda test for test. The CPU-tensor conformance classes are CI's.
