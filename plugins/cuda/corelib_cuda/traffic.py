@@ -4,6 +4,7 @@ no memory and no time), for the cuda backend's torch path and its graph runner.
 
     python -m corelib_cuda.traffic                      # the table: B 1, 32, 128; V 128256; K 0, 4
     python -m corelib_cuda.traffic --batch-sizes 1 --ks 4 --configs seeded --ops   # one case, per op
+    python -m corelib_cuda.traffic --batch-sizes 32 --configs top-k+top-p,+tfs,+eta   # one new sampler each
 
 An operation is counted as the kernel a GPU would run for it: views, reshapes and metadata
 calls move nothing and are not counted; every other operation reads each tensor argument
@@ -153,7 +154,22 @@ CONFIGS = {
     "seeded top-k+top-p": dict(temperature=0.7, top_k=50, top_p=0.9, seed=0),
     "penalties": dict(temperature=0.7, top_k=50, top_p=0.9, repetition_penalty=1.1,
                       frequency_penalty=0.2, presence_penalty=0.1),
+    # the fourth release: every new filter at once, and mirostat, on top of top-k+top-p
+    "fourth": dict(temperature=0.7, top_k=50, top_p=0.9, dynatemp_range=0.3, smoothing_factor=0.3,
+                   top_a=0.02, epsilon_cutoff=0.0003, eta_cutoff=0.0009, tfs=0.95, p_less="norm"),
+    "mirostat": dict(temperature=0.7, top_k=50, top_p=0.9, mirostat_tau=3.0),
 }
+#: One new sampler at a time on top of top-k+top-p (``--configs +tfs`` and so on; not in the
+#: default table), and a request's own order of the same three filters.
+_TOP_K_TOP_P = dict(temperature=0.7, top_k=50, top_p=0.9)
+SINGLE = {
+    "+dynatemp": dict(dynatemp_range=0.3), "+smoothing": dict(smoothing_factor=0.3),
+    "+top-a": dict(top_a=0.02), "+epsilon": dict(epsilon_cutoff=0.0003), "+eta": dict(eta_cutoff=0.0009),
+    "+tfs": dict(tfs=0.95), "+p-less": dict(p_less="norm"), "+adaptive-p": dict(adaptive_p_target=0.3),
+    "+own-order": dict(sampler_order=["top_p", "temperature", "top_k"]),
+}
+DEFAULT_CONFIGS = tuple(CONFIGS)
+CONFIGS.update({name: dict(_TOP_K_TOP_P, **extra) for name, extra in SINGLE.items()})
 
 
 def _batch(sampler, B: int, V: int, params: dict, device: str):
@@ -194,7 +210,7 @@ def measure(runner: str, config: str, B: int, K: int, V: int = V_DEFAULT,
     return traffic, time.perf_counter() - start
 
 
-def table(batch_sizes=(1, 32, 128), ks=(0, 4), configs=tuple(CONFIGS), runners=("torch", "graph"),
+def table(batch_sizes=(1, 32, 128), ks=(0, 4), configs=DEFAULT_CONFIGS, runners=("torch", "graph"),
           V: int = V_DEFAULT, emit: Optional[Callable[[str], None]] = print) -> list[dict]:
     """Rows of (runner, config, B, K, passes, MB moved, sorts); printed as a markdown table
     row by row through ``emit``."""
@@ -220,7 +236,8 @@ def main(argv=None) -> int:
     parser.add_argument("--batch-sizes", default="1,32,128")
     parser.add_argument("--ks", default="0,4")
     parser.add_argument("--vocab", type=int, default=V_DEFAULT)
-    parser.add_argument("--configs", default=",".join(CONFIGS))
+    parser.add_argument("--configs", default=",".join(DEFAULT_CONFIGS),
+                        help=f"of {', '.join(CONFIGS)}")
     parser.add_argument("--runners", default="torch,graph")
     parser.add_argument("--ops", action="store_true", help="per-op passes of each case instead")
     args = parser.parse_args(argv)
