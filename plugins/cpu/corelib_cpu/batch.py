@@ -145,8 +145,9 @@ class CpuBatch(SamplingBatch):
     # ------------------------------------------------------------------ add / remove / append
     def add(self, request_id: str, params: SamplingParams,
             prompt_token_ids: Sequence[int] = (),
-            output_token_ids=None, child_offset: int = 0) -> list[int]:
-        rows = super().add(request_id, params, prompt_token_ids, output_token_ids, child_offset)
+            output_token_ids=None, child_offset: int = 0, sampler_state=None) -> list[int]:
+        rows = super().add(request_id, params, prompt_token_ids, output_token_ids, child_offset,
+                           sampler_state=sampler_state)
         self._plans.clear()
         if params.uses_penalties:
             prompt = _as_list(prompt_token_ids)

@@ -130,6 +130,9 @@ class Block:
                                                  # weights: the final distribution, unnormalised)
     dropped: bool = False                        # a stage dropped tokens in bulk (-inf)
     unread: Optional[SourceRows] = None          # x's rows while not gathered (_x None)
+    source: Optional[torch.Tensor] = None        # float32 [n, V]: log-probabilities after the
+                                                 # filter group (``sample_selected``), which
+                                                 # the selectors read
     _maxima: Optional[torch.Tensor] = None
 
     @property
@@ -264,6 +267,26 @@ class Block:
         else:
             self.cand = None
         self.changed()
+
+    def replace_rows(self, rows: list, values: torch.Tensor) -> None:
+        """Make the given rows (ascending) whole rows of x holding ``values`` (float32 [m, V],
+        their final logits so far, -inf for dropped tokens): their cuts and candidates are
+        forgotten, not applied."""
+        x = self.own()
+        x.index_copy_(0, self.plan.index(rows), values)
+        for row in rows:
+            self.cuts.pop(row, None)
+            self.masked.discard(row)
+        cand = self.cand
+        if cand is not None:
+            gone = set(rows)
+            rest = [j for j, row in enumerate(cand.rows) if row not in gone]
+            if len(rest) < len(cand.rows):
+                keep = torch.tensor(rest, dtype=torch.long)
+                self.cand = Candidates([cand.rows[j] for j in rest], cand.index[keep], cand.values[keep],
+                                       cand.ids[keep]) if rest else None
+        self.changed()
+        self.dropped = True
 
     def common_cut(self, rows: list):
         """(the Cut every given row belongs to and the rows' places in it), or (None, None)."""

@@ -1,4 +1,4 @@
-"""Steps 9-13b of the ``cpu`` backend (greedy's argmax and the filters), on a block of rows.
+"""Steps 9-13d of the ``cpu`` backend (greedy's argmax and the filters), on a block of rows.
 
 Mixed into :class:`~corelib_cpu.sampler.CpuSampler`; each ``apply_*`` method overrides the
 reference's stage of the same name (``corelib.Sampler``) and takes and returns a
@@ -20,7 +20,13 @@ reference's stage of the same name (``corelib.Sampler``) and takes and returns a
 - step 13a (typical-p) computes the reference's log-softmax, entropy and scores and replaces
   its sort by a radix select over the scores' bits with float64 masses (``filters``);
 - step 13b (XTC) first tosses each row's coin, and only rows whose coin says so compute
-  anything: the reference's softmax, and the rule on the row's few largest logits.
+  anything: the reference's softmax, and the rule on the row's few largest logits;
+- the fourth release's filters run on their own rows only (``BlockPlan.stage_rows``): a
+  dynamic temperature (step 10) computes the reference's entropy in workspace buffers;
+  smoothing (10b) is one compiled pass with the reference's float32 products in its order
+  (``kernels.smooth_rows``; torch into workspace buffers without numba); top-a, epsilon, eta,
+  tail-free and p-less (11a-11c, 13c, 13d) compute the reference's probabilities and level and
+  keep their rows as a pending cut, like min-p; tail-free sorts with numpy's vectorised sort.
 
 Shapes: ``n`` rows of a block, ``V`` vocabulary.
 """
@@ -28,14 +34,23 @@ Shapes: ``n`` rows of a block, ``V`` vocabulary.
 from __future__ import annotations
 
 import torch
-from corelib import StepState
+from corelib import StepState, pipeline, selectors
 from corelib.noise import STREAM_XTC
 from corelib.sampler import NEG_INF
 
+from . import kernels
 from .block import Block, Candidates, Cut, pick_rows, runs, take_rows
 from .filters import top_n_sigma_thresholds, typical_rows_, xtc_rows_
 from .rowops import first_argmax
 from .select import kth_largest, mask_below, top_k_candidates, top_p_candidates, top_p_candidates_fast
+
+
+class _Rows:
+    """Some rows' values of the step state, by name (what ``Sampler.dynamic_temperature``
+    reads)."""
+
+    def __init__(self, **values):
+        self.__dict__.update(values)
 
 
 class FilterStages:
@@ -61,15 +76,38 @@ class FilterStages:
         if bp.candidates_only:
             return x
         top = x.top
+        temperature, argmax_only = bp.temperature, None
+        if bp.dynatemp_rows:
+            temperature, argmax_only = self.dynamic_temperatures(x, s)
         if x.owned:
-            x.x.div_(bp.temperature)
+            x.x.div_(temperature)
         else:
             out = self.workspace.take("x", tuple(x.x.shape))
-            x.x, x.owned = torch.div(x.x, bp.temperature, out=out), True
+            x.x, x.owned = torch.div(x.x, temperature, out=out), True
         x.changed()
         # x / T rounds monotonically, so the maxima divided are the divided row's maxima
-        x.top = None if top is None else top / bp.temperature
+        x.top = None if top is None else top / temperature
+        if argmax_only:
+            for row in argmax_only:            # T' = 0: the row's argmax tokens alone
+                torch.threshold_(x.x[row], float(torch.nextafter(x.x[row].amax(), torch.tensor(NEG_INF))),
+                                 NEG_INF)
+            x.dropped = True
         return x
+
+    def dynamic_temperatures(self, x: Block, s: StepState) -> tuple[torch.Tensor, list]:
+        """Step 10's divisors when some row of the block has a dynamic temperature: (float32
+        [n, 1], the plan's static ones with the dynamic rows' from the reference's
+        ``dynamic_temperature`` on those rows, bit for bit; the block rows whose T' is 0,
+        which keep their argmax tokens only)."""
+        bp = x.plan
+        rows = bp.dynatemp_rows
+        index = bp.index(rows)
+        sub = x.x.index_select(0, index)
+        view = _Rows(dynatemp_range=s.dynatemp_range[index], dynatemp_exponent=s.dynatemp_exponent[index],
+                     greedy=s.greedy[index])
+        t, argmax_only = self.dynamic_temperature(sub, bp.temperature[index, 0], view)
+        temperature = bp.temperature.index_copy(0, index, t[:, None])
+        return temperature, [row for row, only in zip(rows, argmax_only.tolist()) if only]
 
     def apply_top_n_sigma(self, x: Block, s: StepState) -> Block:
         """Step 10a on the rows that use it (``s.top_n_sigma`` float32 [n], 0 = off): tokens
@@ -158,6 +196,180 @@ class FilterStages:
         return x
 
 
+    # ---------------------------------------------------------------- the fourth release's
+    # Each reads its rows whole (``row_probs``: pending cuts applied, candidates written out)
+    # and computes the reference's probabilities and levels with the same float32 operations
+    # (so the same bits); a dropping filter keeps its rows as a cut (p >= cut keeps exactly
+    # the reference's set: it drops p < level and never a token as likely as the largest, so
+    # cut = min(level, largest p)), applied to x only when a later stage reads x.
+
+    def apply_smoothing(self, x: Block, s: StepState) -> Block:
+        """Step 10b on the rows with smoothing_factor > 0: the reference's polynomial in the
+        same float32 operations, in the same order, on the block's copy (in place); dropped
+        tokens stay -inf. Runs of consecutive rows at a time."""
+        rows = x.plan.stage_rows["smoothing"]
+        if not rows:
+            return x
+        x.densify(rows)
+        xx = x.own()
+        for r0, r1 in runs(rows):
+            smooth_rows_(xx[r0:r1], s.smoothing_factor[r0:r1, None], s.smoothing_curve[r0:r1, None],
+                         self.workspace)
+        x.changed()
+        return x
+
+    def dynamic_temperature(self, x: torch.Tensor, t: torch.Tensor, s) -> tuple[torch.Tensor, torch.Tensor]:
+        """``Sampler.dynamic_temperature`` bit for bit (x float32 [m, V] whole rows, t float32
+        [m] static temperatures, ``s`` the rows' dynatemp_range, dynatemp_exponent and greedy):
+        the same log-softmax, exp and entropy (a nansum for the reference's where(p > 0): the
+        same sum, whose only NaNs are 0 * -inf) in workspace buffers instead of five new
+        [m, V] tensors; the per-row arithmetic after it is the reference's."""
+        shape = tuple(x.shape)
+        logp = torch.log_softmax(x, dim=-1, out=self.workspace.take("dynatemp_logp", shape))
+        p = torch.exp(logp, out=self.workspace.take("dynatemp_probs", shape))
+        kept = (x > NEG_INF).sum(dim=-1)
+        entropy = -torch.nansum(torch.mul(p, logp, out=logp), dim=-1)
+        ratio = (entropy / kept.clamp(min=2).to(torch.float32).log()).clamp(min=0.0)
+        d = s.dynatemp_range
+        lo = (t - d).clamp(min=0.0)
+        dynamic = lo + (t + d - lo) * ratio.pow(s.dynatemp_exponent)
+        on = (d > 0) & ~s.greedy
+        t = torch.where(on, torch.where(kept > 1, dynamic, 1.0), t)
+        argmax_only = on & (kept > 1) & (dynamic == 0)
+        return torch.where(argmax_only, 1.0, t), argmax_only
+
+    def apply_top_a(self, x: Block, s: StepState) -> Block:
+        """Step 11a on the rows with top_a > 0: p < top_a * max(p)**2 is cut (the reference's
+        softmax and product), kept as a cut."""
+        rows = x.plan.stage_rows["top_a"]
+        if rows:
+            probs, index = self.row_probs(x, rows)
+            most = probs.amax(dim=-1, keepdim=True)
+            x.set_cut(rows, probs, torch.minimum(s.top_a[index][:, None] * most * most, most))
+        return x
+
+    def apply_epsilon(self, x: Block, s: StepState) -> Block:
+        """Step 11b on the rows with epsilon_cutoff > 0: p < epsilon_cutoff is cut, kept as a
+        cut."""
+        rows = x.plan.stage_rows["epsilon"]
+        if rows:
+            probs, index = self.row_probs(x, rows)
+            most = probs.amax(dim=-1, keepdim=True)
+            x.set_cut(rows, probs, torch.minimum(s.epsilon_cutoff[index][:, None], most))
+        return x
+
+    def apply_eta(self, x: Block, s: StepState) -> Block:
+        """Step 11c on the rows with eta_cutoff > 0: the reference's log-softmax, its exp and
+        entropy (the where(p > 0) of the reference is a nansum here: the same sum, whose only
+        NaNs are 0 * -inf), p < min(eta, sqrt(eta) exp(-H)) cut, kept as a cut."""
+        rows = x.plan.stage_rows["eta"]
+        if not rows:
+            return x
+        x.densify(rows)
+        sub, index = take_rows(x.x, rows, x.plan)
+        shape = tuple(sub.shape)
+        logp = torch.log_softmax(sub, dim=-1, out=self.workspace.take("eta_logp", shape))
+        p = torch.exp(logp, out=self.workspace.take("eta_probs", shape))
+        entropy = -torch.nansum(torch.mul(p, logp, out=logp), dim=-1, keepdim=True)
+        eta = s.eta_cutoff[index][:, None]
+        cutoff = torch.minimum(eta, eta.sqrt() * torch.exp(-entropy))
+        x.set_cut(rows, p, torch.minimum(cutoff, p.amax(dim=-1, keepdim=True)))
+        return x
+
+    def apply_tfs(self, x: Block, s: StepState) -> Block:
+        """Step 13c on the rows with tfs < 1: the reference's rule on the reference's softmax,
+        the descending probabilities from a vectorised sort of the values (``sorted_desc``:
+        the same sequence as torch's sort, several times faster), then the reference's
+        float64 arithmetic (``tfs_thresholds``); p < the row's threshold is cut, kept as a
+        cut (rows of two kept tokens or fewer keep them all: a cut of 0)."""
+        rows = x.plan.stage_rows["tfs"]
+        if not rows:
+            return x
+        probs, index = self.row_probs(x, rows)
+        sub = pick_rows(x.x, rows, x.plan)
+        n = (sub > NEG_INF).sum(dim=-1, keepdim=True)
+        threshold = tfs_thresholds(sorted_desc(probs), n, s.tfs[index])
+        x.set_cut(rows, probs, torch.where(n <= 2, 0.0, threshold))
+        return x
+
+    def apply_p_less(self, x: Block, s: StepState) -> Block:
+        """Step 13d on the rows with p_less on: p < sum p**2 ("plain") or its normalised form
+        (V sum p**2 - 1) / (V - 1) ("norm") is cut, kept as a cut."""
+        rows = x.plan.stage_rows["p_less"]
+        if not rows:
+            return x
+        probs, index = self.row_probs(x, rows)
+        V = probs.shape[-1]
+        square = torch.mul(probs, probs, out=self.workspace.take("p_less_square", tuple(probs.shape)))
+        collision = square.sum(dim=-1, keepdim=True)
+        norm = (V * collision - 1.0) / max(V - 1, 1)
+        level = torch.where(s.p_less[index][:, None] == pipeline.P_LESS_MODES["norm"], norm, collision)
+        x.set_cut(rows, probs, torch.minimum(level, probs.amax(dim=-1, keepdim=True)))
+        return x
+
+    def apply_mirostat(self, x: Block, s: StepState) -> Block:
+        """Step 14, mirostat v2, on its rows (whole rows): the reference's rule
+        (``selectors.mirostat_dropped``) on the log-probabilities ``sample_selected`` already
+        computed (``Block.source``; the reference's log-softmax of the same logits, else
+        computed here), tokens dropped in place."""
+        rows = x.plan.stage_rows["mirostat"]
+        if not rows:
+            return x
+        logp, index = self.selector_rows(x, rows)
+        dropped = selectors.mirostat_dropped(logp, s.mirostat_mu[index], s.mirostat_tau[index])
+        xx = x.own()
+        j = 0
+        for r0, r1 in runs(rows):
+            xx[r0:r1].masked_fill_(dropped[j:j + r1 - r0], NEG_INF)
+            j += r1 - r0
+        x.changed()
+        x.dropped = True
+        return x
+
+    def apply_adaptive_p(self, x: Block, s: StepState) -> Block:
+        """Step 14, adaptive-p, on its rows (whole rows): the reference's softmax and
+        transform (``selectors.adaptive_logits``), kept tokens replaced in place."""
+        rows = x.plan.stage_rows["adaptive_p"]
+        if not rows:
+            return x
+        _, index = self.selector_rows(x, rows, log=False)
+        sub = x.x.index_select(0, index)
+        p = torch.softmax(sub, dim=-1, out=self.workspace.take("adaptive_probs", tuple(sub.shape)))
+        shaped = selectors.adaptive_logits(p, s.adaptive_p_target[index], s.adaptive_p_weighted[index],
+                                           s.adaptive_p_total[index])
+        xx = x.x
+        j = 0
+        for r0, r1 in runs(rows):
+            torch.where(sub[j:j + r1 - r0] > NEG_INF, shaped[j:j + r1 - r0], sub[j:j + r1 - r0],
+                        out=xx[r0:r1])
+            j += r1 - r0
+        x.changed()
+        return x
+
+    def selector_rows(self, x: Block, rows: list, log: bool = True):
+        """(float32 [m, V] the log-probabilities of the given rows after the filter group,
+        or None when ``log`` is False; their indices int64 [m]), the rows made whole rows of
+        x whose cuts are forgotten (x holds them): a selector rewrites them."""
+        x.densify(rows)
+        for row in rows:
+            x.cuts.pop(row, None)
+            x.masked.discard(row)
+        x.own()
+        index = x.plan.index(rows)
+        if not log:
+            return None, index
+        if x.source is not None:
+            return pick_rows(x.source, rows, x.plan), index
+        return torch.log_softmax(x.x.index_select(0, index), dim=-1), index
+
+    def row_probs(self, x: Block, rows: list) -> tuple[torch.Tensor, torch.Tensor]:
+        """(float32 [m, V] the reference's softmax of the given rows, whole (their pending cuts
+        applied, candidates written out), in the workspace; their indices int64 [m])."""
+        x.densify(rows)
+        sub, index = take_rows(x.x, rows, x.plan)
+        probs = torch.softmax(sub, dim=-1, out=self.workspace.take("new_filter_probs", tuple(sub.shape)))
+        return probs, index
+
     def top_k_rows(self, blk: Block, rows: list) -> None:
         """Step 12 for the given rows of blk.x float32 [n, V] (top_k int64 [n], 1..V there),
         as candidates (blk.cand). When the block divides candidates only (see
@@ -215,3 +427,52 @@ class FilterStages:
         probs = torch.softmax(sub, dim=-1, out=self.workspace.take("top_p_probs", tuple(sub.shape)))
         top_p = blk.plan.top_p[index].tolist()
         blk.attach(Cut(rows, probs, [None] * len(rows), top_p))
+
+
+def smooth_rows_(x: torch.Tensor, f: torch.Tensor, c: torch.Tensor, workspace) -> None:
+    """Quadratic smoothing of whole rows x float32 [m, V] in place, bit for bit the
+    reference's ``m - (3 - c) / 2 * f * d * d + (c - 1) / 2 * f * d * d * d`` (d = x - m, m the
+    row maximum; f, c float32 [m, 1]): the same float32 products in the same order, in one
+    compiled pass (``kernels.smooth_rows``) or in torch into workspace buffers; -inf tokens
+    stay -inf."""
+    m = x.amax(dim=-1, keepdim=True)
+    square, cube = (3.0 - c) / 2.0 * f, (c - 1.0) / 2.0 * f
+    if kernels.smooth_rows(x, m, square, cube):
+        return
+    shape = tuple(x.shape)
+    d = torch.sub(x, m, out=workspace.take("smooth_d", shape))
+    t = torch.mul(square, d, out=workspace.take("smooth_t", shape)).mul_(d)
+    u = torch.mul(cube, d, out=workspace.take("smooth_u", shape)).mul_(d).mul_(d)
+    torch.sub(m, t, out=t).add_(u)
+    torch.where(torch.isneginf(x), x, t, out=x)
+
+
+def sorted_desc(probs: torch.Tensor) -> torch.Tensor:
+    """float64 [m, V]: each row of probs float32 [m, V] sorted descending (NaN first, as
+    torch's sort), by numpy's vectorised sort where numpy is present (the values are the
+    same whichever sort orders them)."""
+    try:
+        import numpy as np
+    except ImportError:                       # torch without numpy: torch's sort
+        return torch.sort(probs, dim=-1, descending=True).values.double()
+    return torch.from_numpy(np.sort(probs.numpy(), axis=-1)).flip(-1).double()
+
+
+def tfs_thresholds(q: torch.Tensor, n: torch.Tensor, tfs: torch.Tensor) -> torch.Tensor:
+    """float32 [m, 1]: tail-free sampling's probability threshold q_j per row (the reference's
+    ``apply_tfs`` arithmetic, operation for operation: second differences, their normalised
+    float64 running sum against tfs, j), from q float64 [m, V] the row's probabilities
+    descending, n int64 [m, 1] its kept tokens and tfs float32 [m]. Compiled where numba is
+    (``kernels.tfs_thresholds``, the same bits)."""
+    compiled = kernels.tfs_thresholds(q, n, tfs)
+    if compiled is not None:
+        return compiled
+    second = (q[:, :-2] - 2.0 * q[:, 1:-1] + q[:, 2:]).abs()
+    inside = torch.arange(second.shape[-1])[None, :] < n - 2
+    second = torch.where(inside, second, 0.0)
+    total = second.sum(dim=-1, keepdim=True)
+    weights = torch.where(total > 1e-6, second / total.clamp(min=1e-300),
+                          inside.double() / (n - 2).clamp(min=1).double())
+    passed_before = (torch.cumsum(weights, dim=-1) <= tfs.double()[:, None]) & inside
+    j = torch.minimum(passed_before.sum(dim=-1, keepdim=True) + 1, (n - 2).clamp(min=1))
+    return q.gather(1, j - 1).to(torch.float32)

@@ -65,7 +65,8 @@ def describe() -> str:
     reason = _torch_only()
     if reason is not None:
         return f"kernels: pure torch ({reason})"
-    return "kernels: numba (seeded noise, small-vocabulary draw, top-k/top-p of candidates)"
+    return ("kernels: numba (seeded noise, small-vocabulary draw, top-k/top-p of candidates, "
+            "quadratic smoothing, tail-free)")
 
 
 def _compiled():
@@ -234,9 +235,45 @@ def _compile():
                 ids[r, j] = pad
         return True
 
+    @numba.njit(cache=True, nogil=True)
+    def smooth(x, top, square, cube):      # pragma: no cover - runs compiled
+        # float32 throughout, each product rounded in the reference's order (no fused
+        # multiply-add: numba contracts nothing without fastmath)
+        n, V = x.shape
+        for r in range(n):
+            m, a, b = top[r], square[r], cube[r]
+            for j in range(V):
+                v = x[r, j]
+                if v != -np.inf:
+                    d = v - m
+                    x[r, j] = (m - a * d * d) + b * d * d * d
+
+    @numba.njit(cache=True, nogil=True)
+    def tfs_second(q, n, out):              # pragma: no cover - runs compiled
+        rows, width = out.shape
+        for r in range(rows):
+            inside = n[r] - 2
+            for i in range(width):
+                out[r, i] = abs((q[r, i] - 2.0 * q[r, i + 1]) + q[r, i + 2]) if i < inside else 0.0
+
+    @numba.njit(cache=True, nogil=True)
+    def tfs_index(second, total, n, tfs, out):  # pragma: no cover - runs compiled
+        rows, width = second.shape
+        for r in range(rows):
+            inside = n[r] - 2
+            count, running = 0, 0.0
+            spread = total[r] > 1e-6
+            for i in range(min(inside, width)):    # torch's cumsum: sequential, same order
+                running += second[r, i] / max(total[r], 1e-300) if spread else 1.0 / max(inside, 1)
+                if not running <= tfs[r]:          # non-decreasing: no later sum passes
+                    break
+                count += 1
+            out[r] = min(count + 1, max(inside, 1))
+
     return dict(whole_rows=whole_rows, per_row_ids=per_row_ids, inverse_cdf=inverse_cdf,
                 mixed_keys=mixed_keys, positive_ids=positive_ids,
-                candidate_top_k=candidate_top_k, candidate_top_p=candidate_top_p)
+                candidate_top_k=candidate_top_k, candidate_top_p=candidate_top_p, smooth=smooth,
+                tfs_second=tfs_second, tfs_index=tfs_index)
 
 
 def seeded_uniforms_into(out: torch.Tensor, keys: torch.Tensor,
@@ -341,6 +378,43 @@ def top_p_of_candidates(values: torch.Tensor, top_p: torch.Tensor, tolerance: fl
     kernels["candidate_top_p"](values.contiguous().numpy(), top_p.contiguous().numpy(),
                                float(tolerance), out.numpy(), settled.numpy())
     return out, settled
+
+
+def smooth_rows(x: torch.Tensor, top: torch.Tensor, square: torch.Tensor, cube: torch.Tensor) -> bool:
+    """Quadratic smoothing in place by the compiled kernel: each finite logit v of x float32
+    ``[n, V]`` (contiguous rows) becomes ``(m - a d d) + b d d d``, d = v - m, with the row's m,
+    a and b from top, square, cube float32 ``[n, 1]``: the reference's float32 products in
+    its order, so its bits. Returns False, writing nothing, where the compiled path does not
+    run."""
+    kernels = _compiled()
+    if kernels is None or not x.is_contiguous():
+        return False
+    kernels["smooth"](x.numpy(), top.reshape(-1).contiguous().numpy(), square.reshape(-1).contiguous().numpy(),
+                      cube.reshape(-1).contiguous().numpy())
+    return True
+
+
+def tfs_thresholds(q: torch.Tensor, n: torch.Tensor, tfs: torch.Tensor) -> Optional[torch.Tensor]:
+    """``filter_stages.tfs_thresholds`` by two compiled passes around torch's sum: the
+    second differences (the reference's float64 operations in its order, 0 past n - 2), their
+    total by torch (the same reduction, so the same bits), then the running sum of the
+    normalised weights in token order (torch's cumsum is sequential too) up to the first that
+    passes tfs. float32 [m, 1] thresholds from q float64 [m, V] (descending), n int64 [m, 1],
+    tfs float32 [m]; None where the compiled path does not run."""
+    kernels = _compiled()
+    if kernels is None:
+        return None
+    import torch
+    m, V = q.shape
+    q = q.contiguous()
+    counts = n.reshape(-1).contiguous()
+    second = torch.empty((m, max(V - 2, 0)), dtype=torch.float64)
+    kernels["tfs_second"](q.numpy(), counts.numpy(), second.numpy())
+    total = second.sum(dim=-1)
+    j = torch.empty(m, dtype=torch.long)
+    kernels["tfs_index"](second.numpy(), total.numpy(), counts.numpy(), tfs.double().contiguous().numpy(),
+                         j.numpy())
+    return q.gather(1, (j - 1)[:, None]).to(torch.float32)
 
 
 def reset() -> None:

@@ -41,6 +41,16 @@ class BlockPlan:
     top_k: torch.Tensor         # int64 [n], 0 = off, at most V
     top_p: torch.Tensor         # float32 [n]
     top_k_max: int              # largest top_k of the block's top-k rows (0: none)
+    #: Random rows with a dynamic temperature (dynatemp_range > 0): step 10 reads them whole.
+    dynatemp_rows: list = field(default_factory=list)
+    #: The fourth release's filters this backend runs itself: stage name -> its random rows
+    #: of the default order (``STAGE_ROWS``); the selectors' -> every random row using one
+    #: (``SELECTOR_ROWS``).
+    stage_rows: dict = field(default_factory=dict)
+    #: Random rows with a filter order of their own: order k (``StepState.filter_order``) ->
+    #: its rows, ascending. The default order's lists above leave them out (neutral
+    #: temperature too): ``CpuSampler.run_orders`` filters them on the generic path.
+    order_rows: dict = field(default_factory=dict)
     any_greedy: bool = False
     all_greedy: bool = False
     any_seeded: bool = False
@@ -60,6 +70,7 @@ class BlockPlan:
         self.any_greedy, self.all_greedy = any(self.greedy), all(self.greedy)
         random = [i for i, g in enumerate(self.greedy) if not g]
         self.random_rows = random
+        self.greedy_rows = [i for i, g in enumerate(self.greedy) if g]
         # the rows with and without a seed, of the block and of its random rows
         self.seeded_rows = [i for i, seeded in enumerate(self.seeded) if seeded]
         self.random_seeded = [i for i in random if self.seeded[i]]
@@ -67,8 +78,12 @@ class BlockPlan:
         self.any_seeded = any(self.seeded)
         self.any_unseeded = any(not self.seeded[i] for i in random)
         top_k, whole = set(self.top_k_rows), set(self.min_p_rows) | set(self.top_n_sigma_rows)
-        self.candidates_only = (bool(random) and not self.whole_rows_first
-                                and all(i in top_k and i not in whole for i in random))
+        whole |= set(self.dynatemp_rows)
+        for name in BEFORE_TOP_K:              # read whole rows before step 12
+            whole |= set(self.stage_rows.get(name, ()))
+        default = set(random).difference(*self.order_rows.values())
+        self.candidates_only = (bool(default) and not self.whole_rows_first
+                                and all(i in top_k and i not in whole for i in default))
         self.temperature_below_one = self.temperature_on and bool((self.temperature < 1.0).any())
 
     @property
@@ -123,6 +138,19 @@ def make_plan(s: StepState, rows_per_block: int, sparse_penalties: bool,
         min_p = torch.where(g, 0.0, min_p)
         top_k = torch.where(g, 0, top_k)
         top_p = torch.where(g, 1.0, top_p)
+    random = [not g for g in greedy]
+    orders = [0] * B
+    if s.filter_orders:
+        # rows of another filter order: out of the default order's lists (run_orders)
+        orders = [k if r else 0 for k, r in zip(s.filter_order.tolist(), random)]
+        custom = torch.tensor([k > 0 for k in orders])
+        temperature = torch.where(custom, 1.0, temperature)
+        min_p = torch.where(custom, 0.0, min_p)
+        top_k = torch.where(custom, 0, top_k)
+        top_p = torch.where(custom, 1.0, top_p)
+        random_default = [r and k == 0 for r, k in zip(random, orders)]
+    else:
+        random_default = random
     off = [False] * B
     seeded = (s.seeded & ~s.greedy).tolist() if s.any_seeded else off
     temperature_on = (temperature != 1.0).tolist() if s.any_temperature else off
@@ -130,10 +158,16 @@ def make_plan(s: StepState, rows_per_block: int, sparse_penalties: bool,
     top_k_on = (top_k > 0).tolist() if s.any_top_k else off
     top_p_on = (top_p < 1.0).tolist() if s.any_top_p else off
     top_k_list = top_k.tolist() if s.any_top_k else off
-    random = [not g for g in greedy]
-    top_n_sigma_on = _random_and(s.top_n_sigma > 0.0, random) if s.any_top_n_sigma else off
-    typical_p_on = _random_and(s.typical_p < 1.0, random) if s.any_typical_p else off
-    xtc_on = _random_and(s.xtc_probability > 0.0, random) if s.any_xtc else off
+    top_n_sigma_on = _random_and(s.top_n_sigma > 0.0, random_default) if s.any_top_n_sigma else off
+    typical_p_on = _random_and(s.typical_p < 1.0, random_default) if s.any_typical_p else off
+    xtc_on = _random_and(s.xtc_probability > 0.0, random_default) if s.any_xtc else off
+    dynatemp_on = _random_and(s.dynatemp_range > 0.0, random_default) if s.any_dynatemp else off
+    stage_on = {}
+    for name, (flag, field_name, on) in {**STAGE_ROWS, **SELECTOR_ROWS}.items():
+        if getattr(s, flag):
+            # the selectors run after the filter group, whichever order the row gave it
+            rows = random if name in SELECTOR_ROWS else random_default
+            stage_on[name] = _random_and(on(getattr(s, field_name)), rows)
     key_prefix = None
     if any(seeded):
         key_prefix = row_key_prefix(s.seed_lo, s.seed_hi, s.child)
@@ -157,6 +191,9 @@ def make_plan(s: StepState, rows_per_block: int, sparse_penalties: bool,
             top_k=top_k[r0:r1],
             top_p=top_p[r0:r1],
             top_k_max=max((top_k_list[i] for i in local if top_k_on[i]), default=0),
+            dynatemp_rows=[i - r0 for i in local if dynatemp_on[i]],
+            order_rows=_order_rows(orders, r0, r1),
+            stage_rows={name: [i - r0 for i in local if on[i]] for name, on in stage_on.items()},
             whole_rows_first=whole_rows_first,
         ))
     return StepPlan(B, blocks, key_prefix, sparse_penalties)
@@ -177,6 +214,36 @@ def reads_logits_once(s: StepState) -> bool:
 # The flags of the table's stages before the filters: each writes a copy of the logits.
 _WRITING_FLAGS = tuple(flag for group in ("mask", "adjust")
                        for _, flags in pipeline.flagged_stages_in(group) for flag in flags)
+
+
+#: The filters whose rows a plan lists in ``BlockPlan.stage_rows``: name -> (its switch's
+#: flag, the field that turns it on, which values of that field do).
+STAGE_ROWS = {
+    "smoothing": ("any_smoothing", "smoothing_factor", lambda v: v > 0.0),
+    "top_a": ("any_top_a", "top_a", lambda v: v > 0.0),
+    "epsilon": ("any_epsilon", "epsilon_cutoff", lambda v: v > 0.0),
+    "eta": ("any_eta", "eta_cutoff", lambda v: v > 0.0),
+    "tfs": ("any_tfs", "tfs", lambda v: v < 1.0),
+    "p_less": ("any_p_less", "p_less", lambda v: v != pipeline.P_LESS_OFF),
+}
+#: The same for step 14's stateful selectors (every random row that uses one: they run after
+#: the filter group in any order).
+SELECTOR_ROWS = {
+    "mirostat": ("any_mirostat", "mirostat_tau", lambda v: v > 0.0),
+    "adaptive_p": ("any_adaptive_p", "adaptive_p_target", lambda v: v >= 0.0),
+}
+#: Those of them that run before steps 12-13 in the default order.
+_FILTERS = [stage.name for stage in pipeline.stages_in("filter")]
+BEFORE_TOP_K = tuple(name for name in STAGE_ROWS if _FILTERS.index(name) < _FILTERS.index("top_k_top_p"))
+
+
+def _order_rows(orders: list, r0: int, r1: int) -> dict:
+    """Block rows r0:r1's non-default filter orders: k -> its block-local rows."""
+    out: dict = {}
+    for i in range(r0, r1):
+        if orders[i]:
+            out.setdefault(orders[i], []).append(i - r0)
+    return out
 
 
 def _random_and(on: torch.Tensor, random: list) -> list:

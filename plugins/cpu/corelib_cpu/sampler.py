@@ -18,8 +18,15 @@ How it is built on the core. The stage order lives in one place, the core templa
   judges in ``judge``) and step 15 (``logprob_stage``). Their docstrings say what each does
   differently from the reference.
 
-Nothing is allocated per step and no temporary reaches ``B x V``: every block-sized buffer
-lives in the workspace, so every stage of a block runs on data still in the cache; the facts
+A request's own filter order (``sampler_order``, ``temperature_last``) takes the generic
+path: its rows run the reference's stages on a dense copy in its order (``run_orders``), the
+other rows of the block this backend's. The stateful selectors (mirostat, adaptive-p) read
+whole rows after the filter group (``sample_selected``) and run the reference's stages there;
+their log-probabilities are joined across blocks for the batch's state.
+
+Outside those generic paths nothing is allocated per step and no temporary reaches ``B x
+V``: every block-sized buffer lives in the workspace, so every stage of a block runs on data
+still in the cache; the facts
 of a step that only change when requests join or leave (which rows use which stage,
 effective parameters, blocks) are kept by the batch (``plan.StepPlan``).
 
@@ -43,7 +50,7 @@ from .filter_stages import FilterStages
 from .logit_stages import LogitStages
 from .logprob_stage import LogprobStage
 from .plan import StepPlan, make_plan, reads_logits_once
-from .state import BlockState, CpuStepState, block_states, cpu_state
+from .state import BlockState, CpuStepState, block_states, cpu_state, rows_state
 from .verification import Verification, drafts_of, undrawn_slots
 from .workspace import Workspace
 
@@ -106,6 +113,56 @@ class CpuSampler(LogitStages, FilterStages, DrawStage, Verification, LogprobStag
             out[bs.plan.r0:bs.plan.r1] = Sampler.processed_state(self, logits, batch, bs)
         return out
 
+    def sample_selected(self, x: Block, s: StepState) -> tuple[torch.Tensor, Block, torch.Tensor]:
+        """Steps 10-14 when a row uses a stateful selector (``Sampler.sample_selected``): the
+        filter group, its result written out whole (the selectors read every row in full),
+        the log-probabilities the batch advances the state from (a new float32 [n, V]: the
+        batch keeps it until ``append``, past this block's workspace), the selectors, the
+        draw."""
+        filtered = self.filter(x, s)
+        filtered.materialize()
+        logp = filtered.source = torch.log_softmax(filtered.x, dim=-1)
+        if s.verify_slots > 1:
+            s = self.selector_slot_state(logp, s)
+        final = self.select(filtered, s)
+        return self.draw(final, s), final, logp
+
+    def selector_slot_state(self, logp: torch.Tensor, s: StepState) -> StepState:
+        """``Sampler.selector_slot_state`` on a block (whole rows: a block never splits a
+        row's slots): the core's recurrence on the block's rows as a step state, its new
+        selector state set on a copy of the block's."""
+        if not isinstance(s, BlockState):
+            return Sampler.selector_slot_state(self, logp, s)
+        moved = Sampler.selector_slot_state(self, logp, s.as_step_state())
+        return s.with_fields({f.name: getattr(moved, f.name) for f in pipeline.state_fields()})
+
+    def run_orders(self, x: Block, s: StepState) -> Block:
+        """The filter group when some row orders it its own way (``Sampler.run_orders``): the
+        block's rows in the default order run this backend's stages; each random row with
+        another order (``s.filter_order`` > 0) is handed to the generic path: its logits
+        before the group, filtered by the reference's stages in its order (``dense_orders``),
+        replace what the default order left for it. A block without such a row runs the
+        default order alone."""
+        orders = x.plan.order_rows
+        if not orders:
+            return self.run_group("filter", x, s)
+        before = {k: x.x.index_select(0, x.plan.index(rows)) for k, rows in orders.items()}
+        x = self.run_group("filter", x, s)
+        names = dict(s.filter_orders)
+        for k, rows in orders.items():
+            x.replace_rows(rows, self.dense_order(before[k], rows_state(s, x.plan.index(rows)), names[k]))
+        return x
+
+    def dense_order(self, y: torch.Tensor, s: StepState, names: tuple) -> torch.Tensor:
+        """The filter group in the order ``names`` (``sampler_order`` names) on dense rows y
+        float32 [m, V] by the reference's stages (``Sampler.run_orders``' inner loop), with
+        ``s`` the rows' step state. Returns a new float32 [m, V]; y is not written."""
+        for name in names:
+            stage, switch = pipeline.named_switch(name)
+            if getattr(s, switch.flag):
+                y = getattr(Sampler, stage.method)(self, y, self.switch_state(s, stage, switch))
+        return y
+
     def stage_method(self, stage: pipeline.Stage) -> Callable[[Block, StepState], Block]:
         """This backend's method for ``stage``; for a stage it does not override, the reference
         method on the block's rows written out whole (``run_dense``), so a stage new to the
@@ -132,9 +189,19 @@ class CpuSampler(LogitStages, FilterStages, DrawStage, Verification, LogprobStag
         """``method`` (a reference stage: float32 [n, V] -> a new float32 [n, V]) on the block's
         rows written out whole (``Block.densify``: cuts applied, candidates written out; the
         random rows for a filter); its result becomes the block's x."""
-        rows = x.plan.random_rows if stage.rows == pipeline.RANDOM_ROWS else list(range(x.plan.n))
+        bp = x.plan
+        random = stage.rows == pipeline.RANDOM_ROWS
+        rows = bp.random_rows if random else list(range(bp.n))
         x.densify(rows)
-        x.x, x.owned = method(x.own(), s), True
+        for row in rows:       # x holds their cuts now: the draw must read the stage's result
+            x.cuts.pop(row, None)
+            x.masked.discard(row)
+        out = method(x.own(), s)
+        if random and bp.any_greedy:
+            # greedy rows keep step 8a's logits: their processed logprobs read them here
+            greedy = bp.index(bp.greedy_rows)
+            out.index_copy_(0, greedy, x.x.index_select(0, greedy))
+        x.x, x.owned = out, True
         x.changed()
         x.dropped = True
         return x
@@ -184,11 +251,24 @@ def join_samples(outputs: list) -> SamplerOutput:
     """The blocks' outputs as one, in row order."""
     logprobs = None if outputs[0].logprobs is None else join_logprobs([o.logprobs for o in outputs])
     return SamplerOutput(torch.cat([o.token_ids for o in outputs]), torch.cat([o.valid for o in outputs]),
-                         logprobs)
+                         logprobs, join_sources(outputs))
 
 
 def join_verifications(outputs: list) -> VerifyOutput:
     """The blocks' verification outputs as one, in row order."""
     logprobs = None if outputs[0].logprobs is None else join_logprobs([o.logprobs for o in outputs])
     return VerifyOutput(torch.cat([o.token_ids for o in outputs]), torch.cat([o.num_emitted for o in outputs]),
-                        torch.cat([o.valid for o in outputs]), logprobs)
+                        torch.cat([o.valid for o in outputs]), logprobs, join_sources(outputs))
+
+
+def join_sources(outputs: list) -> Optional[torch.Tensor]:
+    """The blocks' ``selector_source`` as one float32 [rows, V], in row order; None when no
+    block has one (no row uses a stateful selector). A block of greedy rows only has none
+    (it draws nothing): zeros stand for its rows, whose state ``append`` never advances."""
+    sources = [o.selector_source for o in outputs]
+    known = next((source for source in sources if source is not None), None)
+    if known is None:
+        return None
+    return torch.cat([source if source is not None else known.new_zeros((o.token_ids.shape[0] * (
+        1 if o.token_ids.dim() == 1 else o.token_ids.shape[1]), known.shape[1]))
+        for o, source in zip(outputs, sources)])

@@ -144,12 +144,47 @@ class BlockState:
         setattr(self, name, value)
         return value
 
+    def as_step_state(self) -> CpuStepState:
+        """The block's rows as a :class:`CpuStepState` of their own (every field read through
+        this view: tensors sliced, the block's flags), for core code that copies a step
+        state with ``dataclasses.replace``."""
+        return CpuStepState(**{name: getattr(self, name) for name in _INIT_FIELDS})
+
+    def with_fields(self, changes: dict) -> "BlockState":
+        """A copy of this view with ``changes`` (field name -> value of the block's rows) in
+        place of those fields; the rest shared."""
+        out = object.__new__(BlockState)
+        out.__dict__.update(self.__dict__)
+        out.__dict__.update(changes)
+        return out
+
     def stages_at(self, slot: str) -> list:
         """The custom stages some row of the step uses at ``slot`` (``StepState.stages_at``)."""
         return [entry for entry in self.stages if entry[0].slot == slot]
 
 
 _STEP_FIELDS = frozenset(f.name for f in dataclasses.fields(CpuStepState))
+_BLOCK_FLAGS = frozenset(name for name in BlockState.__annotations__ if name.startswith(("any_", "all_")))
+_INIT_FIELDS = tuple(f.name for f in dataclasses.fields(CpuStepState) if f.init)
+
+
+def rows_state(s, index: torch.Tensor) -> CpuStepState:
+    """The step state (a :class:`CpuStepState` or a :class:`BlockState`, ``n`` rows) of rows
+    ``index`` (int64 [m], rows of ``s``) alone: every per-row tensor (first dimension n)
+    gathered, host values and flags as ``s``'s (a flag true for ``s`` may be true for rows
+    that do not use its stage: they hold its neutral values, as in any step)."""
+    n = s.num_rows
+    values = {}
+    # a block's own flags follow its plan, which leaves rows of other orders out: the step's
+    step = s._s if isinstance(s, BlockState) else s
+    for name in _INIT_FIELDS:
+        value = getattr(step if name in _BLOCK_FLAGS else s, name)
+        if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape[0] == n:
+            value = value.index_select(0, index)
+        values[name] = value
+    values["num_rows"] = index.shape[0]
+    values["plan"], values["undrawn"], values["stages"] = None, frozenset(), ()
+    return CpuStepState(**values)
 
 # StepState's host values every block shares (the flags of the stages a block's plan knows
 # its rows for are set from the plan instead; see BlockState).

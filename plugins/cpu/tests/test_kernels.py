@@ -234,4 +234,5 @@ def test_info_names_the_path():
     if importlib.util.find_spec("numba") is None:
         assert described == "kernels: pure torch (numba not installed)"
     else:
-        assert described == "kernels: numba (seeded noise, small-vocabulary draw, top-k/top-p of candidates)"
+        assert described == ("kernels: numba (seeded noise, small-vocabulary draw, top-k/top-p of "
+                             "candidates, quadratic smoothing, tail-free)")
