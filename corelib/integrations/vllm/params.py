@@ -20,18 +20,23 @@ vLLM's field is derived, the mapping takes vLLM's derived value:
 corelib's own samplers that vLLM has no field for come through ``extra_args``, under one key
 of corelib's: ``extra_args["corelib"]`` is a dict of ``corelib.SamplingParams`` fields absent
 from vLLM's ``SamplingParams`` (validated by corelib; any other key in it is an error naming
-it). Every other key of ``extra_args`` belongs to other code (vLLM itself, custom logits
-processors, plugins, the user) and passes through untouched, except two spellings corelib
-reads at the top level: ``child_offset``, the child index a request draws as
-(``SamplingBatch.add``'s argument), and, for requests written before the ``"corelib"`` key,
-the name of a field that ``"corelib"`` takes (``extra_args={"dry_multiplier": 0.8}``),
-validated as there. A field set both ways is an error.
+it), or that dict as a JSON string: the OpenAI-compatible server's ``vllm_xargs`` (which
+becomes ``extra_args``) takes only strings, numbers and lists as values, so a request to
+``vllm serve`` sends ``"vllm_xargs": {"corelib": '{"mirostat_tau": 5.0}'}``. Every other key
+of ``extra_args`` belongs to other code (vLLM itself, custom logits processors, plugins, the
+user) and passes through untouched, except two spellings corelib reads at the top level:
+``child_offset``, the child index a request draws as (``SamplingBatch.add``'s argument), and,
+for requests written before the ``"corelib"`` key, the name of a field that ``"corelib"``
+takes (``extra_args={"dry_multiplier": 0.8}``), validated as there; there
+``temperature_last`` may be 1 or 0, since the server's ``vllm_xargs`` turns JSON booleans into
+those. A field set both ways is an error.
 A vLLM feature that would change sampling and that corelib does not implement is refused.
 """
 
 from __future__ import annotations
 
 import copy
+import json
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -52,6 +57,8 @@ CORELIB_KEY = "corelib"
 THINKING_FIELDS = frozenset({"thinking_budget", "thinking_start_token_ids",
                              "thinking_end_token_ids", "thinking_forced_token_ids"})
 _INT32_MAX = 2**31 - 1
+# corelib's boolean fields that extra_args may set.
+_BOOL_FIELDS = frozenset({"temperature_last"})
 
 
 class UnsupportedParameterError(ValueError):
@@ -213,10 +220,7 @@ def _extra_fields(params: Any) -> dict[str, Any]:
     must be one), and the names of those fields at the top level (the spelling from before that
     key). Other top-level keys belong to other code and are not read."""
     extra = params.extra_args or {}
-    nested = extra.get(CORELIB_KEY, {})
-    if not isinstance(nested, dict):
-        raise ValueError(f"extra_args[{CORELIB_KEY!r}] must be a dict of corelib sampling "
-                         f"parameters, got {type(nested).__name__} {nested!r}")
+    nested = _corelib_dict(extra.get(CORELIB_KEY, {}))
     allowed = extra_args_fields(type(params))
     fields = {}
     for key, value in nested.items():
@@ -227,8 +231,35 @@ def _extra_fields(params: Any) -> dict[str, Any]:
         if key in fields:
             raise ValueError(f"extra_args[{key!r}]: {key} is also set in "
                              f"extra_args[{CORELIB_KEY!r}]; set it once")
-        fields[key] = extra[key]
+        fields[key] = _top_level_value(key, extra[key])
     return fields
+
+
+def _corelib_dict(value: Any) -> dict:
+    """The dict of corelib fields under ``extra_args["corelib"]``: the dict itself, or the
+    JSON object a string holds (the server's ``vllm_xargs`` cannot carry a dict)."""
+    where = f"extra_args[{CORELIB_KEY!r}]"
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError as exc:
+            raise ValueError(f"{where}: a string must hold a JSON object of corelib sampling "
+                             f"parameters, got {value!r} ({exc})") from None
+        if not isinstance(value, dict):
+            raise ValueError(f"{where}: a string must hold a JSON object of corelib sampling "
+                             f"parameters, got JSON {type(value).__name__} {value!r}")
+    if not isinstance(value, dict):
+        raise ValueError(f"{where} must be a dict of corelib sampling parameters (or that dict "
+                         f"as a JSON string), got {type(value).__name__} {value!r}")
+    return value
+
+
+def _top_level_value(key: str, value: Any) -> Any:
+    # vLLM's server turns JSON booleans in vllm_xargs into 1 and 0; an int (not a bool) of
+    # exactly those values is the boolean the request sent.
+    if key in _BOOL_FIELDS and type(value) is int and value in (0, 1):
+        return bool(value)
+    return value
 
 
 def _check_corelib_key(key: Any, where: str, allowed: frozenset[str]) -> None:

@@ -10,6 +10,12 @@ without rebuilding it:
   partial prefill, or vLLM changed it) is removed and added again from vLLM's own state;
 - a request that joined is ``add``ed with vLLM's prompt and output tokens, so a preempted and
   resumed request continues its penalties, min-tokens and seeded positions;
+- a request that leaves unfinished (preempted, or not scheduled this step: vLLM keeps its
+  ``CachedRequestState``) and uses a stateful selector (mirostat, adaptive-p) leaves its
+  selector state behind (``batch.sampler_state``), keyed by its number of generated tokens;
+  when it joins again with that many output tokens it resumes from it, so it samples what it
+  would have sampled without the preemption. A token vLLM discarded (a chunk of a resumed
+  prefill) is undone the same way: the state kept for vLLM's count is taken again;
 - the requests that left vLLM's batch are ``remove``d together, after the joins: corelib's
   ``remove`` moves the last row into each hole, and the joins and removals go in the order
   that makes this vLLM's placing of new requests into the lowest freed rows and its
@@ -107,6 +113,10 @@ class BatchMirror:
         self._added: dict[str, tuple[Any, int]] = {}
         self._synced_order: list[str] = []     # vLLM's row order after the last sync (a copy)
         self.moves = {"added": 0, "removed": 0, "swapped": 0}   # for tests and benchmarks
+        # Unfinished requests that use a stateful selector: request id -> {number of generated
+        # tokens: its sampler_state then}, what it resumes from when it joins again.
+        self._selector_states: dict[str, dict[int, list]] = {}
+        self.resumed = 0        # joins that took a kept selector state (for tests)
 
     def sync(self, input_batch: Any, requests: dict[str, Any]) -> SamplingBatch:
         """Bring the batch to ``input_batch``'s rows (``requests``: the runner's
@@ -117,8 +127,11 @@ class BatchMirror:
             return self.batch
         order, self._synced_order = list(order), []     # no steady state until this sync ends
         left, changed = self._stale(input_batch.req_id_to_index, outputs, requests)
+        if self._selector_states:           # requests that finished while out of the batch
+            for request_id in [r for r in self._selector_states if r not in requests]:
+                del self._selector_states[request_id]
         if changed:                         # added again below, from vLLM's state
-            self._drop(changed)
+            self._drop(changed, requests)
             # where the leaving requests are now: last rows moved into the changed ones' holes
             left = deque(sorted((self.batch.rows_of(request_id)[0], request_id)
                                 for _, request_id in left))
@@ -132,7 +145,7 @@ class BatchMirror:
         into_holes = joining[:filling][::-1]
         for row, request_id in joining[filling:] + into_holes:
             self._add(request_id, requests[request_id], outputs[row])
-        self._drop(left)
+        self._drop(left, requests)
         self._follow(order)
         self._synced_order = order
         return self.batch
@@ -174,24 +187,60 @@ class BatchMirror:
         return (state.sampling_params is params and state.num_prompt_tokens == prompt_length
                 and generated == len(output_ids))
 
-    def _drop(self, stale: deque) -> None:
+    def _drop(self, stale: deque, requests: dict[str, Any]) -> None:
         """Remove ``stale`` (``(row, request id)``, rows ascending) in the order that closes
         the holes as vLLM's ``condense`` does: a stale last row is dropped, otherwise the
         lowest stale row is removed and the last row moves into it (vLLM moves its last
         remaining request into its lowest hole). The moved row is never stale (else it would
         have been dropped first), so the other stale rows stay where they are: the order is
-        found on row numbers alone, and one ``remove`` takes them all."""
+        found on row numbers alone, and one ``remove`` takes them all. The selector state of
+        a request still in ``requests`` (unfinished) is kept first (``_keep_selector_state``)."""
         order, last_row = [], self.batch.num_rows - 1
         while stale:
             _, victim = stale.pop() if stale[-1][0] == last_row else stale.popleft()
             order.append(victim)
             last_row -= 1
+        for victim in order:
+            if victim in requests:
+                self._keep_selector_state(victim)
+            else:
+                self._selector_states.pop(victim, None)
         self.batch.remove(*order)
         for victim in order:
             del self._added[victim]
             if self.processors:
                 self.processors.forget(victim)
         self.moves["removed"] += len(order)
+
+    def _keep_selector_state(self, request_id: str) -> None:
+        """Keep the selector state of a request about to leave unfinished, under its number
+        of generated tokens (a device read, only for requests that use a selector)."""
+        params = self.batch.params_of(request_id)
+        if not (params.uses_mirostat or params.uses_adaptive_p):
+            return
+        generated = self.batch.generated_counts()[self.batch.rows_of(request_id)[0]]
+        kept = self._selector_states.setdefault(request_id, {})
+        kept[generated] = self.batch.sampler_state(request_id)
+
+    def _resume_state(self, request_id: str, params: SamplingParams,
+                      generated: int) -> Optional[list]:
+        """The selector state a request joining with ``generated`` output tokens resumes
+        from: the one kept at that count, None (a fresh start) for a request that uses no
+        selector or has generated nothing. States kept at later counts are forgotten: their
+        tokens are not vLLM's."""
+        kept = self._selector_states.get(request_id)
+        if kept is None or not (params.uses_mirostat or params.uses_adaptive_p):
+            return None
+        state = kept.get(generated)
+        for count in [c for c in kept if c > generated]:
+            del kept[count]
+        if state is None and generated:
+            logger.warning("corelib sampler (%s): request %r rejoins with %d output tokens, but "
+                           "its selector state was kept at %s tokens; mirostat/adaptive-p "
+                           "start afresh", ENV_VAR, request_id, generated, sorted(kept))
+        if state is not None:
+            self.resumed += 1
+        return state
 
     def _add(self, request_id: str, state: Any, output_ids: list[int]) -> None:
         if PLACEHOLDER_TOKEN in output_ids:
@@ -204,9 +253,13 @@ class BatchMirror:
         params = corelib_params(state.sampling_params, self.vocab_size, thinking=self.thinking)
         if self.processors:
             self.processors.admit(request_id)
+        resume = self._resume_state(request_id, params, len(output_ids))
+        # Only a resumed selector passes sampler_state: a backend's batch written before that
+        # argument serves every other request.
+        more = {} if resume is None else {"sampler_state": resume}
         self.batch.add(request_id, params, prompt_token_ids=state.prompt_token_ids or (),
                        output_token_ids=list(output_ids),
-                       child_offset=child_offset(state.sampling_params))
+                       child_offset=child_offset(state.sampling_params), **more)
         self._added[request_id] = (state.sampling_params, state.num_prompt_tokens)
         self.moves["added"] += 1
 

@@ -21,13 +21,14 @@ MAX_REQS = 16
 class Engine:
     """vLLM's InputBatch driven the way its model runner drives it, with a BatchMirror."""
 
-    def __init__(self):
+    def __init__(self, backend: str = "cpu"):
         self.input_batch = InputBatch(max_num_reqs=MAX_REQS, max_model_len=128,
                                       max_num_batched_tokens=128, device=torch.device("cpu"),
                                       vocab_size=VOCAB, block_sizes=[16],
                                       max_num_blocks_per_req=[8])
         self.requests: dict[str, CachedRequestState] = {}
-        self.mirror = BatchMirror(corelib.get_sampler("cpu"), VOCAB, "raw")
+        self.sampler = corelib.get_sampler(backend)
+        self.mirror = BatchMirror(self.sampler, VOCAB, "raw")
         self.next_id = 0
 
     def new_request(self, outputs=(), **params) -> str:
@@ -40,12 +41,15 @@ class Engine:
             block_ids=([self.next_id],), num_computed_tokens=0, output_token_ids=list(outputs))
         return rid
 
-    def step(self, remove=(), add=(), swaps=()):
-        """One scheduler update as the runner applies it: removals, additions (lowest free
-        rows first), condense, reorders; then the mirror syncs."""
+    def step(self, remove=(), add=(), swaps=(), preempt=()):
+        """One scheduler update as the runner applies it: removals (``preempt``: out of the
+        batch, its request state kept), additions (lowest free rows first), condense,
+        reorders; then the mirror syncs."""
         for rid in remove:
             self.input_batch.remove_request(rid)
             del self.requests[rid]
+        for rid in preempt:
+            self.input_batch.remove_request(rid)
         for rid in add:
             self.input_batch.add_request(self.requests[rid])
         self.input_batch.condense()
@@ -65,6 +69,16 @@ class Engine:
         for row, rid in enumerate(self.input_batch.req_ids):
             if rid not in discard:
                 self.requests[rid].output_token_ids.append(int(tokens[row]))
+
+    def sample(self, logits, discard=()):
+        """Every row samples from ``logits`` (float32 [rows, VOCAB]); vLLM keeps all but the
+        tokens of the rows in ``discard``."""
+        batch = self.mirror.batch
+        out = self.sampler.sample(logits[:len(batch)], batch)
+        batch.append(out.token_ids)
+        for row, rid in enumerate(self.input_batch.req_ids):
+            if rid not in discard:
+                self.requests[rid].output_token_ids.append(int(out.token_ids[row]))
 
     def check(self, batch):
         order = self.input_batch.req_ids
@@ -178,3 +192,38 @@ def test_random_churn(seed):
         engine.step(remove=remove, add=add, swaps=swaps)
         if size:
             engine.decode(discard=set(rng.sample(engine.input_batch.req_ids, rng.randint(0, 1))))
+
+
+def test_a_preempted_selector_resumes_its_state_and_a_discarded_token_is_undone():
+    """A mirostat request that leaves unfinished keeps its state in the mirror; it resumes from
+    it when it joins again with as many output tokens, also after vLLM discards the token it
+    sampled during its resumed prefill; once it finishes, nothing of it stays behind."""
+    from conftest import selector_backend
+    engine = Engine(selector_backend())
+    logits = torch.randn(MAX_REQS, VOCAB, generator=torch.Generator().manual_seed(0)) * 4
+    ids = [engine.new_request(extra_args={"corelib": {"mirostat_tau": 3.0, "mirostat_eta": 0.4}})
+           for _ in range(3)]
+    engine.step(add=ids)
+    for _ in range(4):
+        engine.sample(logits)
+        engine.step()
+    batch = engine.mirror.batch
+    kept = batch.sampler_state(ids[1])
+    assert kept != [[6.0]]                 # mu moved from 2 * tau
+    engine.step(preempt=[ids[1]])
+    for _ in range(2):
+        engine.sample(logits)
+        engine.step()
+    engine.step(add=[ids[1]])
+    assert engine.mirror.resumed == 1 and batch.sampler_state(ids[1]) == kept
+    engine.sample(logits, discard={ids[1]})     # its prefill is not done: vLLM drops the token
+    engine.step()
+    assert engine.mirror.resumed == 2 and batch.sampler_state(ids[1]) == kept
+    engine.sample(logits)
+    engine.step()
+    moved = batch.sampler_state(ids[1])
+    assert moved != kept
+    engine.step(preempt=[ids[2]])           # left unfinished, then aborted while out
+    del engine.requests[ids[2]]
+    engine.step(remove=[ids[1]])
+    assert engine.mirror._selector_states == {}

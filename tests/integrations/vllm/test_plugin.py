@@ -4,6 +4,8 @@ corelib cannot honour stop the engine at start."""
 
 from __future__ import annotations
 
+import json
+
 import os
 import subprocess
 import sys
@@ -81,6 +83,10 @@ EXTRA_ARGS = {
     "dry_multiplier": 0.8, "dry_base": 2.0, "dry_allowed_length": 3, "dry_range": 64,
     "dry_sequence_breakers": [5, 9], "top_n_sigma": 1.5, "typical_p": 0.9,
     "xtc_threshold": 0.2, "xtc_probability": 0.5, "stage_args": {"ban-repeats": {"times": 2}},
+    "dynatemp_range": 0.5, "dynatemp_exponent": 2.0, "smoothing_factor": 0.3,
+    "smoothing_curve": 2.0, "top_a": 0.2, "epsilon_cutoff": 0.01, "eta_cutoff": 0.02, "tfs": 0.9,
+    "p_less": "norm", "sampler_order": ["top_k", "temperature"], "temperature_last": True,
+    "mirostat_tau": 5.0, "mirostat_eta": 0.2, "adaptive_p_target": 0.5, "adaptive_p_decay": 0.5,
 }
 
 
@@ -101,6 +107,27 @@ def test_extra_args_pass_corelib_only_fields(field, spelling):
     assert getattr(mapped, field) != getattr(corelib.SamplingParams(), field)
 
 
+def test_the_servers_spelling_a_json_string_under_corelibs_key():
+    """The OpenAI server's ``vllm_xargs`` holds no dicts: the same fields come as a JSON
+    object in a string under ``"corelib"``, booleans and nested dicts included."""
+    fields = {"mirostat_tau": 3.0, "temperature_last": True, "p_less": "plain",
+              "stage_args": {"ban-repeats": {"times": 2}}}
+    as_string = corelib_params(VllmParams(extra_args={CORELIB_KEY: json.dumps(fields)}))
+    assert as_string == corelib_params(VllmParams(extra_args={CORELIB_KEY: fields}))
+    assert as_string == corelib.SamplingParams(**fields)
+
+
+def test_the_servers_booleans_at_the_top_level():
+    """``vllm_xargs`` turns a JSON ``true`` into 1: at the top level (the older spelling)
+    ``temperature_last`` takes 1 and 0 as the booleans they were; other values stay errors."""
+    assert corelib_params(VllmParams(extra_args={"temperature_last": 1})).temperature_last is True
+    assert corelib_params(VllmParams(extra_args={"temperature_last": 0})).temperature_last is False
+    with pytest.raises(ValueError, match="temperature_last"):
+        corelib_params(VllmParams(extra_args={"temperature_last": 2}))
+    with pytest.raises(ValueError, match="temperature_last"):
+        corelib_params(VllmParams(extra_args={CORELIB_KEY: {"temperature_last": 1}}))
+
+
 def test_extra_args_keys_vllm_reads_are_left_to_vllm():
     for key in VLLM_EXTRA_ARGS:
         assert corelib_params(VllmParams(extra_args={key: {"a": 1}})) == corelib.SamplingParams()
@@ -114,7 +141,30 @@ def test_extra_args_keys_vllm_reads_are_left_to_vllm():
     (dict(extra_args={CORELIB_KEY: {"thinking_budget": 4}}),
      "extra_args\\['corelib'\\]\\['thinking_budget'\\]: the reasoning budget is vLLM's"),
     (dict(extra_args={CORELIB_KEY: [("dry_multiplier", 0.5)]}),
-     "extra_args\\['corelib'\\] must be a dict of corelib sampling parameters, got list"),
+     "extra_args\\['corelib'\\] must be a dict of corelib sampling parameters .*, got list"),
+    (dict(extra_args={CORELIB_KEY: "{'tfs': 0.5}"}),
+     "extra_args\\['corelib'\\]: a string must hold a JSON object .* got \"{'tfs'"),
+    (dict(extra_args={CORELIB_KEY: "[1, 2]"}),
+     "extra_args\\['corelib'\\]: a string must hold a JSON object .* got JSON list"),
+    (dict(extra_args={CORELIB_KEY: '{"tfs": 0}'}), "tfs: tfs must be in \\(0, 1\\]"),
+    (dict(extra_args={CORELIB_KEY: {"top_a": 1.5}}), "top_a: top_a must be in \\[0, 1\\]"),
+    (dict(extra_args={CORELIB_KEY: {"epsilon_cutoff": 1.0}}), "epsilon_cutoff: .*\\[0, 1\\)"),
+    (dict(extra_args={CORELIB_KEY: {"eta_cutoff": -0.1}}), "eta_cutoff: .*\\[0, 1\\)"),
+    (dict(extra_args={CORELIB_KEY: {"dynatemp_exponent": 0.0}}), "dynatemp_exponent: .*> 0"),
+    (dict(extra_args={CORELIB_KEY: {"smoothing_curve": 4.0}}), "smoothing_curve: .*\\[1, 3\\]"),
+    (dict(extra_args={CORELIB_KEY: {"p_less": "loose"}}), "p_less"),
+    (dict(extra_args={CORELIB_KEY: {"mirostat_eta": 2.0}}), "mirostat_eta: .*\\[0, 1\\]"),
+    (dict(extra_args={CORELIB_KEY: {"adaptive_p_decay": 1.0}}), "adaptive_p_decay: .*0.99"),
+    (dict(extra_args={CORELIB_KEY: {"sampler_order": ["top_k", "nope"]}}),
+     "sampler_order: unknown filter 'nope'"),
+    (dict(extra_args={CORELIB_KEY: {"sampler_order": ["top_k", "top_k"]}}),
+     "sampler_order: 'top_k' is listed twice"),
+    (dict(top_k=5, extra_args={CORELIB_KEY: {"sampler_order": ["temperature"]}}),
+     "sampler_order must list every filter the request turns on"),
+    (dict(extra_args={CORELIB_KEY: {"sampler_order": ["top_k"], "temperature_last": True}}),
+     "temperature_last cannot be combined with sampler_order"),
+    (dict(extra_args={CORELIB_KEY: {"mirostat_tau": 5.0, "adaptive_p_target": 0.5}}),
+     "mirostat.*adaptive"),
     (dict(extra_args={CORELIB_KEY: {"dry_multiplier": 0.5}, "dry_multiplier": 0.7}),
      "extra_args\\['dry_multiplier'\\]: dry_multiplier is also set in extra_args\\['corelib'\\]"),
     (dict(extra_args={CORELIB_KEY: {"dry_multiplier": -1.0}}), "dry_multiplier: .*0"),

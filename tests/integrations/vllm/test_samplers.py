@@ -24,8 +24,22 @@ CASES = {
     "xtc": dict(temperature=1.0, seed=5, xtc_probability=0.5, xtc_threshold=0.05),
     "ban-repeats": dict(temperature=0.0, stage_args={"ban-repeats": {"times": 2}}),
     "floor-prob": dict(temperature=1.0, seed=6, stage_args={"floor-prob": {"prob": 0.05}}),
+    # The fourth release's filters, filter orders and stateful selectors.
+    "dynatemp": dict(temperature=1.5, seed=7, dynatemp_range=1.0, dynatemp_exponent=0.5),
+    "smoothing": dict(temperature=1.5, seed=8, smoothing_factor=0.3, smoothing_curve=2.0),
+    "top-a": dict(temperature=1.5, seed=9, top_a=0.3),
+    "epsilon": dict(temperature=1.5, seed=10, epsilon_cutoff=0.03),
+    "eta": dict(temperature=1.5, seed=11, eta_cutoff=0.03),
+    "tfs": dict(temperature=1.5, seed=12, tfs=0.7),
+    "p-less": dict(temperature=1.5, seed=13, p_less="plain"),
+    "p-less-norm": dict(temperature=1.5, seed=14, p_less="norm"),
+    "sampler-order": dict(temperature=2.0, seed=15, top_k=8, min_p=0.2,
+                          sampler_order=["top_k", "min_p", "temperature"]),
+    "temperature-last": dict(temperature=2.0, seed=16, min_p=0.2, temperature_last=True),
+    "mirostat": dict(temperature=1.5, seed=17, mirostat_tau=2.0, mirostat_eta=0.5),
+    "adaptive-p": dict(temperature=1.5, seed=18, adaptive_p_target=0.2, adaptive_p_decay=0.7),
 }
-VLLM_FIELDS = {"temperature", "seed"}
+VLLM_FIELDS = {"temperature", "seed", "top_k", "min_p"}
 
 
 def through_extra_args(case: dict):
