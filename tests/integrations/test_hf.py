@@ -11,6 +11,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+import corelib  # noqa: E402
 from corelib import Sampler, SamplingParams  # noqa: E402
 from corelib.integrations.hf import CorelibLogitsProcessor, generate  # noqa: E402
 
@@ -206,6 +207,102 @@ def test_logits_processor_restarts_on_a_new_generation(llama):
     runs = [llama.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=5,
                            pad_token_id=PAD, logits_processor=[processor]) for _ in range(2)]
     assert torch.equal(runs[0], runs[1])
+
+
+# ---------------------------------------------------------------------- the fourth release
+# The tiny models' logits spread about 0.6 from best to worst token: a low temperature spreads
+# them as a trained model's, so that each filter keeps some tokens and drops others.
+T = 0.05
+NEW_SAMPLERS = {
+    "dynatemp": dict(temperature=T, dynatemp_range=0.04, dynatemp_exponent=0.5),
+    "smoothing": dict(temperature=T, smoothing_factor=0.5, smoothing_curve=2.0),
+    "top-a": dict(temperature=T, top_a=0.2),
+    "epsilon": dict(temperature=T, epsilon_cutoff=0.02),
+    "eta": dict(temperature=T, eta_cutoff=0.5),
+    "tfs": dict(temperature=T, tfs=0.6),
+    "p-less": dict(temperature=T, p_less="plain"),
+    "p-less-norm": dict(temperature=T, p_less="norm"),
+    "sampler-order": dict(temperature=3 * T, top_k=12, min_p=0.3,
+                          sampler_order=["top_k", "min_p", "temperature"]),
+    "temperature-last": dict(temperature=3 * T, min_p=0.3, temperature_last=True),
+    "mirostat": dict(temperature=T, mirostat_tau=2.0, mirostat_eta=0.5),
+    "adaptive-p": dict(temperature=T, adaptive_p_target=0.2, adaptive_p_decay=0.7),
+}
+# Two prompts per request (seeds differ), so that rows with different states share the batch.
+SAMPLER_PROMPTS = [[5, 6, 7, 8, 9], [10, 11], [12, 13, 14]]
+
+
+def per_prompt(case: dict) -> list[SamplingParams]:
+    return [SamplingParams(seed=40 + i, **case) for i in range(len(SAMPLER_PROMPTS))]
+
+
+def plain_loop(model, prompts, params, steps=STEPS) -> list[list[int]]:
+    """An oracle independent of the integration's loop: the whole sequence through the model
+    each step (no cache, no padding), the reference backend sampling one batch of the
+    prompts, each step's tokens appended to it."""
+    sampler = corelib.get_sampler("reference")
+    batch = sampler.new_batch(V)
+    for i, (prompt, p) in enumerate(zip(prompts, params)):
+        batch.add(str(i), p, prompt_token_ids=prompt)
+    sequences = [list(prompt) for prompt in prompts]
+    with torch.no_grad():
+        for _ in range(steps):
+            logits = torch.stack([model(torch.tensor([s])).logits[0, -1] for s in sequences])
+            tokens = sampler.sample(logits.float(), batch).token_ids
+            batch.append(tokens)
+            for sequence, token in zip(sequences, tokens.tolist()):
+                sequence.append(token)
+    return [sequence[len(prompt):] for sequence, prompt in zip(sequences, prompts)]
+
+
+@pytest.mark.parametrize("name", sorted(NEW_SAMPLERS))
+def test_new_sampler_equals_a_plain_loop_and_acts(name, llama):
+    """generate's tokens with each new sampler (the stateful selectors' state carried from
+    step to step) are those of the plain loop, and differ from the same seeded requests
+    without the sampler (for an order: in the default order)."""
+    case = NEW_SAMPLERS[name]
+    params = per_prompt(case)
+    got = generate(llama, SAMPLER_PROMPTS, params, max_new_tokens=STEPS, sampler=reference())
+    assert got.token_ids() == plain_loop(llama, SAMPLER_PROMPTS, params)
+    without = per_prompt({k: v for k, v in case.items() if k in ("temperature", "top_k", "min_p")})
+    assert got.token_ids() != generate(llama, SAMPLER_PROMPTS, without, max_new_tokens=STEPS,
+                                       sampler=reference()).token_ids()
+
+
+@pytest.mark.parametrize("name", ["mirostat", "adaptive-p"])
+def test_selector_state_moves_through_the_loop(name, llama):
+    """The selectors' state steers the tokens: a frozen state (mirostat_eta 0; adaptive-p's
+    decay 0 keeps only the last token's probability) samples otherwise, and the logits
+    processor, which appends each token at transformers' next call, equals generate."""
+    case = NEW_SAMPLERS[name]
+    frozen = {**case, "mirostat_eta": 0.0} if name == "mirostat" else {**case, "adaptive_p_decay": 0.0}
+    moving = generate(llama, SAMPLER_PROMPTS, per_prompt(case), max_new_tokens=STEPS,
+                      sampler=reference())
+    assert moving.token_ids() != generate(llama, SAMPLER_PROMPTS, per_prompt(frozen),
+                                          max_new_tokens=STEPS, sampler=reference()).token_ids()
+    ids, mask = padded(SAMPLER_PROMPTS)
+    processor = CorelibLogitsProcessor(per_prompt(case), attention_mask=mask, sampler=reference())
+    hf = llama.generate(ids, attention_mask=mask, max_new_tokens=STEPS, pad_token_id=PAD,
+                        do_sample=False, logits_processor=[processor])
+    assert torch.equal(hf, moving.sequences(PAD))
+
+
+def test_selector_children_keep_their_own_state(llama):
+    """n = 3 mirostat children of one prompt (one logits row at the first step, one per child
+    after): child 0 equals the request alone with n = 1, and the children differ."""
+    params = SamplingParams(n=3, seed=41, **NEW_SAMPLERS["mirostat"])
+    out = generate(llama, SAMPLER_PROMPTS[:1], params, max_new_tokens=STEPS, sampler=reference())
+    children = [c.token_ids for c in out.completions[0]]
+    alone = generate(llama, SAMPLER_PROMPTS[:1], params.model_copy(update={"n": 1}),
+                     max_new_tokens=STEPS, sampler=reference()).token_ids()[0]
+    assert children[0] == alone and len({tuple(c) for c in children}) == 3
+
+
+def test_new_fields_bad_values_name_the_field(llama):
+    with pytest.raises(ValueError, match="tfs"):
+        generate(llama, PROMPTS, SamplingParams(tfs=0.0))
+    with pytest.raises(ValueError, match="sampler_order"):
+        generate(llama, PROMPTS, SamplingParams(sampler_order=["top_k", "top_k"]))
 
 
 # ---------------------------------------------------------------------- errors and imports
