@@ -25,12 +25,14 @@ step graphs compute that many whenever a row asks for any).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import torch
 from corelib.batch import SamplingBatch, StepState, _stage_key
-from corelib import pipeline, thinking
+from corelib.batch_selectors import _used_state
+from corelib import pipeline, selectors, thinking
 from corelib.bitmask import bitmask_width
 from corelib.noise import split_seed
 from corelib.params import ALL_LOGPROBS, SamplingParams
@@ -38,6 +40,7 @@ from corelib.stages import StageError, StageInputs, StageSpec, describe_stage
 
 from . import dry, xla
 from .buckets import Buckets
+from .orders import FilterOrders
 
 NEG_INF = float("-inf")
 
@@ -55,7 +58,7 @@ FLOAT_COLUMNS = tuple(f.name for f in _FLOAT_FIELDS)
 NEUTRAL_FLOATS = tuple(float(f.neutral) for f in _FLOAT_FIELDS)
 INT_COLUMNS = tuple(f.name for f in _INT_FIELDS) + (
     "seed_lo", "seed_hi", "child", "position", "seeded", "greedy", "random_key",
-    "thinking_budget", "route", "logprobs_on")
+    "thinking_budget", "route", "logprobs_on", "filter_order")
 _NEUTRAL_INTS = tuple(int(f.neutral) for f in _INT_FIELDS)
 _COL = {name: i for i, name in enumerate(FLOAT_COLUMNS + INT_COLUMNS)}
 _POSITION = INT_COLUMNS.index("position")
@@ -64,6 +67,11 @@ _THINKING_BUDGET = INT_COLUMNS.index("thinking_budget")
 _ROUTE = INT_COLUMNS.index("route")
 _LOGPROBS_ON = INT_COLUMNS.index("logprobs_on")
 _GREEDY = INT_COLUMNS.index("greedy")
+_FILTER_ORDER = INT_COLUMNS.index("filter_order")
+#: The stateful selectors' per-row state (``pipeline.state_fields``: mirostat's mu,
+#: adaptive-p's sums): float32 ``[C]`` device tensors, since ``append`` advances them from the
+#: step's distribution, which stays on the device.
+STATE_FIELDS = pipeline.state_fields()
 _INT32_MAX = 2**31 - 1
 
 #: The methods of steps 11-13, chosen on the host from the rows' parameters (only random rows
@@ -107,6 +115,12 @@ class Variant:
     stages: tuple[str, ...] = ()
     folded: bool = False
     greedy_batches: bool = False
+    #: some random row uses a stateful selector (step 14's group "select"): the graph also
+    #: returns the distribution after the filter group, which ``append`` advances the state from
+    selectors: bool = False
+    #: the filter orders besides the default one the graph traces (``FilterOrders``): row
+    #: ``filter_order`` k runs ``orders[k - 1]``, each in a conditional on its rows
+    orders: tuple[tuple[str, ...], ...] = ()
 
 
 @dataclass
@@ -138,7 +152,8 @@ class XlaSamplingBatch(SamplingBatch):
     None traces the custom stages the live rows use (a new combination is a new graph), or a
     tuple of stage names traced in every step (requests may use only those). num_logprobs: the
     most top logprobs a row may ask for (-1, every token, needs it to be at least the
-    vocabulary); max_thinking_marker_length: the longest reasoning-budget marker.
+    vocabulary); max_thinking_marker_length: the longest reasoning-budget marker; orders: the
+    sampler's ``FilterOrders`` (the filter orders its graphs trace besides the default one).
     """
 
     def __init__(self, vocab_size: int, device: torch.device | str = "cpu",
@@ -147,7 +162,7 @@ class XlaSamplingBatch(SamplingBatch):
                  max_bad_words: int = 8, max_bad_word_length: int = 8, dry_window: int = 1024,
                  max_dry_breakers: int = 64, stages: Optional[Sequence[str]] = None,
                  num_logprobs: int = 20, max_thinking_marker_length: int = 8,
-                 guard: Optional[xla.CompileGuard] = None):
+                 guard: Optional[xla.CompileGuard] = None, orders: Optional[FilterOrders] = None):
         self.buckets = buckets if buckets is not None else Buckets()
         self.top_k_candidates = _positive("top_k_candidates", top_k_candidates)
         self.max_bad_words = _positive("max_bad_words", max_bad_words)
@@ -161,6 +176,8 @@ class XlaSamplingBatch(SamplingBatch):
         # the N every logprobs graph computes: more than V columns do not exist
         self.padded_logprobs = min(num_logprobs, vocab_size)
         self.guard = guard if guard is not None else xla.CompileGuard()
+        # the sampler's traced filter orders (shared by its batches): rows' filter_order indexes it
+        self.orders = orders if orders is not None else FilterOrders()
         self._state: dict[str, torch.Tensor] = {}
         self._variant: Optional[Variant] = None
         self._path: Optional[str] = None
@@ -183,15 +200,36 @@ class XlaSamplingBatch(SamplingBatch):
 
     def variant(self) -> Variant:
         """The static graph variant the current rows need (``Variant``): greedy, with or
-        without step 15, or the folded random one (``Variant.folded``) once any row samples."""
+        without step 15, or the folded random one (``Variant.folded``) once any row samples,
+        with the stateful selectors when a random row uses one; a random one traces every
+        filter order of the sampler (``FilterOrders``)."""
         if self._variant is None:
             stages = tuple(spec.name for spec, _ in self._stages_in_use())
             if self.path() == "greedy":
                 self._variant = Variant(random=False, logprobs=self._asked_logprobs() is not None,
                                         stages=stages)
             else:
-                self._variant = Variant(random=True, logprobs=True, stages=stages, folded=True)
+                self._variant = Variant(random=True, logprobs=True, stages=stages, folded=True,
+                                        selectors=self.uses_selectors())
+        if self._variant.random and self._variant.orders != self.orders.traced:
+            # another batch of the sampler may have added an order since
+            self._variant = dataclasses.replace(self._variant, orders=self.orders.traced)
         return self._variant
+
+    def uses_selectors(self) -> bool:
+        """Some random row uses a stateful selector (mirostat, adaptive-p)."""
+        return any(not p.is_greedy and (p.uses_mirostat or p.uses_adaptive_p)
+                   for p in self._row_params)
+
+    def sampler_state(self, request_id: str) -> list[list[float]]:
+        """As ``SamplingBatch.sampler_state``: the request's selector state, one list of plain
+        floats per child, read from the device columns (one transfer per state field)."""
+        request = self._lookup(request_id)
+        names = [f.name for f in _used_state(request.params)]
+        if not names:
+            return [[] for _ in request.rows]
+        columns = [self._state[name].cpu()[request.rows].tolist() for name in names]
+        return [[float(column[c]) for column in columns] for c in range(len(request.rows))]
 
     def path(self) -> str:
         """The path of steps 11-13 the current rows need (see ``PATHS``)."""
@@ -245,7 +283,7 @@ class XlaSamplingBatch(SamplingBatch):
     # ------------------------------------------------------------------ add / append
     def add(self, request_id: str, params: SamplingParams,
             prompt_token_ids: Sequence[int] = (),
-            output_token_ids=None, child_offset: int = 0) -> list[int]:
+            output_token_ids=None, child_offset: int = 0, sampler_state=None) -> list[int]:
         """As ``SamplingBatch.add``; also raises ValueError when the request needs more than
         the graphs were sized for (rows past the largest bucket, too many or too long
         multi-token bad words, too many DRY sequence breakers, a reasoning-budget marker longer
@@ -253,7 +291,8 @@ class XlaSamplingBatch(SamplingBatch):
         stage the sampler's graphs do not trace)."""
         if isinstance(params, SamplingParams):
             self._check_fits(request_id, params)
-        return super().add(request_id, params, prompt_token_ids, output_token_ids, child_offset)
+        return super().add(request_id, params, prompt_token_ids, output_token_ids, child_offset,
+                           sampler_state=sampler_state)
 
     def append(self, token_ids) -> None:
         """Record each row's generated tokens: ``[num_rows]`` ids (from ``sample``) or
@@ -264,10 +303,13 @@ class XlaSamplingBatch(SamplingBatch):
         checked as in the core (any other id out of range raises). Device ids are read back
         first (one transfer); there, any out-of-range id is treated as -1. One graph per
         bucket and id width updates the running counts, the recent-token window, DRY's
-        window and custom stages' state; if a custom stage's update fails, ``StageError`` is
-        raised and nothing changes.
+        window, custom stages' state and, right after a step whose rows use a stateful
+        selector, the selectors' state (from that step's distribution, which stayed on the
+        device: one more graph per bucket and id width); if a custom stage's update fails,
+        ``StageError`` is raised and nothing changes.
         """
         ids = self.check_token_ids(token_ids)   # the core's checks and messages
+        source, self._selector_source = self._selector_source, None
         n = ids.shape[0]
         if n == 0:
             return
@@ -280,7 +322,9 @@ class XlaSamplingBatch(SamplingBatch):
             advance = torch.cumprod((ids >= 0).to(torch.int32), dim=1).to(torch.bool)
         padded = torch.full((self.bucket(n), ids.shape[1]), NOT_LIVE, dtype=torch.long)
         padded[:n] = torch.where(advance, torch.where(in_range, ids, -1), NOT_LIVE)
-        self._record_tokens(padded)
+        if source is not None and (not STATE_FIELDS or padded.shape[1] > source[1]):
+            source = None           # not the step this source came from
+        self._record_tokens(padded, source)
         steps = advance.sum(dim=1).to(torch.int32)
         self._ints[:n, _POSITION] += steps
         for i, step in enumerate(steps.tolist()):
@@ -341,20 +385,31 @@ class XlaSamplingBatch(SamplingBatch):
         self._advance_rows(dense, columns)
         position = table[:, _COL["position"]] + sum(a.to(torch.int32) for _, a in columns) \
             if columns else table[:, _COL["position"]]
-        return self._state_of(table, dense, B * S, position=position)
+        s = self._state_of(table, dense, B * S, position=position)
+        # the draft after each slot advances the selectors' state to the next slot (the
+        # sampler's selector_slot_state); the last slot has none
+        after = torch.cat([drafts, torch.full_like(drafts[:, :1], -1)], dim=1)
+        s.verify_slots = S
+        s.verify_drafts = after.gather(1, slot.to(torch.long)[:, None])[:, 0]
+        return s
 
-    def warm_state_graphs(self, slots: Sequence[int] = (1,)) -> None:
+    def warm_state_graphs(self, slots: Sequence[int] = (1,), selectors: bool = True) -> None:
         """Compile the row-write, row-move and per-bucket append graphs (for ids of each width
-        in ``slots``: 1 for ``sample``, K + 1 for ``verify``) without changing any live row:
-        writes and moves target the last slot when it is free, appends mark every row not
-        live."""
+        in ``slots``: 1 for ``sample``, K + 1 for ``verify``; with ``selectors``, also those
+        that advance the stateful selectors from a step's distribution) without changing any
+        live row: writes and moves target the last slot when it is free, appends mark every
+        row not live."""
         free = self.capacity - 1
         if free >= self.num_rows:
             self._write_device_row(free, self._neutral_row())
             self._move_device_rows([free, free], [free, free])
         for bucket in self.buckets:
             for width in slots:
-                self._record_tokens(torch.full((bucket, width), NOT_LIVE, dtype=torch.long))
+                ids = torch.full((bucket, width), NOT_LIVE, dtype=torch.long)
+                self._record_tokens(ids)
+                if selectors and STATE_FIELDS:
+                    source = torch.zeros((bucket * width, self.vocab_size)).to(self.device)
+                    self._record_tokens(ids, (source, width))
 
     # ------------------------------------------------------------------ core hooks
     def _changed(self) -> None:
@@ -389,14 +444,22 @@ class XlaSamplingBatch(SamplingBatch):
         return self._used_stages
 
     def _write_rows(self, rows: list[int], params: SamplingParams, prompt: list[int],
-                    outputs: list[list[int]], child_offset: int = 0) -> None:
+                    outputs: list[list[int]], child_offset: int = 0,
+                    row_values: Optional[dict[str, list]] = None) -> None:
+        """The request's rows: host scalars, and one device write per child of its dense rows,
+        ``row_values`` (the core's per-child selector state) included."""
         shared = self._request_rows(params, prompt)
         stages = self._stage_arguments("", params)
-        for child, (row, out) in enumerate(zip(rows, outputs), start=child_offset):
+        for i, (row, out) in enumerate(zip(rows, outputs)):
+            child = child_offset + i
             values = dict(shared, **self._child_rows(params, prompt, out, stages))
+            for f in STATE_FIELDS:
+                value = f.neutral if row_values is None else row_values[f.name][i]
+                values[f.name] = torch.tensor([value], dtype=torch.float32)
             self._floats[row] = torch.tensor(_float_values(params, self.vocab_size))
             self._ints[row] = torch.tensor(_int_values(params, child, len(out), self.vocab_size),
                                            dtype=torch.int32)
+            self._ints[row, _FILTER_ORDER] = 0 if params.is_greedy else self._order_index(params)
             self._write_device_row(row, values)
 
     def _move_rows(self, src: list[int], dst: list[int]) -> None:
@@ -472,6 +535,8 @@ class XlaSamplingBatch(SamplingBatch):
             dry_since_breaker=dense["dry_since"], dry_breakers=dense["dry_breakers"],
             thinking_budget=col("thinking_budget"), thinking_count=dense["thinking_count"],
             thinking_markers=dense["thinking_markers"], thinking_match=dense["thinking_match"],
+            filter_order=col("filter_order"),
+            **{f.name: dense[f.name] for f in STATE_FIELDS},
             stages=self._stage_inputs(dense),
             variant=variant, live_rows=len(self._row_keys), logprobs_asked=asked,
             route=col("route"), logprobs_on=col("logprobs_on") != 0,
@@ -480,17 +545,24 @@ class XlaSamplingBatch(SamplingBatch):
                         self.padded_logprobs),
         )
 
-    def _record_tokens(self, padded: torch.Tensor) -> None:
+    def _record_tokens(self, padded: torch.Tensor,
+                       source: Optional[tuple[torch.Tensor, int]] = None) -> None:
         """Advance every row by its ids: ``padded`` int64 ``[bucket, S]`` host ids, a row's
         tokens in order; -1 advances the position without a token, ``NOT_LIVE`` leaves the
-        row (or the rest of it) alone. One graph per (bucket, S); the count update touches
-        ``bucket * S`` entries, not the vocabulary."""
+        row (or the rest of it) alone. One graph per (bucket, S) and whether ``source`` is
+        given; the count update touches ``bucket * S`` entries, not the vocabulary.
+        ``source``: (float32 ``[bucket * slots, V]`` device log-probabilities after the filter
+        group, ``slots`` >= S), from which column j advances the stateful selectors' state
+        (``_advance_selectors``)."""
         B, S = padded.shape
         ids = padded.to(self.device)
         columns = [(ids[:, j], ids[:, j] != NOT_LIVE) for j in range(S)]
         rows = {name: tensor[:B] for name, tensor in self._state.items()}
-        with self.guard.watch(f"append (bucket {B}, {S} id(s) per row)"):
+        what = f"append (bucket {B}, {S} id(s) per row{', selectors' if source is not None else ''})"
+        with self.guard.watch(what):
             changed = self._advance_rows(rows, columns)
+            if source is not None:
+                changed += self._advance_selectors_on_device(rows, columns, *source)
             counts = self._state["output_counts"]
             row_ids = xla.iota(B, torch.int64, self.device)[0].repeat(S)
             tokens = torch.cat([i for i, _ in columns])
@@ -500,6 +572,29 @@ class XlaSamplingBatch(SamplingBatch):
             for name in changed:
                 self._state[name][:B] = rows[name]
             xla.launch(list(self._state.values()))
+
+    def _advance_selectors_on_device(self, t: dict[str, torch.Tensor],
+                                     columns: list[tuple[torch.Tensor, torch.Tensor]],
+                                     source: torch.Tensor, slots: int) -> list[str]:
+        """The core's ``_advance_selectors`` inside the append graph: each stateful stage's
+        ``advance`` (``corelib.selectors``) on column j's ids with slot j of ``source``, for
+        rows that take a token; the stages' fields come from the host table (one small upload).
+        Entries of ``t`` are replaced; returns their names."""
+        B = columns[0][0].shape[0]
+        logp = source.reshape(B, slots, -1)
+        names = [f.name for stage in pipeline.stateful_stages() for f in stage.fields]
+        fields = self._floats[:B, [_COL[name] for name in names]].to(self.device)
+        field = {name: fields[:, i] for i, name in enumerate(names)}
+        for j, (ids, advance) in enumerate(columns):
+            live = advance & (ids >= 0) & (ids < self.vocab_size)
+            safe = torch.where(live, ids, 0)
+            for stage in pipeline.stateful_stages():
+                state = {f.name: t[f.name] for f in stage.state}
+                moved = getattr(selectors, stage.advance)(
+                    state, {f.name: field[f.name] for f in stage.fields}, logp[:, j], safe)
+                for name, value in moved.items():
+                    t[name] = torch.where(live, value, t[name])
+        return [f.name for f in STATE_FIELDS]
 
     def _advance_rows(self, t: dict[str, torch.Tensor],
                       columns: list[tuple[torch.Tensor, torch.Tensor]]) -> list[str]:
@@ -548,6 +643,8 @@ class XlaSamplingBatch(SamplingBatch):
             "thinking_markers": torch.full((C, 3, L), -1, dtype=torch.long, device=dev),
             "thinking_match": torch.zeros((C, 3, L), dtype=torch.bool, device=dev),
             "thinking_count": torch.full((C,), thinking.NOT_THINKING, dtype=torch.int32, device=dev),
+            **{f.name: torch.full((C,), float(f.neutral), dtype=torch.float32, device=dev)
+               for f in STATE_FIELDS},
         }
         with self.guard.watch("allocating a batch"):
             xla.launch(list(self._state.values()))
@@ -715,7 +812,13 @@ class XlaSamplingBatch(SamplingBatch):
     def _neutral_row(self) -> dict[str, torch.Tensor]:
         rows = self._request_rows(SamplingParams(), [])
         rows.update(self._child_rows(SamplingParams(), [], [], {}))
+        rows.update({f.name: torch.tensor([float(f.neutral)]) for f in STATE_FIELDS})
         return rows
+
+    def _order_index(self, params: SamplingParams) -> int:
+        """A row's ``filter_order``: its order's place among the sampler's traced orders
+        (``FilterOrders``; one it does not trace yet is added), 0 for the default order."""
+        return self.orders.index(params.filter_order)
 
     def _write_device_row(self, row: int, values: dict[str, torch.Tensor]) -> None:
         """Write one row of every dense tensor (one graph: the row number is data)."""
@@ -786,7 +889,9 @@ def flags_for(variant: Variant, asked: Optional[int], padded_logprobs: int) -> d
     in every graph (multiplier 0 = off); so is the reasoning budget (``any_thinking``: budget
     -1 = off), whose step 8b is one pass over the logits. ``any_greedy`` is True only when
     every row is greedy: otherwise greedy rows, whose filter parameters are neutral, get their
-    argmax from the draw (``TpuSampler.draw``)."""
+    argmax from the draw (``TpuSampler.draw``). The stateful selectors (``any_selector``) and
+    the filter orders besides the default one (``filter_orders``: (k, names) for each of the
+    variant's ``orders``) are the variant's."""
     random = variant.random
     stages = {switch.flag: stage.rows == pipeline.ALL_ROWS or random
               for stage, switch in pipeline.switches()}
@@ -795,6 +900,8 @@ def flags_for(variant: Variant, asked: Optional[int], padded_logprobs: int) -> d
         any_greedy=not random, all_greedy=not random, any_random=random, any_seeded=random,
         any_unseeded=random, any_thinking=True,
         num_logprobs=None if asked is None else padded_logprobs,
+        any_selector=random and variant.selectors,
+        filter_orders=tuple(enumerate(variant.orders, start=1)) if random else (),
     )
 
 
@@ -864,7 +971,8 @@ def _int_values(params: SamplingParams, child: int, position: int, vocab_size: i
               else min(params.thinking_budget, _INT32_MAX))
     return [*(_stage_value(f, params, vocab_size) for f in _INT_FIELDS),
             seed_lo, seed_hi, child, position, int(params.seed is not None),
-            int(params.is_greedy), 0, budget, 0, 0]   # random_key, route and logprobs_on: per step
+            int(params.is_greedy), 0, budget, 0, 0,   # random_key, route and logprobs_on: per step
+            0]                                       # filter_order: the batch's (_order_index)
 
 
 def _positive(name: str, value: int) -> int:

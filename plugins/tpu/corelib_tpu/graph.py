@@ -43,6 +43,7 @@ from . import xla
 from .batch import PATHS, Variant, XlaSamplingBatch
 from .buckets import Buckets
 from .drafts import device_drafts
+from .orders import FilterOrders
 
 __all__ = ["GraphRunner", "WarmupReport"]
 
@@ -84,6 +85,8 @@ class GraphRunner(Sampler):
         self.buckets = buckets if isinstance(buckets, Buckets) else Buckets(buckets, max_rows)
         self.speculative_k = _speculative_k(speculative_k)
         self.guard = xla.CompileGuard(strict)
+        # the filter orders every random graph traces besides the default one (its batches share it)
+        self.orders = FilterOrders()
         self._forced: Optional[Variant] = None
 
     @property
@@ -117,9 +120,9 @@ class GraphRunner(Sampler):
         mask = batch.padded_bitmask(token_bitmask, bucket)
         with self.guard.watch(f"sample (bucket {bucket}, {batch.variant()})"):
             x = self._padded(logits, batch, bucket, per_request)
-            out = super().sample(x, batch, mask)
+            out = super().sample(x, batch, mask)       # keeps out.selector_source for append
             packed = _pack(out)
-            xla.launch([packed])
+            xla.launch(_outputs(packed, out))
             host = packed.cpu()                                  # the one transfer of the step
         return _unpack(host[:n], batch._asked_logprobs(), out.logprobs is not None)
 
@@ -175,7 +178,8 @@ class GraphRunner(Sampler):
                               f"draft_probs {given})"):
             out = self._verify_padded(x, batch, draft_ids, q, mask, method)
             packed = _pack_verify(out)
-            xla.launch([packed])
+            xla.launch(_outputs(packed, out))
+            batch.keep_selector_source(out.selector_source, slots=graph_k + 1)
             host = packed.cpu()                                  # the one transfer of the step
         return _unpack_verify(host[:n], K + 1, graph_k + 1, batch._asked_logprobs(),
                               out.logprobs is not None)
@@ -200,12 +204,16 @@ class GraphRunner(Sampler):
                logits_dtypes: Sequence[torch.dtype] = (torch.float32,),
                per_request_logits: bool = False, processed_logits: bool = False,
                unpadded_verify: bool = False, device_bitmask: bool = False,
-               block_verify: bool = False) -> WarmupReport:
+               block_verify: bool = False, selectors: bool = True,
+               orders: Iterable = ()) -> WarmupReport:
         """Compile every graph serving can need for this vocabulary, then arm strict mode.
 
-        Per bucket: the step for each static variant (``variants()``: 3), the verify step for
+        Per bucket: the step for each static variant (``variants()``: 4, 3 without
+        ``selectors``), the verify step for
         each K of ``speculative_k`` and draft probabilities (given or not: its one folded
-        variant serves every batch), the append graphs (one id per row, and K + 1), and the
+        variant serves every batch; with ``selectors``, again with the stateful selectors),
+        the append graphs (one id per row, and K + 1; with ``selectors``, also those that
+        advance the selectors' state), and the
         padding graphs of the logits for every row count in the bucket and each of
         ``logits_dtypes``; once: the row write and move graphs. ``per_request_logits`` adds
         padding from ``[m, V]`` per-request logits for every ``m`` up to the bucket;
@@ -215,15 +223,21 @@ class GraphRunner(Sampler):
         inputs (logits in each dtype, draft ids, float32 draft probabilities) for every row
         count that is not a bucket (without it, pass them padded to ``batch.bucket()``
         rows, or drafts from the host); ``device_bitmask`` the padding graphs of token
-        bitmasks on the device (host masks need none). Uses a scratch batch of the same shapes
+        bitmasks on the device (host masks need none). ``selectors``: the graphs of rows using
+        mirostat or adaptive-p (the fourth step variant, verify's and append's). ``orders``:
+        the filter orders besides the default one that requests will run (``sampler_order``
+        lists, or ``"temperature_last"``): every random graph traces each in a conditional on
+        its rows (``corelib_tpu.orders``); an order none of them serves compiles the graphs
+        again when a request first runs it. Uses a scratch batch of the same shapes
         (graphs depend on shapes, not contents).
         """
         start, hits, t0 = xla.compile_count(), xla.persistent_cache_hits(), time.perf_counter()
+        self.orders.extend(orders)
         scratch = self.new_batch(vocab_size, logprobs_mode=logprobs_mode)
         spec_k = self.speculative_k
-        scratch.warm_state_graphs(slots=(1, *(k + 1 for k in spec_k)))
+        scratch.warm_state_graphs(slots=(1, *(k + 1 for k in spec_k)), selectors=selectors)
         V = vocab_size
-        variants = self.variants(scratch)
+        variants = [v for v in self.variants(scratch) if selectors or not v.selectors]
         step_graphs: dict = {}
 
         @contextmanager
@@ -237,7 +251,8 @@ class GraphRunner(Sampler):
             for variant in variants:
                 with self._forcing(variant):
                     with counted("sample", bucket):
-                        xla.launch([_pack(Sampler.sample(self, x, scratch))])
+                        out = Sampler.sample(self, x, scratch)
+                        xla.launch(_outputs(_pack(out), out))
                     if processed_logits:
                         xla.launch([Sampler.processed_logits(self, x, scratch)])
             for K in spec_k:
@@ -246,10 +261,10 @@ class GraphRunner(Sampler):
                 q = self._zeros((bucket, K, V), torch.float32)
                 mask = scratch.padded_bitmask(None, bucket, K + 1)
                 judged = [(None, "token"), (q, "token")] + ([(q, "block")] if block_verify else [])
-                for probs, method in judged:
-                    with counted("verify", bucket, K):
+                for (probs, method), chosen in [(j, v) for v in variants if v.random for j in judged]:
+                    with counted("verify", bucket, K), self._forcing(chosen):
                         out = self._verify_padded(xs, scratch, ids, probs, mask, method)
-                        xla.launch([_pack_verify(out)])
+                        xla.launch(_outputs(_pack_verify(out), out))
         self._warm_padding(vocab_size, logprobs_mode, logits_dtypes, per_request_logits,
                            unpadded_verify, device_bitmask, spec_k)
         if self.device.type == "xla":
@@ -264,13 +279,16 @@ class GraphRunner(Sampler):
 
     def variants(self, batch: Optional[XlaSamplingBatch] = None) -> list[Variant]:
         """Every static variant a ``sample`` step of this sampler can need (``Variant``):
-        greedy with and without logprobs, and the folded random one, tracing the custom stages
+        greedy with and without logprobs, and the folded random one without and with the
+        stateful selectors (each tracing the sampler's filter orders), tracing the custom stages
         of ``stages`` (none without it: those graphs compile when rows first use a stage)."""
         if batch is None:
             batch = self.new_batch(1)
         stages = tuple(spec.name for spec, _ in batch._stages_in_use()) if self.stages is not None else ()
+        orders = self.orders.traced
         return [Variant(False, False, stages), Variant(False, True, stages),
-                Variant(True, True, stages, folded=True)]
+                Variant(True, True, stages, folded=True, orders=orders),
+                Variant(True, True, stages, folded=True, selectors=True, orders=orders)]
 
     # ------------------------------------------------------------------ verify's inputs
     def _verify_padded(self, x: torch.Tensor, batch: XlaSamplingBatch, draft_ids: torch.Tensor,
@@ -446,6 +464,12 @@ class GraphRunner(Sampler):
             yield
         finally:
             self._forced = None
+
+
+def _outputs(packed: torch.Tensor, out) -> list[torch.Tensor]:
+    """What a step graph computes: the packed results, and the distribution after the filter
+    group where rows use a stateful selector (it stays on the device for ``append``)."""
+    return [packed] if out.selector_source is None else [packed, out.selector_source]
 
 
 def _pack(out: SamplerOutput) -> torch.Tensor:

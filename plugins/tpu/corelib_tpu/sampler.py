@@ -16,6 +16,7 @@ layout differs (dense additive row, dense stop mask, DRY's window).
 from __future__ import annotations
 
 import dataclasses
+from types import SimpleNamespace
 from typing import Iterable, Optional, Sequence
 
 import torch
@@ -98,7 +99,8 @@ class TpuSampler(GraphRunner):
             max_bad_word_length=self.max_bad_word_length, dry_window=self.dry_window,
             max_dry_breakers=self.max_dry_breakers, stages=self.stages,
             num_logprobs=self.max_logprobs,
-            max_thinking_marker_length=self.max_thinking_marker_length, guard=self.guard)
+            max_thinking_marker_length=self.max_thinking_marker_length, guard=self.guard,
+            orders=self.orders)
 
     # ------------------------------------------------------------------ template parts
     def step_state(self, logits: torch.Tensor, batch: SamplingBatch) -> XlaStepState:
@@ -114,8 +116,10 @@ class TpuSampler(GraphRunner):
         B, K = drafts.token_ids.shape
         keys = self._random_keys(B * (K + 1))
         s = batch.speculative_state(drafts.token_ids, B, random_keys=keys)
+        selectors = self._forced.selectors if self._forced is not None else batch.uses_selectors()
         return self._with_variant(s, batch, Variant(random=True, logprobs=True, stages=s.variant.stages,
-                                                    folded=True, greedy_batches=True))
+                                                    folded=True, greedy_batches=True,
+                                                    selectors=selectors, orders=batch.orders.traced))
 
     def with_bitmask(self, s: XlaStepState, batch: SamplingBatch,
                      token_bitmask: Optional[torch.Tensor], slots: Optional[int] = None) -> XlaStepState:
@@ -216,6 +220,141 @@ class TpuSampler(GraphRunner):
     def argmax(self, x: torch.Tensor) -> torch.Tensor:
         """Step 9: int64 ``[B]``, the lowest id among each row's maxima."""
         return thresholds.first_argmax(x)
+
+    def apply_temperature(self, x: torch.Tensor, s: XlaStepState) -> torch.Tensor:
+        """Step 10: ``x / temperature`` per row (greedy rows divide by 1), as in the core; the
+        dynamic temperature (``dynatemp_range`` float32 ``[B]``, 0 = static; the core's
+        ``dynamic_temperature``, entropy and kept count over the row) runs in a conditional
+        only when some row uses it, from the same ``x``. Not in place."""
+        t = torch.where(s.greedy, torch.ones_like(s.temperature), s.temperature)
+        static = x / t[:, None]
+        if not s.any_dynatemp:
+            return static
+
+        def dynamic(static, x, temperature, d, exponent, greedy):
+            return Sampler.apply_temperature(self, x, _dynatemp_state(temperature, d, exponent, greedy))
+        return xla.cond(((s.dynatemp_range > 0) & ~s.greedy).any(), dynamic, _unchanged,
+                        [static, x, s.temperature, s.dynatemp_range, s.dynatemp_exponent, s.greedy],
+                        "dynatemp")
+
+    def apply_smoothing(self, x: torch.Tensor, s: XlaStepState) -> torch.Tensor:
+        """Step 10b, quadratic smoothing (the core's ``apply_smoothing``: smoothing_factor,
+        smoothing_curve float32 ``[B]``, factor 0 = off), in a conditional that runs only when
+        some row uses it. Not in place."""
+        def run(x, factor, curve):
+            return Sampler.apply_smoothing(self, x, SimpleNamespace(smoothing_factor=factor,
+                                                                    smoothing_curve=curve))
+        return xla.cond((s.smoothing_factor > 0).any(), run, _unchanged,
+                        [x, s.smoothing_factor, s.smoothing_curve], "smoothing")
+
+    def apply_top_a(self, x: torch.Tensor, s: XlaStepState) -> torch.Tensor:
+        """Step 11a (the core's ``apply_top_a``: top_a float32 ``[B]``, 0 = off), in a
+        conditional that runs only when some row uses it. Not in place."""
+        return xla.cond((s.top_a > 0).any(), _reference("apply_top_a", "top_a"), _unchanged,
+                        [x, s.top_a], "top_a")
+
+    def apply_epsilon(self, x: torch.Tensor, s: XlaStepState) -> torch.Tensor:
+        """Step 11b (the core's ``apply_epsilon``: epsilon_cutoff float32 ``[B]``, 0 = off), in
+        a conditional that runs only when some row uses it. Not in place."""
+        return xla.cond((s.epsilon_cutoff > 0).any(), _reference("apply_epsilon", "epsilon_cutoff"),
+                        _unchanged, [x, s.epsilon_cutoff], "epsilon")
+
+    def apply_eta(self, x: torch.Tensor, s: XlaStepState) -> torch.Tensor:
+        """Step 11c (the core's ``apply_eta``: eta_cutoff float32 ``[B]``, 0 = off), in a
+        conditional that runs only when some row uses it. Not in place."""
+        return xla.cond((s.eta_cutoff > 0).any(), _reference("apply_eta", "eta_cutoff"),
+                        _unchanged, [x, s.eta_cutoff], "eta")
+
+    def apply_tfs(self, x: torch.Tensor, s: XlaStepState) -> torch.Tensor:
+        """Step 13c, tail-free (the core's ``apply_tfs``: tfs float32 ``[B]``, 1 = off), in a
+        conditional that runs only when some row uses it. The one filter that sorts the
+        vocabulary and sums in float64, as the reference does: its second differences need
+        every kept probability in order. Not in place."""
+        return xla.cond((s.tfs < 1).any(), _reference("apply_tfs", "tfs"), _unchanged,
+                        [x, s.tfs], "tfs")
+
+    def apply_p_less(self, x: torch.Tensor, s: XlaStepState) -> torch.Tensor:
+        """Step 13d, p-less (the core's ``apply_p_less``: p_less int32 ``[B]``, 0 = off, 1
+        plain, 2 norm), in a conditional that runs only when some row uses it. Not in place."""
+        return xla.cond((s.p_less != pipeline.P_LESS_OFF).any(), _reference("apply_p_less", "p_less"),
+                        _unchanged, [x, s.p_less], "p_less")
+
+    def apply_mirostat(self, x: torch.Tensor, s: XlaStepState) -> torch.Tensor:
+        """Step 14, mirostat v2 (the core's ``apply_mirostat``: mirostat_tau float32 ``[B]``, 0
+        = off; mirostat_mu float32 ``[B]``, the batch's state), in a conditional that runs
+        only when some row uses it. Not in place."""
+        def run(x, tau, mu):
+            return Sampler.apply_mirostat(self, x, SimpleNamespace(mirostat_tau=tau, mirostat_mu=mu))
+        return xla.cond((s.mirostat_tau > 0).any(), run, _unchanged,
+                        [x, s.mirostat_tau, s.mirostat_mu], "mirostat")
+
+    def apply_adaptive_p(self, x: torch.Tensor, s: XlaStepState) -> torch.Tensor:
+        """Step 14, adaptive-p (the core's ``apply_adaptive_p``: adaptive_p_target float32
+        ``[B]``, < 0 = off; adaptive_p_weighted and adaptive_p_total float32 ``[B]``, the
+        batch's state), in a conditional that runs only when some row uses it. Not in place."""
+        def run(x, target, weighted, total):
+            return Sampler.apply_adaptive_p(self, x, SimpleNamespace(
+                adaptive_p_target=target, adaptive_p_weighted=weighted, adaptive_p_total=total))
+        return xla.cond((s.adaptive_p_target >= 0).any(), run, _unchanged,
+                        [x, s.adaptive_p_target, s.adaptive_p_weighted, s.adaptive_p_total],
+                        "adaptive_p")
+
+    def run_orders(self, x: torch.Tensor, s: XlaStepState) -> torch.Tensor:
+        """The filter group when the graph traces orders besides the default one
+        (``s.filter_orders``, the sampler's ``FilterOrders``): the default order, then each
+        traced order, each over the whole batch with the filter fields of every other row
+        neutral (``_rows_only``: a filter's conditional then runs only when a row of that
+        order uses it), its result kept for its rows by a select inside a conditional on
+        them, so an order no row runs costs its conditionals' predicates only. x float32
+        ``[B, V]``; not in place."""
+        order = s.filter_order
+        out = self.run_group("filter", x, _rows_only(s, order == 0))
+        for index, names in s.filter_orders:
+            rows = order == index
+            on = _rows_only(s, rows)
+            y = x
+            for name in names:
+                y = self._order_stage(name, y, on)
+            out = xla.cond(rows.any(), _kept_for_rows, _unchanged, [out, y, rows], "filter order")
+        return out
+
+    def _order_stage(self, name: str, x: torch.Tensor, s: XlaStepState) -> torch.Tensor:
+        """The filter ``sampler_order`` calls ``name`` alone, in a conditional on its rows:
+        top-k and top-p each by themselves (by the candidate set or bisection), min-p,
+        typical-p and XTC outside the routes and conditionals they share in the default
+        order, temperature only where some row's is not 1. Not in place."""
+        if name == "temperature":
+            on = ((s.temperature != 1) | (s.dynatemp_range > 0)) & ~s.greedy
+
+            def run(x, temperature, d, exponent, greedy):
+                return Sampler.apply_temperature(self, x, _dynatemp_state(temperature, d, exponent, greedy))
+            return xla.cond(on.any(), run, _unchanged,
+                            [x, s.temperature, s.dynatemp_range, s.dynatemp_exponent, s.greedy],
+                            "temperature in an order")
+        if name == "min_p":
+            return xla.cond((s.min_p > 0).any(), thresholds.min_p_filter, _unchanged,
+                            [x, s.min_p], "min_p")
+        if name == "top_k":
+            candidates = self.top_k_candidates
+
+            def top_k(x, k):
+                return xla.cond((k > candidates).any(), thresholds.top_k_by_bisection,
+                                lambda x, k: thresholds.top_k_by_candidates(x, k, candidates),
+                                [x, k], ("top_k alone", candidates))
+            return xla.cond((s.top_k > 0).any(), top_k, _unchanged, [x, s.top_k],
+                            ("top_k in an order", candidates))
+        if name == "top_p":
+            return xla.cond((s.top_p < 1).any(), thresholds.top_p_by_bisection, _unchanged,
+                            [x, s.top_p], "top_p alone")
+        if name == "typical_p":
+            return xla.cond((s.typical_p < 1).any(), filters.typical_p_by_bisection, _unchanged,
+                            [x, s.typical_p], "typical_p")
+        if name == "xtc":
+            coin = self.row_uniforms(s, noise.STREAM_XTC) < s.xtc_probability
+            return xla.cond(coin.any(), filters.xtc_filter, _unchanged,
+                            [x, s.xtc_threshold, coin], "xtc")
+        stage, _ = pipeline.named_switch(name)
+        return self.stage_method(stage)(x, s)
 
     def apply_top_n_sigma(self, x: torch.Tensor, s: XlaStepState) -> torch.Tensor:
         """Step 10a (``filters.top_n_sigma_filter``): top_n_sigma float32 ``[B]``, 0 = off;
@@ -449,6 +588,36 @@ class TpuSampler(GraphRunner):
 _FILTERS = [stage.name for stage in pipeline.stages_in("filter")]
 MIN_P_IN_ROUTE = _FILTERS.index("min_p") + 1 == _FILTERS.index("top_k_top_p")
 TYPICAL_P_IN_XTC = _FILTERS.index("typical_p") + 1 == _FILTERS.index("xtc")
+
+
+def _reference(method: str, field: str):
+    """A conditional's branch running the core's stage ``method`` (one that reads the single
+    per-row field ``field``) on its operands (x, the field's ``[B]`` tensor)."""
+    def run(x: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        return getattr(Sampler, method)(None, x, SimpleNamespace(**{field: value}))
+    return run
+
+
+def _dynatemp_state(temperature, d, exponent, greedy) -> SimpleNamespace:
+    """What the core's ``apply_temperature`` reads for a dynamic temperature."""
+    return SimpleNamespace(temperature=temperature, dynatemp_range=d, dynatemp_exponent=exponent,
+                           greedy=greedy, any_dynatemp=True)
+
+
+#: The filter group's per-row fields, with the values that turn each filter off.
+_FILTER_NEUTRAL = {f.name: f.neutral for stage in pipeline.stages_in("filter") for f in stage.fields}
+
+
+def _rows_only(s: XlaStepState, rows: torch.Tensor) -> XlaStepState:
+    """``s`` with the filter group's fields neutral outside ``rows`` (bool ``[B]``): [B]
+    selects only, no pass over the logits."""
+    return dataclasses.replace(s, **{name: torch.where(rows, getattr(s, name), neutral)
+                                     for name, neutral in _FILTER_NEUTRAL.items()})
+
+
+def _kept_for_rows(out: torch.Tensor, y: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """``y`` in ``rows`` (bool ``[B]``), ``out`` elsewhere."""
+    return torch.where(rows[:, None], y, out)
 
 
 def _unchanged(x: torch.Tensor, *rest: torch.Tensor) -> torch.Tensor:

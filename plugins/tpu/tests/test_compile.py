@@ -115,9 +115,11 @@ def test_one_graph_per_bucket_and_variant_holds_every_path_and_filter(warm):
 def test_warmup_compiles_the_rest(warm):
     sampler, _, report = warm
     assert report.buckets == BUCKETS and report.paths == PATHS and report.speculative_k == ()
-    assert report.variants == 3
-    # bucket 16's 3 step graphs and the append graphs at least; bucket 8's were compiled above
-    assert report.graphs >= 4 + 2
+    assert report.variants == 4
+    # bucket 16's 4 step graphs (the fourth: random rows with a stateful selector, which no
+    # call above used, so bucket 8's too) and the append graphs at least
+    assert report.graphs >= 4 + 1 + 2
+    assert report.step_graphs[("sample", 8)] == 1 and report.step_graphs[("sample", 16)] == 4
     assert sampler.guard.armed
 
 
@@ -265,12 +267,13 @@ def test_a_step_reads_back_one_tensor_and_never_falls_back_to_the_host():
 
 
 def test_verify_graphs_one_per_draft_probs_and_method(warm_verify):
-    """One verify graph per (bucket, K) and way of judging: without draft probabilities, with
-    them (token rule), and block verification when asked for."""
+    """One verify graph per (bucket, K), way of judging (without draft probabilities, with
+    them by the token rule, and block verification when asked for) and use of the stateful
+    selectors (without, with)."""
     sampler, report = warm_verify
-    assert report.speculative_k == (K,) and report.variants == 3
+    assert report.speculative_k == (K,) and report.variants == 4
     graphs = report.step_graphs
-    assert graphs == {("sample", 8): 3, ("verify", 8, K): 3}, graphs
+    assert graphs == {("sample", 8): 4, ("verify", 8, K): 3 * 2}, graphs
 
 
 def test_nothing_compiles_after_warmup_while_verifying(warm_verify):
@@ -331,18 +334,20 @@ def _step_graphs_hlo(sampler: TpuSampler, bucket: int, vocab: int):
                torch_xla._XLAC._get_xla_tensors_hlo([out]))
 
 
-def test_no_vocabulary_wide_sort_and_only_two_small_scatters():
-    """No step or verify graph's HLO, as torch-xla lowers it, sorts a vocabulary-wide array;
-    the only scatters into one are bad words' ``B x max_bad_words`` bans and DRY's
-    ``B x dry_window`` penalised logits. (Custom stages are the plugins' code and stay out of
-    this check.)"""
+def test_no_vocabulary_wide_sort_but_tail_free_and_only_two_small_scatters():
+    """No step or verify graph's HLO, as torch-xla lowers it, sorts a vocabulary-wide array
+    but tail-free sampling (step 13c, defined on the sorted probabilities: one sort, inside
+    its conditional, in the graphs that trace the filter group); the only scatters into one
+    are bad words' ``B x max_bad_words`` bans and DRY's ``B x dry_window`` penalised logits.
+    (Custom stages are the plugins' code and stay out of this check.)"""
     vocab, bucket, words = 1000, 8, 8
     sampler = TpuSampler(xla_device(), buckets=(bucket,), speculative_k=(K,), dry_window=DRY_WINDOW,
                          max_bad_words=words)
     for what, hlo in _step_graphs_hlo(sampler, bucket, vocab):
         lines = [line.strip() for line in hlo.splitlines()]
         sorts = [line[:160] for line in lines if " sort(" in line and f",{vocab}]" in line]
-        assert not sorts, f"{what}: {sorts}"
+        filtering = what.startswith("verify") or "random=True" in what
+        assert len(sorts) == int(filtering), f"{what}: {sorts}"
         scatters = [line for line in lines if " scatter(" in line and f",{vocab}]" in line]
         rows = bucket * (K + 1) if what.startswith("verify") else bucket
         operands = " ".join(line.split("scatter(", 1)[1] for line in scatters)
