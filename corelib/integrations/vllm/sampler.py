@@ -117,6 +117,9 @@ class BatchMirror:
         # tokens: its sampler_state then}, what it resumes from when it joins again.
         self._selector_states: dict[str, dict[int, list]] = {}
         self.resumed = 0        # joins that took a kept selector state (for tests)
+        # A backend's batch written before add's sampler_state argument cannot resume a state:
+        # its preempted selector requests start afresh (with a warning) rather than fail the step.
+        self._resumes = "sampler_state" in inspect.signature(self.batch.add).parameters
 
     def sync(self, input_batch: Any, requests: dict[str, Any]) -> SamplingBatch:
         """Bring the batch to ``input_batch``'s rows (``requests``: the runner's
@@ -217,6 +220,12 @@ class BatchMirror:
         of generated tokens (a device read, only for requests that use a selector)."""
         params = self.batch.params_of(request_id)
         if not (params.uses_mirostat or params.uses_adaptive_p):
+            return
+        if not self._resumes:
+            logger.warning("corelib sampler (%s): request %r leaves unfinished, and backend %r "
+                           "cannot resume its mirostat/adaptive-p state (its batch's add takes "
+                           "no sampler_state): it starts afresh when it returns", ENV_VAR,
+                           request_id, type(self.batch).__name__)
             return
         generated = self.batch.generated_counts()[self.batch.rows_of(request_id)[0]]
         kept = self._selector_states.setdefault(request_id, {})

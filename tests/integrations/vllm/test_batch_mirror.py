@@ -227,3 +227,20 @@ def test_a_preempted_selector_resumes_its_state_and_a_discarded_token_is_undone(
     del engine.requests[ids[2]]
     engine.step(remove=[ids[1]])
     assert engine.mirror._selector_states == {}
+
+
+def test_a_backend_that_cannot_resume_a_state_starts_it_afresh():
+    """A backend whose batch's add predates sampler_state: the preempted selector request
+    comes back with a fresh state (and a warning) instead of failing the engine's step."""
+    engine = Engine("reference")
+    engine.mirror._resumes = False          # as such a backend's batch reports itself
+    logits = torch.randn(MAX_REQS, VOCAB, generator=torch.Generator().manual_seed(1)) * 4
+    rid = engine.new_request(extra_args={"corelib": {"mirostat_tau": 3.0, "mirostat_eta": 0.4}})
+    engine.step(add=[rid])
+    for _ in range(3):
+        engine.sample(logits)
+        engine.step()
+    engine.step(preempt=[rid])
+    engine.step(add=[rid])
+    assert engine.mirror.resumed == 0
+    assert engine.mirror.batch.sampler_state(rid) == [[6.0]]        # 2 * tau

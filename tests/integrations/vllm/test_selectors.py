@@ -56,3 +56,19 @@ def test_a_preempted_request_resumes_its_selector_state(preempting_llm, referenc
     preempted = first(run(preempting_llm, prompts, params))
     assert mirror.resumed > before, "no request was resumed: the test must preempt"
     assert preempted == first(run(reference_llm, prompts, params))
+
+
+def test_selectors_under_speculation_equal_no_speculation(corelib_llm, ngram_llm):
+    """With ngram drafts verified by corelib, each slot's selector state is advanced by the
+    drafts before it: mirostat, adaptive-p and a filter order sample the tokens they sample
+    without speculation, with drafts accepted on the way."""
+    loop = [1, 17, 42, 99, 7, 17, 42, 99, 7]       # the tiny model repeats it: drafts get accepted
+    params = [selector_params(MIROSTAT, 17), selector_params(ADAPTIVE_P, 18),
+              vllm_params(temperature=1.0, seed=19, max_tokens=24, extra_args={"corelib": {
+                  "tfs": 0.8, "sampler_order": ["tfs", "temperature"]}})]
+    prompts = [loop, PROMPTS[0], loop]
+    stats = runner_of(ngram_llm).sampler.speculation
+    before = stats.as_dict()["accepted_tokens"]
+    speculated = first(run(ngram_llm, prompts, params))
+    assert stats.as_dict()["accepted_tokens"] > before
+    assert speculated == first(run(corelib_llm, prompts, params))
