@@ -400,6 +400,44 @@ class CudaSampler(Sampler):
         keep = (score <= threshold) | (s.typical_p >= 1.0)[:, None]
         return x.masked_fill(~keep, NEG_INF)
 
+    def apply_tfs(self, x: torch.Tensor, s: StepState) -> torch.Tensor:
+        """Step 13c, tail-free (``tfs`` float32 [B], 1 = off): the reference's kept set, from
+        the top-k candidates when every random row has a top_k (``bounds.every_row_top_k``)
+        and the batch's largest top_k K is small against V; else the reference's sort. x
+        float32 [B, V]; not in place.
+
+        In the default order tail-free runs after top-k, so a row's n kept tokens are its K
+        largest logits' tokens but for ties of the K-th, which share its probability: the
+        sorted probabilities the reference builds are the candidates' (same softmax, so the
+        same values), then that probability again up to n, then zeros. Its second differences
+        past the candidates are then exact zeros, so the candidates' K, with the K-th value
+        twice more after them, carry every term: the same float64 terms in the same places, the
+        running sums over the same prefix, and a cut past the candidates lands on the tie
+        value, as the reference's does. In another order tail-free may come before top-k:
+        ``switch_state`` clears ``every_row_top_k`` there, so it sorts."""
+        V = x.shape[-1]
+        bounds = getattr(s, "bounds", None)
+        if (bounds is None or not bounds.every_row_top_k or bounds.max_top_k == 0
+                or bounds.max_top_k * self.SORT_FRACTION > V):
+            return super().apply_tfs(x, s)
+        K = bounds.max_top_k
+        p = torch.softmax(x, dim=-1)
+        head = p.gather(1, torch.topk(x, K, dim=-1).indices)              # (B, K), descending
+        last = head[:, -1:]
+        q = torch.cat([head, last, last], dim=-1).double()                # (B, K + 2)
+        n = (x > NEG_INF).sum(dim=-1, keepdim=True)
+        second = (q[:, :-2] - 2.0 * q[:, 1:-1] + q[:, 2:]).abs()           # (B, K)
+        inside = torch.arange(K, device=x.device)[None, :] < n - 2
+        second = torch.where(inside, second, 0.0)
+        total = second.sum(dim=-1, keepdim=True)
+        weights = torch.where(total > 1e-6, second / total.clamp(min=1e-300),
+                              inside.double() / (n - 2).clamp(min=1).double())
+        passed_before = (torch.cumsum(weights, dim=-1) <= s.tfs.double()[:, None]) & inside
+        j = torch.minimum(passed_before.sum(dim=-1, keepdim=True) + 1, (n - 2).clamp(min=1))
+        threshold = q.gather(1, (j - 1).clamp(max=K + 1)).to(p.dtype)
+        keep = (p >= threshold) | (n <= 2) | (s.tfs >= 1.0)[:, None]
+        return x.masked_fill(~keep, NEG_INF)
+
     @staticmethod
     def typical_threshold(x: torch.Tensor, p: torch.Tensor, score: torch.Tensor,
                           typical_p: torch.Tensor, K: int) -> torch.Tensor:

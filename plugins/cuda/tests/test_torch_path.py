@@ -562,8 +562,9 @@ def test_the_fourth_releases_filters_keep_the_reference_sets(sampler, reference,
 
 #: Orders where the batch's filter bounds (made for the default order) would be wrong: top-p
 #: over the whole vocabulary before top-k (its nucleus holds more tokens than the batch's
-#: largest top_k, and epsilon's renormalised cut after it sees them all), typical-p before
-#: top-k; and orders where they hold: top-k alone, then top-p after another filter.
+#: largest top_k, and epsilon's renormalised cut after it sees them all), typical-p and
+#: tail-free before top-k; and orders where they hold: top-k alone, then top-p after another
+#: filter.
 ORDERED_REQUESTS = [
     ("default", SamplingParams(top_k=20, top_p=0.9, typical_p=0.9), [], None),
     ("top-p-first", SamplingParams(sampler_order=["top_p", "epsilon", "top_k"], top_p=0.6,
@@ -574,6 +575,7 @@ ORDERED_REQUESTS = [
                                    top_p=0.7), [], None),
     ("temperature-last", SamplingParams(temperature_last=True, temperature=0.6, min_p=0.05,
                                         top_k=100, tfs=0.9), [], None),
+    ("tfs-first", SamplingParams(sampler_order=["tfs", "top_k"], tfs=0.5, top_k=250), [], None),
 ]
 
 
@@ -590,7 +592,47 @@ def test_custom_filter_orders_keep_the_reference_sets(sampler, reference):
     plain_bounds = CudaSampler("cpu", use_flashinfer=False)
     plain_bounds.switch_state = lambda s, stage, switch: Sampler.switch_state(plain_bounds, s, stage, switch)
     mutant = torch.isfinite(plain_bounds.processed_logits(logits, build(plain_bounds, ORDERED_REQUESTS, vocab)))
-    assert (mutant != want).any(dim=-1).tolist() == [False, True, True, False, False]
+    assert (mutant != want).any(dim=-1).tolist() == [False, True, True, False, False, True]
+
+
+@pytest.mark.parametrize("trial", range(4))
+def test_tail_free_from_candidates_keeps_the_reference_sets(sampler, reference, trial):
+    """Every row has a top_k: tail-free's sorted head comes from the top-k candidates (no
+    vocabulary sort), on bf16 logits where ties of the K-th candidate reach past the
+    candidates (their second differences are zeros, and a cut there keeps them all)."""
+    gen = torch.Generator().manual_seed(900 + trial)
+
+    def pick(options):
+        return options[int(torch.randint(len(options), (1,), generator=gen))]
+    requests = [(f"t{i}", SamplingParams(tfs=pick([0.5, 0.7, 0.9, 0.99, 1.0]), top_k=pick([1, 2, 3, 20, 64]),
+                                         typical_p=pick([1.0, 0.9]), temperature=pick([0.5, 1.0, 2.0]),
+                                         min_p=pick([0.0, 0.05])), [], None) for i in range(16)]
+    logits = bf16_logits(16, seed=1000 + trial)
+    logits[0, 10:100] = logits[0].max()                 # 90 tokens tied at the top, top_k <= 64
+    logits[1] = 0.0                                      # every token tied
+    logits[2, :5] = 30.0                                 # a flat head of five
+    # one leader, 100 tokens tied behind it, top_k 2: 101 survivors, past the 64 candidates;
+    # the cut falls after the leader only when the ties' zero differences are counted as such
+    logits[3] = -20.0
+    logits[3, 100:200] = 8.0
+    logits[3, 7] = 9.0
+    requests[3] = ("t3", SamplingParams(tfs=0.9, top_k=2), [], None)
+    requests[4] = ("t4", SamplingParams(tfs=0.7, top_k=64), [], None)
+    with Recorder() as rec:
+        got = sampler.processed_logits(logits, build(sampler, requests))
+    assert V not in rec.sort_widths, "tail-free sorted the vocabulary although every row has a top_k"
+    want = reference.processed_logits(logits, build(reference, requests))
+    assert torch.equal(torch.isfinite(got), torch.isfinite(want))
+
+
+def test_tail_free_without_top_k_on_every_row_takes_the_reference_sort(sampler, reference):
+    requests = [("k", SamplingParams(tfs=0.9, top_k=20), [], None), ("all", SamplingParams(tfs=0.8), [], None)]
+    logits = bf16_logits(2, seed=7)
+    with Recorder() as rec:
+        got = sampler.processed_logits(logits, build(sampler, requests))
+    assert V in rec.sort_widths
+    want = reference.processed_logits(logits, build(reference, requests))
+    assert torch.equal(torch.isfinite(got), torch.isfinite(want))
 
 
 FOURTH = dict(dynatemp_range=0.4, smoothing_factor=0.3, top_a=0.1, epsilon_cutoff=0.0005,
