@@ -14,6 +14,13 @@ A graph replays fixed kernels on fixed addresses, so a step is captured per padd
   values, so a replay reads the current parameters and the padding rows are inert;
 - FlashInfer's seed and offset tensors and torch's generator state, advanced on the device.
 
+The stateful selectors (mirostat, adaptive-p) need nothing more: their per-row state is one
+of the batch's per-row tensors, which ``append`` advances in place between replays, and the
+filtered log-probabilities it advances from (``selector_source``) are an output of the
+captured step, copied out of the graphs' pool with the tokens and handed to the batch
+(``keep_selector_source``), as the eager sampler does. The number of each row's filter order
+is a per-row tensor too; the orders a batch holds are a host flag of the capture key.
+
 What the graph cannot see is host state: the stage flags, the filter bounds, the custom stages
 in use and the addresses of the batch's tensors. They form the capture key; when a request
 changes one of them (the first request with penalties, a larger top_k, DRY's history growing

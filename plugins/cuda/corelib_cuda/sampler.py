@@ -14,7 +14,11 @@ class changes:
   (``corelib_cuda.bitmask``): no ``[B, V]`` boolean;
 - step 8a (DRY) scatters its penalties into the working copy in place (O(B H) besides);
 - step 13a (typical-p) finds its threshold among the top-k candidates when every random row
-  has a top_k, instead of sorting the vocabulary;
+  has a top_k, instead of sorting the vocabulary; so does step 13c (tail-free) for its sorted
+  head;
+- a request's own order of the filter group runs each named filter with filter bounds that
+  hold in that order (``switch_state``); FlashInfer's fused path steps aside for own orders,
+  stateful selectors and every filter after steps 12-13 (``flashinfer_draws``);
 - verification judges unseeded rows with draft probabilities by FlashInfer's
   ``chain_speculative_sampling`` when that path is active; seeded rows keep the contract's noise;
 - everything is fixed-shape and branches only on host flags, so a step (and a verify step) can
@@ -213,11 +217,11 @@ class CudaSampler(Sampler):
         """The state a named filter of a request's own order runs with (``run_orders``): the
         core's (top-k or top-p alone: the other's fields and flags neutral) with filter bounds
         that hold wherever the order puts the filter. The batch's bounds describe the default
-        order, where typical-p runs after top-k and top-p with it; in another order top-p alone
-        may see the whole vocabulary (its threshold by radix select when the batch's top_p
-        allow it, else the reference's sort), top-k alone needs its own candidates only, and
-        typical-p may run before top-k (so it takes the reference's sort, not the top-k
-        candidates). No device read."""
+        order, where typical-p and tail-free run after top-k and top-p with it; in another
+        order top-p alone may see the whole vocabulary (its threshold by radix select when the
+        batch's top_p allow it, else the reference's sort), top-k alone needs its own
+        candidates only, and typical-p and tail-free may run before top-k (so they take the
+        reference's sort, not the top-k candidates). No device read."""
         out = super().switch_state(s, stage, switch)
         bounds = getattr(s, "bounds", None)
         if bounds is None:
