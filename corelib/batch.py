@@ -55,6 +55,7 @@ class _Request:
     request_id: str
     params: SamplingParams
     rows: list[int]
+    flags: frozenset = frozenset()      # pipeline.request_flags(params)
 
 
 class SamplingBatch(RowStore, CustomStageRows, SelectorRows):
@@ -109,6 +110,8 @@ class SamplingBatch(RowStore, CustomStageRows, SelectorRows):
         self._views: Optional[tuple[int, dict, dict]] = None
         self._template: Optional[StepState] = None
         self._all_true: Optional[torch.Tensor] = None
+        # stage scalars no request of this batch has set yet: every row holds them neutral
+        self._idle_scalars = {f.name for f in pipeline.stage_fields() + pipeline.state_fields()}
         self._orders: dict[tuple[str, ...], int] = {}       # filter order -> its filter_order
         self._selector_source: Optional[tuple[torch.Tensor, int]] = None
         self._ensure_capacity(_MIN_CAPACITY)
@@ -218,7 +221,7 @@ class SamplingBatch(RowStore, CustomStageRows, SelectorRows):
             self._reset_rows(rows)
             raise
 
-        self._requests[request_id] = _Request(request_id, params, rows)
+        self._requests[request_id] = _Request(request_id, params, rows, pipeline.request_flags(params))
         for child, out in enumerate(outputs):
             self._row_keys.append((request_id, child))
             self._row_params.append(params)
@@ -558,8 +561,12 @@ class SamplingBatch(RowStore, CustomStageRows, SelectorRows):
         random = [p for p in params if not p.is_greedy]
         logprobs = [self.vocab_size if p.logprobs == ALL_LOGPROBS else p.logprobs
                     for p in params if p.logprobs is not None]
+        flags = dict.fromkeys(pipeline.computed_flags(), False)
+        for request in self._requests.values():
+            for flag in request.flags:
+                flags[flag] = True
         return dict(
-            **pipeline.stage_flags(params, random),
+            **flags,
             any_greedy=len(random) < len(params),
             all_greedy=bool(params) and not random,
             any_random=bool(random),

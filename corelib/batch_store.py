@@ -272,7 +272,7 @@ class RowStore:
         values["child"] = list(range(child_offset, child_offset + n))
         values["position"] = [len(o) for o in outputs]
         values.update(row_values or {})
-        self._stage_row_values(rows[0], values)
+        self._stage_row_values(rows[0], self._without_idle(values))
 
     def _write_history(self, sl: slice, params: SamplingParams, prompt: list[int],
                        outputs: list[list[int]]) -> None:
@@ -324,13 +324,37 @@ class RowStore:
         waiting. Subclasses with state of their own override this (and call it) to move that
         state too."""
         s, d = (upload(rows, self.device, torch.long) for rows in (src, dst))
-        for tensor in self._tensors.values():
-            tensor.index_copy_(0, d, tensor.index_select(0, s))
+        idle = self._idle_scalars
+        for name, tensor in self._tensors.items():
+            if name not in idle:
+                tensor.index_copy_(0, d, tensor.index_select(0, s))
 
     def _reset_rows(self, rows: list[int]) -> None:
         if not rows:
             return
         sl = slice(rows[0], rows[-1] + 1)
+        idle = self._idle_scalars
         for name, tensor in self._tensors.items():
-            neutral = _SCALARS[name][1] if name in _SCALARS else self._neutral[name]
-            tensor[sl] = neutral
+            if name not in idle:
+                tensor[sl] = _SCALARS[name][1] if name in _SCALARS else self._neutral[name]
+
+    def _without_idle(self, values: dict[str, list]) -> dict[str, list]:
+        """``values`` (name -> per-row values of rows being added) less the stage scalars that
+        every row holds neutral and these rows leave neutral too (``_idle_scalars``: a batch
+        where no request ever used a stage does not write, move or reset its scalars). A
+        scalar a request first sets leaves the idle set, after the rows still pending are
+        written (pending rows of one read share one set of names)."""
+        idle = self._idle_scalars
+        if not idle:
+            return values
+        woken = []
+        for name, column in values.items():
+            if name in idle:
+                neutral = _SCALARS[name][1]
+                if column[0] != neutral or (len(column) > 1 and any(v != neutral for v in column)):
+                    woken.append(name)
+        if woken:
+            if self._pending:
+                self._write_pending()
+            idle.difference_update(woken)
+        return {name: v for name, v in values.items() if name not in idle}

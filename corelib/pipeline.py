@@ -251,7 +251,7 @@ def flagged_stages_in(group: str) -> tuple[tuple[Stage, tuple[str, ...]], ...]:
 
 def stage_fields() -> tuple[Field, ...]:
     """Every stage's per-row scalars, in table order."""
-    return tuple(f for stage in STAGES for f in stage.fields)
+    return _FIELDS
 
 
 def switches() -> tuple[tuple[Stage, Switch], ...]:
@@ -268,6 +268,20 @@ def stage_flags(params: list, random: list) -> dict[str, bool]:
             rows = random if stage.rows == RANDOM_ROWS else params
             flags[switch.flag] = any(switch.uses(p) for p in rows)
     return flags
+
+
+def request_flags(params) -> frozenset[str]:
+    """The switches' flags one request sets (a greedy request: only those of stages that
+    apply to every row). A batch keeps them per request, so that its flags after a join or a
+    leave are a union, not a test of every switch on every row."""
+    greedy = params.is_greedy
+    return frozenset(switch.flag for stage, switch in _COMPUTED
+                     if not (greedy and stage.rows == RANDOM_ROWS) and switch.uses(params))
+
+
+def computed_flags() -> tuple[str, ...]:
+    """The flags ``request_flags`` may set (those of switches computed from requests)."""
+    return tuple(switch.flag for _, switch in _COMPUTED)
 
 
 def order_names() -> tuple[str, ...]:
@@ -292,20 +306,23 @@ def stateful_stages() -> tuple[Stage, ...]:
 
 def state_fields() -> tuple[Field, ...]:
     """Every stage's per-row state scalars, in table order."""
-    return tuple(f for stage in _STATEFUL for f in stage.state)
+    return _STATE
 
 
 def reindex() -> None:
     """Rebuild the group indexes from ``STAGES``: after ``STAGES`` is replaced in a fresh
     interpreter, before the rest of corelib is imported (the batch, the step state and the
     backends read the table when they are; ``corelib.testing.added_stage`` does this)."""
-    global _BY_GROUP, _FLAGGED, _NAMED, _ORDER_NAMES, _BY_NAME, _STATEFUL
+    global _BY_GROUP, _FLAGGED, _NAMED, _ORDER_NAMES, _BY_NAME, _STATEFUL, _COMPUTED, _FIELDS, _STATE
     _BY_GROUP = {group: tuple(s for s in STAGES if s.group == group) for group in GROUPS}
     _FLAGGED = {group: tuple((s, s.flags) for s in stages) for group, stages in _BY_GROUP.items()}
     _NAMED = tuple((s, w) for s in _BY_GROUP["filter"] for w in s.switches if w.name is not None)
     _ORDER_NAMES = tuple(w.name for _, w in _NAMED)
     _BY_NAME = {w.name: (s, w) for s, w in _NAMED}
     _STATEFUL = tuple(s for s in STAGES if s.state)
+    _COMPUTED = tuple((s, w) for s in STAGES for w in s.switches if w.uses is not None)
+    _FIELDS = tuple(f for stage in STAGES for f in stage.fields)
+    _STATE = tuple(f for stage in _STATEFUL for f in stage.state)
 
 
 _BY_GROUP: dict = {}
@@ -314,5 +331,8 @@ _NAMED: tuple = ()
 _ORDER_NAMES: tuple = ()
 _BY_NAME: dict = {}
 _STATEFUL: tuple = ()
+_COMPUTED: tuple = ()
+_FIELDS: tuple = ()
+_STATE: tuple = ()
 reindex()
 assert all(s.group in GROUPS and s.rows in (ALL_ROWS, RANDOM_ROWS) for s in STAGES)
