@@ -259,17 +259,6 @@ def switches() -> tuple[tuple[Stage, Switch], ...]:
     return tuple((stage, switch) for stage in STAGES for switch in stage.switches)
 
 
-def stage_flags(params: list, random: list) -> dict[str, bool]:
-    """The host flags of the switches computed from requests: ``params`` every row's
-    ``SamplingParams``, ``random`` those of the random rows."""
-    flags = {}
-    for stage, switch in switches():
-        if switch.uses is not None:
-            rows = random if stage.rows == RANDOM_ROWS else params
-            flags[switch.flag] = any(switch.uses(p) for p in rows)
-    return flags
-
-
 def request_flags(params) -> frozenset[str]:
     """The switches' flags one request sets (a greedy request: only those of stages that
     apply to every row). A batch keeps them per request, so that its flags after a join or a
