@@ -56,6 +56,38 @@ def typical_keep(x: torch.Tensor, typical_p: torch.Tensor) -> torch.Tensor:
     return score <= threshold
 
 
+def dynamic_divisor(entropy: torch.Tensor, kept: torch.Tensor, t: torch.Tensor,
+                    s: StepState) -> tuple[torch.Tensor, torch.Tensor]:
+    """Step 10's dynamic temperature from each row's entropy (float32 [B], nats) and kept-token
+    count (int [B]): (float32 [B] divisor: T' on dynamic rows with more than one kept token, 1
+    on dynamic rows with one, ``t`` elsewhere; bool [B]: T' = 0, the argmax tokens alone stay).
+    ``t`` float32 [B], the static temperatures (greedy rows 1). Not in place."""
+    ratio = (entropy / kept.clamp(min=2).to(torch.float32).log()).clamp(min=0.0)
+    d = s.dynatemp_range
+    lo = (t - d).clamp(min=0.0)
+    dynamic = lo + (t + d - lo) * ratio.pow(s.dynatemp_exponent)
+    on = (d > 0) & ~s.greedy
+    t = torch.where(on, torch.where(kept > 1, dynamic, 1.0), t)
+    argmax_only = on & (kept > 1) & (dynamic == 0)
+    return torch.where(argmax_only, 1.0, t), argmax_only
+
+
+def tail_free_length(q: torch.Tensor, n: torch.Tensor, tfs: torch.Tensor) -> torch.Tensor:
+    """Step 13c's kept length j (int64 [B, 1], >= 1): for each row's probabilities sorted in
+    descending order, float64 ``q`` [B, M] (its first n kept, M >= 3 or the row's n <= M),
+    the smallest j whose normalised second differences sum past ``tfs`` (float32 [B]), n - 2
+    when none does. ``n`` int [B, 1] kept tokens (rows with n <= 2 keep everything: the
+    caller's test). Not in place."""
+    second = (q[:, :-2] - 2.0 * q[:, 1:-1] + q[:, 2:]).abs()
+    inside = torch.arange(second.shape[-1], device=q.device)[None, :] < n - 2
+    second = torch.where(inside, second, 0.0)
+    total = second.sum(dim=-1, keepdim=True)
+    weights = torch.where(total > 1e-6, second / total.clamp(min=1e-300),
+                          inside.double() / (n - 2).clamp(min=1).double())
+    passed_before = (torch.cumsum(weights, dim=-1) <= tfs.double()[:, None]) & inside
+    return torch.minimum(passed_before.sum(dim=-1, keepdim=True) + 1, (n - 2).clamp(min=1))
+
+
 def nucleus_keep(probs: torch.Tensor, ordered: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     """Step 13's kept set: bool [B, V], True for tokens in the nucleus (ties at its edge kept).
 
@@ -590,16 +622,8 @@ class Sampler(Verification):
         the static temperatures (greedy rows 1). Not in place."""
         logp = torch.log_softmax(x, dim=-1)
         p = logp.exp()
-        kept = (x > NEG_INF).sum(dim=-1)
         entropy = -torch.where(p > 0, p * logp, 0.0).sum(dim=-1)
-        ratio = (entropy / kept.clamp(min=2).to(torch.float32).log()).clamp(min=0.0)
-        d = s.dynatemp_range
-        lo = (t - d).clamp(min=0.0)
-        dynamic = lo + (t + d - lo) * ratio.pow(s.dynatemp_exponent)
-        on = (d > 0) & ~s.greedy
-        t = torch.where(on, torch.where(kept > 1, dynamic, 1.0), t)
-        argmax_only = on & (kept > 1) & (dynamic == 0)
-        return torch.where(argmax_only, 1.0, t), argmax_only
+        return dynamic_divisor(entropy, (x > NEG_INF).sum(dim=-1), t, s)
 
     def apply_top_n_sigma(self, x: torch.Tensor, s: StepState) -> torch.Tensor:
         """Step 10a: over each row's finite logits, drop those below max - n * sigma (sigma their
@@ -699,15 +723,7 @@ class Sampler(Verification):
         p = torch.softmax(x, dim=-1)
         q = torch.sort(p, dim=-1, descending=True).values.double()
         n = (x > NEG_INF).sum(dim=-1, keepdim=True)
-        second = (q[:, :-2] - 2.0 * q[:, 1:-1] + q[:, 2:]).abs()
-        inside = torch.arange(second.shape[-1], device=x.device)[None, :] < n - 2
-        second = torch.where(inside, second, 0.0)
-        total = second.sum(dim=-1, keepdim=True)
-        weights = torch.where(total > 1e-6, second / total.clamp(min=1e-300),
-                              inside.double() / (n - 2).clamp(min=1).double())
-        passed_before = (torch.cumsum(weights, dim=-1) <= s.tfs.double()[:, None]) & inside
-        j = torch.minimum(passed_before.sum(dim=-1, keepdim=True) + 1, (n - 2).clamp(min=1))
-        threshold = q.gather(1, j - 1).to(p.dtype)
+        threshold = q.gather(1, tail_free_length(q, n, s.tfs) - 1).to(p.dtype)
         keep = (p >= threshold) | (n <= 2) | (s.tfs >= 1.0)[:, None]
         return x.masked_fill(~keep, NEG_INF)
 
