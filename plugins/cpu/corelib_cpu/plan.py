@@ -64,6 +64,8 @@ class BlockPlan:
     #: reference on a dense view, ``CpuSampler.stage_method``): the temperature must then
     #: divide x itself, never the candidates only.
     whole_rows_first: bool = False
+    #: Template group -> the methods of its stages this block runs (``CpuSampler.run_group``).
+    groups: dict = field(default_factory=dict, repr=False)
     _index: dict = field(default_factory=dict, repr=False)
 
     def __post_init__(self):

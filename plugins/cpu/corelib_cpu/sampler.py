@@ -41,12 +41,12 @@ from typing import Callable, Optional
 
 import torch
 from corelib import Logprobs, Sampler, SamplerOutput, SamplingBatch, StepState, pipeline
-from corelib.sampler import Drafts, VerifyOutput
+from corelib.sampler import NEG_INF, Drafts, VerifyOutput, nucleus_keep
 
 from .batch import CpuBatch
 from .block import Block
 from .draw_stage import DrawStage
-from .filter_stages import FilterStages
+from .filter_stages import FilterStages, sorted_desc
 from .logit_stages import LogitStages
 from .logprob_stage import LogprobStage
 from .plan import StepPlan, make_plan, reads_logits_once
@@ -160,8 +160,28 @@ class CpuSampler(LogitStages, FilterStages, DrawStage, Verification, LogprobStag
         for name in names:
             stage, switch = pipeline.named_switch(name)
             if getattr(s, switch.flag):
-                y = getattr(Sampler, stage.method)(self, y, self.switch_state(s, stage, switch))
+                one = self.switch_state(s, stage, switch)
+                fast = _DENSE_FAST.get(name)
+                y = fast(y, one) if fast is not None else getattr(Sampler, stage.method)(self, y, one)
         return y
+
+    def run_group(self, group: str, x: Block, s: StepState) -> Block:
+        """``Sampler.run_group``; for the filter and select groups, whose flags only change
+        when requests join or leave (the block's plan's and the batch's), the methods of the
+        stages the block runs are listed once per plan (``BlockPlan.groups``) instead of
+        testing every stage's flags on every step (the table grows; a step's host time
+        should not)."""
+        plan = getattr(s, "plan", None)
+        if group not in _CACHED_GROUPS or plan is None:
+            return Sampler.run_group(self, group, x, s)
+        methods = plan.groups.get(group)
+        if methods is None:
+            methods = plan.groups[group] = tuple(
+                self.stage_method(stage) for stage, flags in pipeline.flagged_stages_in(group)
+                if any(getattr(s, flag) for flag in flags))
+        for method in methods:
+            x = method(x, s)
+        return x
 
     def stage_method(self, stage: pipeline.Stage) -> Callable[[Block, StepState], Block]:
         """This backend's method for ``stage``; for a stage it does not override, the reference
@@ -239,6 +259,33 @@ class CpuSampler(LogitStages, FilterStages, DrawStage, Verification, LogprobStag
         if isinstance(batch, CpuBatch):
             return batch.cached_plan((s.num_rows, rows_per_block, slots), build)
         return build()
+
+
+def dense_top_k(x: torch.Tensor, s: StepState) -> torch.Tensor:
+    """``Sampler.apply_top_k`` without its full sort: the k-th largest value of each row
+    from ``torch.topk`` of the largest k (the same value the sort puts there), then the
+    reference's comparison. x float32 [m, V]; not in place."""
+    V = x.shape[-1]
+    k = s.top_k.to(torch.long).clamp(max=V)
+    width = max(int(k.max()), 1)
+    kth = torch.topk(x, width, dim=-1).values.gather(1, (k - 1).clamp(min=0)[:, None])
+    return x.masked_fill(~((x >= kth) | (k == 0)[:, None]), NEG_INF)
+
+
+def dense_top_p(x: torch.Tensor, s: StepState) -> torch.Tensor:
+    """``Sampler.apply_top_p`` with the probabilities ordered by numpy's vectorised sort (the
+    same descending values as torch's sort) and the reference's nucleus rule
+    (``nucleus_keep``). x float32 [m, V]; not in place."""
+    probs = torch.softmax(x, dim=-1)
+    ordered = sorted_desc(probs).to(torch.float32)
+    return x.masked_fill(~nucleus_keep(probs, ordered, s.top_p), NEG_INF)
+
+
+#: The generic path's faster exact forms of the reference's sorting filters, by order name.
+_DENSE_FAST = {"top_k": dense_top_k, "top_p": dense_top_p}
+
+#: The template's groups whose stage flags are fixed for a plan's life (see ``run_group``).
+_CACHED_GROUPS = ("filter", "select")
 
 
 def join_logprobs(pieces: list) -> Logprobs:
