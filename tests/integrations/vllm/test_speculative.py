@@ -62,9 +62,12 @@ def test_vllms_flat_tensors_reach_verify_unpadded_or_padded_for_older_backends(n
                      prompt_token_ids=[1])
         return rows
 
-    flat = sampler._verify(batch(), (logits, drafts, None, None), counts)
-    monkeypatch.setattr(sampler, "takes_flat_drafts", False)
-    padded = sampler._verify(batch(), (logits, drafts, None, None), counts)
+    # Under inference mode, as vLLM's runner calls it: the engine's earlier steps may have left
+    # the backend buffers made there, which torch allows to update only inside it.
+    with torch.inference_mode():
+        flat = sampler._verify(batch(), (logits, drafts, None, None), counts)
+        monkeypatch.setattr(sampler, "takes_flat_drafts", False)
+        padded = sampler._verify(batch(), (logits, drafts, None, None), counts)
     assert flat.token_ids.tolist() == padded.token_ids.tolist()
     assert flat.num_emitted[0] >= 2 and flat.num_emitted[2] == 1
 
