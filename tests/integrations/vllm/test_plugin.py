@@ -210,6 +210,9 @@ def test_a_bad_request_fails_alone_at_admission(corelib_llm):
                              use_tqdm=False)
     with pytest.raises(VLLMValidationError, match="logprob_token_ids"):
         corelib_llm.generate(prompt, VllmParams(logprob_token_ids=[4]), use_tqdm=False)
+    with pytest.raises(VLLMValidationError, match="mirostat_eta: mirostat_eta must be in \\[0, 1\\]"):
+        corelib_llm.generate(prompt, VllmParams(extra_args={CORELIB_KEY: {
+            "mirostat_tau": 5.0, "mirostat_eta": 1.5}}), use_tqdm=False)
     # eos joins the stop ids only in vLLM's final parameters: the check sees those.
     with pytest.raises(VLLMValidationError, match="allowed_token_ids \\[2\\] are all excluded"):
         corelib_llm.generate(prompt, VllmParams(allowed_token_ids=[EOS], min_tokens=2),
