@@ -36,7 +36,7 @@ from __future__ import annotations
 import torch
 from corelib import StepState, pipeline, selectors
 from corelib.noise import STREAM_XTC
-from corelib.sampler import NEG_INF
+from corelib.sampler import NEG_INF, dynamic_divisor, tail_free_length
 
 from . import kernels
 from .block import Block, Candidates, Cut, pick_rows, runs, take_rows
@@ -223,20 +223,13 @@ class FilterStages:
         [m] static temperatures, ``s`` the rows' dynatemp_range, dynatemp_exponent and greedy):
         the same log-softmax, exp and entropy (a nansum for the reference's where(p > 0): the
         same sum, whose only NaNs are 0 * -inf) in workspace buffers instead of five new
-        [m, V] tensors; the per-row arithmetic after it is the reference's."""
+        [m, V] tensors; the per-row arithmetic after it is the core's (``dynamic_divisor``)."""
         shape = tuple(x.shape)
         logp = torch.log_softmax(x, dim=-1, out=self.workspace.take("dynatemp_logp", shape))
         p = torch.exp(logp, out=self.workspace.take("dynatemp_probs", shape))
         kept = (x > NEG_INF).sum(dim=-1)
         entropy = -torch.nansum(torch.mul(p, logp, out=logp), dim=-1)
-        ratio = (entropy / kept.clamp(min=2).to(torch.float32).log()).clamp(min=0.0)
-        d = s.dynatemp_range
-        lo = (t - d).clamp(min=0.0)
-        dynamic = lo + (t + d - lo) * ratio.pow(s.dynatemp_exponent)
-        on = (d > 0) & ~s.greedy
-        t = torch.where(on, torch.where(kept > 1, dynamic, 1.0), t)
-        argmax_only = on & (kept > 1) & (dynamic == 0)
-        return torch.where(argmax_only, 1.0, t), argmax_only
+        return dynamic_divisor(entropy, kept, t, s)
 
     def apply_top_a(self, x: Block, s: StepState) -> Block:
         """Step 11a on the rows with top_a > 0: p < top_a * max(p)**2 is cut (the reference's
@@ -459,20 +452,12 @@ def sorted_desc(probs: torch.Tensor) -> torch.Tensor:
 
 
 def tfs_thresholds(q: torch.Tensor, n: torch.Tensor, tfs: torch.Tensor) -> torch.Tensor:
-    """float32 [m, 1]: tail-free sampling's probability threshold q_j per row (the reference's
-    ``apply_tfs`` arithmetic, operation for operation: second differences, their normalised
-    float64 running sum against tfs, j), from q float64 [m, V] the row's probabilities
+    """float32 [m, 1]: tail-free sampling's probability threshold q_j per row (the core's
+    ``tail_free_length``: second differences, their normalised float64 running sum against
+    tfs, j), from q float64 [m, V] the row's probabilities
     descending, n int64 [m, 1] its kept tokens and tfs float32 [m]. Compiled where numba is
     (``kernels.tfs_thresholds``, the same bits)."""
     compiled = kernels.tfs_thresholds(q, n, tfs)
     if compiled is not None:
         return compiled
-    second = (q[:, :-2] - 2.0 * q[:, 1:-1] + q[:, 2:]).abs()
-    inside = torch.arange(second.shape[-1])[None, :] < n - 2
-    second = torch.where(inside, second, 0.0)
-    total = second.sum(dim=-1, keepdim=True)
-    weights = torch.where(total > 1e-6, second / total.clamp(min=1e-300),
-                          inside.double() / (n - 2).clamp(min=1).double())
-    passed_before = (torch.cumsum(weights, dim=-1) <= tfs.double()[:, None]) & inside
-    j = torch.minimum(passed_before.sum(dim=-1, keepdim=True) + 1, (n - 2).clamp(min=1))
-    return q.gather(1, j - 1).to(torch.float32)
+    return q.gather(1, tail_free_length(q, n, tfs) - 1).to(torch.float32)
