@@ -50,19 +50,6 @@ NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3,
 # logits modes, any number of logprobs, block verification): cpu, as everywhere else in the
 # suite; CORELIB_VLLM_NEW_FEATURES=reference runs them on the oracle instead.
 NEW_FEATURES_BACKEND = os.environ.get("CORELIB_VLLM_NEW_FEATURES", "cpu")
-
-
-def selector_backend() -> str:
-    """The backend of the tests that preempt requests using a stateful selector (mirostat,
-    adaptive-p): cpu, as everywhere else, once its batch resumes a selector's state
-    (``add(..., sampler_state=...)``); the reference backend, which does, until then."""
-    import inspect
-
-    import corelib
-    batch = corelib.get_sampler("cpu").new_batch(8)
-    return "cpu" if "sampler_state" in inspect.signature(batch.add).parameters else "reference"
-
-
 # Reasoning markers for the tiny model, which has no reasoning parser: vLLM's ReasoningConfig
 # tokenises them (" by", one token the model writes itself; "</think>", six tokens).
 THINK_START, THINK_END = " by", "</think>"

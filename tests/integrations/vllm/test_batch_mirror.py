@@ -198,8 +198,7 @@ def test_a_preempted_selector_resumes_its_state_and_a_discarded_token_is_undone(
     """A mirostat request that leaves unfinished keeps its state in the mirror; it resumes from
     it when it joins again with as many output tokens, also after vLLM discards the token it
     sampled during its resumed prefill; once it finishes, nothing of it stays behind."""
-    from conftest import selector_backend
-    engine = Engine(selector_backend())
+    engine = Engine()
     logits = torch.randn(MAX_REQS, VOCAB, generator=torch.Generator().manual_seed(0)) * 4
     ids = [engine.new_request(extra_args={"corelib": {"mirostat_tau": 3.0, "mirostat_eta": 0.4}})
            for _ in range(3)]

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import PROMPTS, first, make_llm, run, runner_of, selector_backend, vllm_params
+from conftest import PROMPTS, first, make_llm, run, runner_of, vllm_params
 
 MIROSTAT = {"mirostat_tau": 2.0, "mirostat_eta": 0.5}
 ADAPTIVE_P = {"adaptive_p_target": 0.2, "adaptive_p_decay": 0.7}
@@ -38,7 +38,7 @@ def preempting_llm(model_dir):
     """An engine whose KV cache holds 128 tokens, so that four long requests preempt. Kept
     for the session, as conftest's engines are (a shut-down engine tears down the distributed
     state every engine of the process shares)."""
-    return make_llm(model_dir, selector_backend(), kv_cache_memory_bytes=SMALL_KV_CACHE_BYTES,
+    return make_llm(model_dir, "cpu", kv_cache_memory_bytes=SMALL_KV_CACHE_BYTES,
                     max_model_len=64, block_size=BLOCK_SIZE)
 
 
