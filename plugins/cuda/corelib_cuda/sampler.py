@@ -38,7 +38,7 @@ from typing import Optional
 import torch
 from corelib import Sampler, SamplingBatch, StepState, pipeline
 from corelib.noise import row_keys
-from corelib.sampler import NEG_INF, Drafts, nucleus_keep
+from corelib.sampler import NEG_INF, Drafts, nucleus_keep, tail_free_length
 
 from .batch import CudaBatch, CudaStepState, FilterBounds
 from .bitmask import choose_bitmask_path
@@ -430,14 +430,7 @@ class CudaSampler(Sampler):
         last = head[:, -1:]
         q = torch.cat([head, last, last], dim=-1).double()                # (B, K + 2)
         n = (x > NEG_INF).sum(dim=-1, keepdim=True)
-        second = (q[:, :-2] - 2.0 * q[:, 1:-1] + q[:, 2:]).abs()           # (B, K)
-        inside = torch.arange(K, device=x.device)[None, :] < n - 2
-        second = torch.where(inside, second, 0.0)
-        total = second.sum(dim=-1, keepdim=True)
-        weights = torch.where(total > 1e-6, second / total.clamp(min=1e-300),
-                              inside.double() / (n - 2).clamp(min=1).double())
-        passed_before = (torch.cumsum(weights, dim=-1) <= s.tfs.double()[:, None]) & inside
-        j = torch.minimum(passed_before.sum(dim=-1, keepdim=True) + 1, (n - 2).clamp(min=1))
+        j = tail_free_length(q, n, s.tfs)           # past K + 2 only inside the K-th's ties
         threshold = q.gather(1, (j - 1).clamp(max=K + 1)).to(p.dtype)
         keep = (p >= threshold) | (n <= 2) | (s.tfs >= 1.0)[:, None]
         return x.masked_fill(~keep, NEG_INF)
