@@ -28,7 +28,10 @@ class Workspace(threading.local):
             numel *= size
         key = (name, dtype)
         buffer = self._buffers.get(key)
-        if buffer is None or buffer.numel() < numel:
+        # a buffer made under torch.inference_mode (vLLM runs its steps there) may not be
+        # written outside it: a call outside gets a new one
+        if (buffer is None or buffer.numel() < numel
+                or (buffer.is_inference() and not torch.is_inference_mode_enabled())):
             buffer = torch.empty(numel, dtype=dtype)
             self._buffers[key] = buffer
         return buffer[:numel].view(shape)
