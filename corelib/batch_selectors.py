@@ -72,9 +72,12 @@ class SelectorRows:
         ``sampler_state()`` returns it) when given, else each stage's initial value. Raises
         ValueError naming ``sampler_state`` when it does not fit the request."""
         used = _used_state(params)
-        values = {f.name: [f.value(params)] * n for f in pipeline.state_fields()}
         if sampler_state is None:
-            return values
+            if not used:     # neutral: only what rows of the batch already hold is written
+                return {f.name: [f.neutral] * n for f in pipeline.state_fields()
+                        if f.name not in self._idle_scalars}
+            return {f.name: [f.value(params)] * n for f in pipeline.state_fields()}
+        values = {f.name: [f.value(params)] * n for f in pipeline.state_fields()}
         where = f"request {request_id!r}: sampler_state"
         if not isinstance(sampler_state, (list, tuple)) or len(sampler_state) != n:
             raise ValueError(f"{where} must be a list of {n} lists (one per child), got {sampler_state!r}")

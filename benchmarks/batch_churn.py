@@ -1,0 +1,80 @@
+"""What requests joining and leaving cost the core's batch, against another git revision: the
+host work an engine pays between steps (``add``, ``remove``, the flags the next step reads).
+
+The other revision's ``corelib`` is extracted with ``git archive`` into a temporary folder and
+run in a second interpreter (two versions of one package cannot share a process); the two
+interpreters run one after the other, ``--rounds`` times, so take the ratios of one run only.
+Times are the calling thread's CPU time (one torch thread), medians over the requests.
+
+    python benchmarks/batch_churn.py --base f996ed1
+    python benchmarks/batch_churn.py --base main --rows 64 --rounds 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+MEASURE = r"""
+import json, sys, time, torch
+sys.path.insert(0, sys.argv[1])
+torch.set_num_threads(1)
+import corelib
+from corelib import SamplingParams
+rows = int(sys.argv[2])
+batch = corelib.Sampler().new_batch(512)
+params = [SamplingParams(temperature=0.8, top_k=50, top_p=0.9, seed=i) for i in range(rows)]
+for i in range(rows):
+    batch.add(f"r{i}", params[i])
+
+def clock(fn):
+    start = time.thread_time_ns(); fn(); return (time.thread_time_ns() - start) / 1e3
+
+def median(xs):
+    xs = sorted(xs); return xs[len(xs) // 2]
+
+flags, removes, adds = [], [], []
+for _ in range(5):
+    for i in range(rows):
+        removes.append(clock(lambda: batch.remove(f"r{i}")))
+        adds.append(clock(lambda: batch.add(f"r{i}", params[i])))
+    for _ in range(50):
+        batch._changed()
+        flags.append(clock(batch._compute_flags))
+print("RESULT " + json.dumps({"flags": median(flags), "remove": median(removes), "add": median(adds)}))
+"""
+
+
+def measure(tree: str, rows: int) -> dict:
+    done = subprocess.run([sys.executable, "-c", MEASURE, tree, str(rows)], capture_output=True,
+                          text=True, check=True)
+    return json.loads(done.stdout.split("RESULT ")[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--base", required=True, help="the git revision to compare against")
+    parser.add_argument("--rows", type=int, default=256, help="requests in the batch (n = 1 each)")
+    parser.add_argument("--rounds", type=int, default=2)
+    args = parser.parse_args()
+    root = subprocess.run(["git", "rev-parse", "--show-toplevel"], capture_output=True, text=True,
+                          check=True).stdout.strip()
+    with tempfile.TemporaryDirectory() as folder:
+        archive = subprocess.run(["git", "-C", root, "archive", args.base, "corelib"],
+                                 capture_output=True, check=True).stdout
+        subprocess.run(["tar", "-x", "-C", folder], input=archive, check=True)
+        print(f"B = {args.rows} requests; us per call (thread CPU time), base {args.base} / this checkout")
+        print("| round | flags after a change | remove | add |")
+        print("|---|---|---|---|")
+        for r in range(args.rounds):
+            base, current = measure(folder, args.rows), measure(root, args.rows)
+            cells = [f"{base[k]:.0f} / {current[k]:.0f}" for k in ("flags", "remove", "add")]
+            print(f"| {r + 1} | " + " | ".join(cells) + " |")
+
+
+if __name__ == "__main__":
+    main()
