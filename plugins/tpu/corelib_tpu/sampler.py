@@ -301,25 +301,34 @@ class TpuSampler(GraphRunner):
 
     def run_orders(self, x: torch.Tensor, s: XlaStepState) -> torch.Tensor:
         """The filter group when the graph traces orders besides the default one
-        (``s.filter_orders``, the sampler's ``FilterOrders``): the default order, then each
-        traced order, each over the whole batch with the filter fields of every other row
-        neutral (``_rows_only``: a filter's conditional then runs only when a row of that
-        order uses it), its result kept for its rows by a select inside a conditional on
-        them, so an order no row runs costs its conditionals' predicates only. x float32
-        ``[B, V]``; not in place."""
+        (``s.filter_orders``, the sampler's ``FilterOrders``): the default order over the
+        batch with every other row's filter fields neutral (``_rows_only``), then each traced
+        order in one conditional on "some row runs it", which runs the order's filters over
+        the batch with the fields of rows outside it neutral (each filter's own conditional
+        then runs only when a row of that order uses it) and keeps the result for its rows.
+        An order no row runs costs its predicate. x float32 ``[B, V]``; not in place."""
         order = s.filter_order
         out = self.run_group("filter", x, _rows_only(s, order == 0))
+        coin = self.row_uniforms(s, noise.STREAM_XTC) < s.xtc_probability
+        fields = [getattr(s, name) for name in _FILTER_NEUTRAL]
         for index, names in s.filter_orders:
             rows = order == index
-            on = _rows_only(s, rows)
-            y = x
-            for name in names:
-                y = self._order_stage(name, y, on)
-            out = xla.cond(rows.any(), _kept_for_rows, _unchanged, [out, y, rows], "filter order")
+
+            def run(out, x, rows, greedy, coin, *values, names=names):
+                on = SimpleNamespace(greedy=greedy, xtc_coin=coin, **{
+                    name: torch.where(rows, value, neutral)
+                    for (name, neutral), value in zip(_FILTER_NEUTRAL.items(), values)})
+                y = x
+                for name in names:
+                    y = self._order_stage(name, y, on)
+                return torch.where(rows[:, None], y, out)
+            out = xla.cond(rows.any(), run, _unchanged, [out, x, rows, s.greedy, coin, *fields],
+                           ("filter order", names, self.top_k_candidates))
         return out
 
-    def _order_stage(self, name: str, x: torch.Tensor, s: XlaStepState) -> torch.Tensor:
-        """The filter ``sampler_order`` calls ``name`` alone, in a conditional on its rows:
+    def _order_stage(self, name: str, x: torch.Tensor, s) -> torch.Tensor:
+        """The filter ``sampler_order`` calls ``name`` alone, in a conditional on its rows
+        (``s``: the filter fields, ``greedy`` and ``xtc_coin``, the step's XTC coin per row):
         top-k and top-p each by themselves (by the candidate set or bisection), min-p,
         typical-p and XTC outside the routes and conditionals they share in the default
         order, temperature only where some row's is not 1. Not in place."""
@@ -350,7 +359,7 @@ class TpuSampler(GraphRunner):
             return xla.cond((s.typical_p < 1).any(), filters.typical_p_by_bisection, _unchanged,
                             [x, s.typical_p], "typical_p")
         if name == "xtc":
-            coin = self.row_uniforms(s, noise.STREAM_XTC) < s.xtc_probability
+            coin = s.xtc_coin & (s.xtc_probability > 0)       # the coin outside its rows: off
             return xla.cond(coin.any(), filters.xtc_filter, _unchanged,
                             [x, s.xtc_threshold, coin], "xtc")
         stage, _ = pipeline.named_switch(name)
@@ -613,11 +622,6 @@ def _rows_only(s: XlaStepState, rows: torch.Tensor) -> XlaStepState:
     selects only, no pass over the logits."""
     return dataclasses.replace(s, **{name: torch.where(rows, getattr(s, name), neutral)
                                      for name, neutral in _FILTER_NEUTRAL.items()})
-
-
-def _kept_for_rows(out: torch.Tensor, y: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    """``y`` in ``rows`` (bool ``[B]``), ``out`` elsewhere."""
-    return torch.where(rows[:, None], y, out)
 
 
 def _unchanged(x: torch.Tensor, *rest: torch.Tensor) -> torch.Tensor:
