@@ -453,8 +453,9 @@ class XlaSamplingBatch(SamplingBatch):
         for i, (row, out) in enumerate(zip(rows, outputs)):
             child = child_offset + i
             values = dict(shared, **self._child_rows(params, prompt, out, stages))
-            for f in STATE_FIELDS:
-                value = f.neutral if row_values is None else row_values[f.name][i]
+            for f in STATE_FIELDS:     # the core leaves out neutral state of a request without one
+                column = (row_values or {}).get(f.name)
+                value = f.neutral if column is None else column[i]
                 values[f.name] = torch.tensor([value], dtype=torch.float32)
             self._floats[row] = torch.tensor(_float_values(params, self.vocab_size))
             self._ints[row] = torch.tensor(_int_values(params, child, len(out), self.vocab_size),
