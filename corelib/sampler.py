@@ -331,10 +331,11 @@ class Sampler(Verification):
         """The filter group when some row orders it its own way (``s.filter_orders``): the
         default order for the other rows, and each order in the batch over the whole batch,
         kept for its rows only (``s.filter_order``), so each row gets what it would alone.
-        x float32 [B, V]; not in place."""
-        out = self.run_group("filter", x, s)
+        x float32 [B, V]; not in place (each order starts from a copy: a backend's stage may
+        work in place)."""
+        out = self.run_group("filter", x.clone(), s)
         for index, names in s.filter_orders:
-            y = x
+            y = x.clone()
             for name in names:
                 stage, switch = pipeline.named_switch(name)
                 if getattr(s, switch.flag):

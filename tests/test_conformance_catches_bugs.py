@@ -140,7 +140,7 @@ def test_bitmask_checks_catch_a_backend_that_ignores_the_mask():
 
 def test_slot_checks_catch_a_stage_skipped_at_later_slots():
     with pytest.raises(FAILURE, match="every stage applies at every slot"):
-        suite.test_verify_applies_every_stage_at_every_slot(SlotsSeeTheRowsCurrentState("cpu"))
+        suite.test_verify_applies_every_stage_at_every_slot(SlotsSeeTheRowsCurrentState("cpu"), "mirostat")
     with pytest.raises(FAILURE, match="same with or without speculation"):
         suite.test_verify_keeps_seeded_and_greedy_tokens_of_plain_sampling(SlotsSeeTheRowsCurrentState("cpu"), 3)
 
