@@ -194,7 +194,11 @@ class RowStore:
         sl = slice(rows[0], rows[0] + n)
         t, dev = self._store, self.device     # the tensors below are not pending ones
         seed_lo, seed_hi = split_seed(params.seed) if params.seed is not None else (0, 0)
-        scalar_values = {f.name: f.value(params) for f in pipeline.stage_fields()}
+        # a field the request left at its default holds the neutral value: where every row
+        # of the batch holds it too (idle), there is nothing to read or write
+        given, idle = params.model_fields_set, self._idle_scalars
+        scalar_values = {f.name: f.value(params) for f in pipeline.stage_fields()
+                         if f.name in given or f.name not in idle}
         scalar_values.update(
             seed_lo=seed_lo, seed_hi=seed_hi, seeded=params.seed is not None,
             greedy=params.is_greedy, filter_order=self._order_index(params),
