@@ -721,6 +721,8 @@ class Sampler(Verification):
         is <= 1e-6); keep q_1..q_j for the smallest j whose running sum passes ``tfs`` (j =
         n - 2 when none does), with every token tied with q_j. Sums in float64, by a full sort
         (the reference). Not in place."""
+        if x.shape[-1] <= 2:        # every row keeps n <= 2 tokens (and XLA cannot sum 0 columns)
+            return x
         p = torch.softmax(x, dim=-1)
         q = torch.sort(p, dim=-1, descending=True).values.double()
         n = (x > NEG_INF).sum(dim=-1, keepdim=True)
