@@ -191,13 +191,11 @@ class Sampler(Verification):
         """Steps 10-14 when a row uses a stateful selector: the filter group, then the
         selectors (group "select" of the table) reshape the distribution the draw takes.
         Returns (int64 [B] ids, float32 [B, V] final logits, float32 [B, V] log-probabilities
-        after the filter group). In ``verify`` (``s.verify_slots`` > 1) each slot's selector
-        state first advances by the row's earlier drafts (``selector_slot_state``)."""
+        after the filter group, from which ``select`` advances verify's slot states and
+        ``append`` the batch's)."""
         filtered = self.filter(x, s)
         logp = self.log_softmax(filtered)
-        if s.verify_slots > 1:
-            s = self.selector_slot_state(logp, s)
-        final = self.select(filtered, s)
+        final = self.select(filtered, s, logp)
         return self.draw(final, s), final, logp
 
     def selector_slot_state(self, logp: torch.Tensor, s: StepState) -> StepState:
@@ -267,8 +265,6 @@ class Sampler(Verification):
         if s.any_random:
             final = self.filter(x, s)
             if s.any_selector:
-                if s.verify_slots > 1:
-                    s = self.selector_slot_state(self.log_softmax(final), s)
                 final = self.select(final, s)
         return self.processed_source(x, final, s, normalise=False)
 
@@ -322,9 +318,13 @@ class Sampler(Verification):
             x = self.apply_custom_stages(x, s, "after_filters")
         return x
 
-    def select(self, x: torch.Tensor, s: StepState) -> torch.Tensor:
+    def select(self, x: torch.Tensor, s: StepState, logp: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Step 14's stateful selectors (group "select"): what the draw takes from each row
-        that uses one. x float32 [B, V] after ``filter``."""
+        that uses one. x float32 [B, V] after ``filter``; ``logp`` its log-probabilities when
+        the caller has them. In ``verify`` (``s.verify_slots`` > 1) each slot's state first
+        advances by the row's earlier drafts (``selector_slot_state``)."""
+        if s.verify_slots > 1:
+            s = self.selector_slot_state(self.log_softmax(x) if logp is None else logp, s)
         return self.run_group("select", x, s)
 
     def run_orders(self, x: torch.Tensor, s: StepState) -> torch.Tensor:

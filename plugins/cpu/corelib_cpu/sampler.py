@@ -122,9 +122,7 @@ class CpuSampler(LogitStages, FilterStages, DrawStage, Verification, LogprobStag
         filtered = self.filter(x, s)
         filtered.materialize()
         logp = filtered.source = torch.log_softmax(filtered.x, dim=-1)
-        if s.verify_slots > 1:
-            s = self.selector_slot_state(logp, s)
-        final = self.select(filtered, s)
+        final = self.select(filtered, s, logp)
         return self.draw(final, s), final, logp
 
     def selector_slot_state(self, logp: torch.Tensor, s: StepState) -> StepState:
