@@ -39,3 +39,7 @@ class BackendSpec:
     probe: Callable[[], Availability]
     factory: Callable[[Optional[torch.device]], "Sampler"]
     description: str = ""
+    #: Whether the backend's own ``score`` is differentiable (its sampler's
+    #: ``differentiable_score``); False: a ``score`` whose logits require grad runs on the
+    #: reference backend. ``corelib info`` shows it; the conformance suite checks it.
+    differentiable_score: bool = True

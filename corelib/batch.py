@@ -574,6 +574,7 @@ class SamplingBatch(RowStore, CustomStageRows, SelectorRows):
             any_unseeded=any(p.seed is None for p in random),
             any_thinking=any(p.uses_thinking_budget for p in params),
             any_selector=any(p.uses_mirostat or p.uses_adaptive_p for p in random),
+            any_kept=any(p.return_kept for p in params),
             filter_orders=self._filter_orders(random),
             max_top_k=max((p.effective_top_k for p in random), default=0),
             any_top_p_without_top_k=any(p.top_p < 1.0 and p.effective_top_k == 0 for p in random),

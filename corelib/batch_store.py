@@ -201,7 +201,7 @@ class RowStore:
                          if f.name in given or f.name not in idle}
         scalar_values.update(
             seed_lo=seed_lo, seed_hi=seed_hi, seeded=params.seed is not None,
-            greedy=params.is_greedy, filter_order=self._order_index(params),
+            greedy=params.is_greedy, return_kept=params.return_kept, filter_order=self._order_index(params),
             thinking_budget=(thinking.NO_BUDGET if params.thinking_budget is None
                              else min(params.thinking_budget, pipeline.INT32_MAX)))
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["bitmask_width", "pack_bitmask", "unpack_bitmask"]
+__all__ = ["bitmask_width", "pack_bitmask", "pack_kept", "unpack_bitmask"]
 
 BITS = 32
 
@@ -40,3 +40,22 @@ def pack_bitmask(allowed: torch.Tensor) -> torch.Tensor:
     words = (padded.view(*allowed.shape[:-1], width, BITS) * weights).sum(dim=-1)
     # Values in [0, 2**32): wrap to the signed int32 with the same bits.
     return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+
+
+def pack_kept(keep: torch.Tensor) -> torch.Tensor:
+    """int32 ``[..., ceil(V / 32)]`` words from bool ``keep`` ``[..., V]``, bits for ids >= V
+    0: the layout of ``out.kept`` (``SamplingParams.return_kept``). Integer arithmetic only
+    (each word is the int32 sum of its distinct bit weights, which is its bitwise or), so it
+    traces on XLA and captures in CUDA graphs. Not in place."""
+    V = keep.shape[-1]
+    width = bitmask_width(V)
+    bits = keep.to(torch.int32)
+    if width * BITS != V:
+        bits = torch.nn.functional.pad(bits, (0, width * BITS - V))
+    return (bits.view(*keep.shape[:-1], width, BITS) * _weights(keep.device)).sum(dim=-1, dtype=torch.int32)
+
+
+def _weights(device: torch.device) -> torch.Tensor:
+    """int32 [32]: bit j's value in a signed word (bit 31 is -2**31)."""
+    return torch.tensor([1 << j for j in range(BITS - 1)] + [-(1 << (BITS - 1))],
+                        dtype=torch.int32, device=device)

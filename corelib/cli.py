@@ -74,15 +74,18 @@ def cmd_info(args) -> int:
                           "selected": selected_name, "backends": rows,
                           "stages": [s.as_dict() for s in stages]}, indent=2))
         return 0
-    head = ["backend", "plugin", "distribution", "priority", "available", "auto-selected", "details"]
+    head = ["backend", "plugin", "distribution", "priority", "available", "auto-selected",
+            "score grads", "details"]
     body = []
     for s in sorted(statuses, key=lambda s: -(s.priority if s.priority is not None else -10**9)):
         dist = f"{s.distribution or '?'} {s.version or ''}".strip()
         details = s.reason or s.description
         body.append([s.name, s.plugin, dist, "-" if s.priority is None else str(s.priority),
                      "yes" if s.available else "no", "<- selected" if s.name == selected_name else "",
-                     details])
+                     s.score_gradients or "-", details])
     _print_table(head, body)
+    print("\nscore grads: whose score runs when the logits require grad (own: the backend's, "
+          "differentiable; reference: handed to the reference backend)")
     if selected_name is None:
         print(f"\nno backend is available: {error}")
     else:

@@ -36,6 +36,10 @@ class SamplerOutput:
     # advances the stateful selectors' state (``Sampler.sample`` hands it to the batch); None
     # when no row uses one
     selector_source: Optional[torch.Tensor] = None
+    # int32 [B, ceil(V / 32)]: each row's kept set (``SamplingParams.return_kept``), the
+    # tokens of the distribution it drew from as packed bits (``corelib.bitmask``); zeros for
+    # rows that did not ask and flagged rows; None when no row asked
+    kept: Optional[torch.Tensor] = None
 
     def raise_on_invalid(self, batch: SamplingBatch) -> None:
         """Raise ValueError naming the first flagged row's request (waits on the device)."""
@@ -65,12 +69,42 @@ class VerifyOutput:
     # float32 [B (K + 1), V]: each slot's log-probabilities after the filter group (as
     # ``SamplerOutput.selector_source``, one per slot); None when no row uses a selector
     selector_source: Optional[torch.Tensor] = None
+    # int32 [B, K + 1, ceil(V / 32)]: slot j's kept set (the target distribution at slot j,
+    # as ``SamplerOutput.kept``); zeros at slots past what the row reached; None when no row
+    # asked (``return_kept``)
+    kept: Optional[torch.Tensor] = None
 
     def raise_on_invalid(self, batch: SamplingBatch) -> None:
         """Raise ValueError naming the first flagged row's request (waits on the device)."""
         raise_on_flagged(self.valid, batch, "emitted no token: its first slot's logits are "
                          "NaN/+inf or fully masked, or its drafts are unusable (ids out of "
                          "range, negative or NaN draft probabilities)")
+
+
+@dataclass
+class ScoreOutput:
+    """What ``Sampler.score`` returns for ``B`` rows and ``T`` positions (every tensor ``[B]``
+    when the logits were ``[B, V]``).
+
+    ``logprobs`` float32 ``[B, T]``: each given token's processed log-probability at its
+    position (the distribution the row would draw from; -inf where the token is not kept;
+    greedy rows: after step 8b). ``raw_logprobs`` float32 ``[B, T]``: step 1's (the model's
+    log_softmax). ``kept_token`` bool ``[B, T]``: the token is in the kept set (greedy rows:
+    it is the argmax). ``ranks`` int64 ``[B, T]``: tokens whose processed logprob >= the
+    given token's. ``valid`` bool ``[B, T]``: the position was scored; False at padding (token
+    -1: logprobs and raw_logprobs 0, rank 0, so a masked loss stays finite) and where the
+    position has no distribution (NaN/+inf logits, every token masked: logprobs NaN).
+    Differentiable with respect to the logits when they require grad.
+    """
+
+    logprobs: torch.Tensor
+    raw_logprobs: torch.Tensor
+    kept_token: torch.Tensor
+    ranks: torch.Tensor
+    valid: torch.Tensor
+    # float32 [B T, V]: what ``append`` advances the selectors' state from (as
+    # ``SamplerOutput.selector_source``); None when no row uses a selector or kept= was given
+    selector_source: Optional[torch.Tensor] = None
 
 
 def raise_on_flagged(valid: torch.Tensor, batch: SamplingBatch, why: str) -> None:
@@ -95,3 +129,13 @@ def slot_logprobs(logprobs: Logprobs, emitted: torch.Tensor) -> Logprobs:
     values[..., 0] = torch.where(none, float("nan"), values[..., 0])
     ranks = torch.where(none, 0, ranks)
     return Logprobs(ids, values, ranks)
+
+
+def slot_kept(kept: torch.Tensor, num_emitted: torch.Tensor) -> torch.Tensor:
+    """``verify``'s kept sets: int32 ``[B, S, W]`` from the flat ``[B S, W]`` of every slot,
+    zeros at the slots past the ``num_emitted`` (int64 ``[B]``) the row reached. Not in
+    place."""
+    B = num_emitted.shape[0]
+    kept = kept.view(B, -1, kept.shape[-1])
+    reached = torch.arange(kept.shape[1], device=kept.device)[None, :] < num_emitted[:, None]
+    return kept.masked_fill(~reached[..., None], 0)

@@ -107,6 +107,8 @@ class SamplingParams(BaseModel):
     bad_words: list[list[TokenId]] = Field(default_factory=list)
     seed: Optional[StrictInt] = None
     logprobs: Optional[StrictInt] = None
+    # The kept set of every step (``out.kept``: the tokens the row drew from), for training.
+    return_kept: StrictBool = False
     # More samplers (contract stages 8a, 10a, 13a, 13b); every default disables its stage.
     dry_multiplier: Float = 0.0
     dry_base: Float = 1.75

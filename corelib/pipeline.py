@@ -97,6 +97,9 @@ class Stage:
     #: appended tokens; it returns the new state (float32 [R]).
     state: tuple[Field, ...] = ()
     advance: Optional[str] = None
+    #: A filter that drops tokens (every filter but temperature and smoothing): ``score``
+    #: with given kept sets runs the filter group's other stages, then the kept sets.
+    truncates: bool = True
 
     @property
     def flags(self) -> tuple[str, ...]:
@@ -156,7 +159,8 @@ STAGES: tuple[Stage, ...] = (
            Field("dynatemp_range", torch.float32, 0.0),
            Field("dynatemp_exponent", torch.float32, 1.0)),
           rule="temperature, dynamic with the entropy when dynatemp_range > 0",
-          example=dict(temperature=0.7, dynatemp_range=0.5, dynatemp_exponent=1.5)),
+          example=dict(temperature=0.7, dynatemp_range=0.5, dynatemp_exponent=1.5),
+          truncates=False),
     Stage("10a", "top_n_sigma", "apply_top_n_sigma", "filter", RANDOM_ROWS,
           (Switch("any_top_n_sigma", lambda p: p.top_n_sigma > 0.0, "top_n_sigma"),),
           (Field("top_n_sigma", torch.float32, 0.0),),
@@ -167,7 +171,7 @@ STAGES: tuple[Stage, ...] = (
           (Field("smoothing_factor", torch.float32, 0.0),
            Field("smoothing_curve", torch.float32, 1.0)),
           rule="quadratic smoothing around the largest kept logit",
-          example=dict(smoothing_factor=0.3, smoothing_curve=2.0)),
+          example=dict(smoothing_factor=0.3, smoothing_curve=2.0), truncates=False),
     Stage("11", "min_p", "apply_min_p", "filter", RANDOM_ROWS,
           (Switch("any_min_p", lambda p: p.min_p > 0.0, "min_p"),),
           (Field("min_p", torch.float32, 0.0),),
@@ -288,6 +292,12 @@ def named_switch(name: str) -> tuple[Stage, Switch]:
     return _BY_NAME[name]
 
 
+def replayed_stages() -> tuple[Stage, ...]:
+    """The filter group's stages that drop no token (``Stage.truncates`` False), in the
+    default order: what ``score`` runs before applying given kept sets."""
+    return _REPLAYED
+
+
 def stateful_stages() -> tuple[Stage, ...]:
     """The stages that keep per-row state in the batch (``Stage.state``), in table order."""
     return _STATEFUL
@@ -303,12 +313,14 @@ def reindex() -> None:
     interpreter, before the rest of corelib is imported (the batch, the step state and the
     backends read the table when they are; ``corelib.testing.added_stage`` does this)."""
     global _BY_GROUP, _FLAGGED, _NAMED, _ORDER_NAMES, _BY_NAME, _STATEFUL, _COMPUTED, _FIELDS, _STATE
+    global _REPLAYED
     _BY_GROUP = {group: tuple(s for s in STAGES if s.group == group) for group in GROUPS}
     _FLAGGED = {group: tuple((s, s.flags) for s in stages) for group, stages in _BY_GROUP.items()}
     _NAMED = tuple((s, w) for s in _BY_GROUP["filter"] for w in s.switches if w.name is not None)
     _ORDER_NAMES = tuple(w.name for _, w in _NAMED)
     _BY_NAME = {w.name: (s, w) for s, w in _NAMED}
     _STATEFUL = tuple(s for s in STAGES if s.state)
+    _REPLAYED = tuple(s for s in _BY_GROUP["filter"] if not s.truncates)
     _COMPUTED = tuple((s, w) for s in STAGES for w in s.switches if w.uses is not None)
     _FIELDS = tuple(f for stage in STAGES for f in stage.fields)
     _STATE = tuple(f for stage in _STATEFUL for f in stage.state)
@@ -323,5 +335,6 @@ _STATEFUL: tuple = ()
 _COMPUTED: tuple = ()
 _FIELDS: tuple = ()
 _STATE: tuple = ()
+_REPLAYED: tuple = ()
 reindex()
 assert all(s.group in GROUPS and s.rows in (ALL_ROWS, RANDOM_ROWS) for s in STAGES)

@@ -40,6 +40,8 @@ class BackendStatus:
     reason: str = ""
     auto: bool = False
     description: str = ""
+    #: whose ``score`` runs when the logits require grad: "own" or "reference" (None: unknown)
+    score_gradients: Optional[str] = None
     error: Optional[BaseException] = field(default=None, repr=False)
     spec: Optional[BackendSpec] = field(default=None, repr=False)
 
@@ -211,7 +213,8 @@ class Registry:
         status = BackendStatus(name=spec.name, plugin=record.name, distribution=record.distribution,
                                version=record.version, device_type=spec.device_type,
                                priority=spec.priority, available=False,
-                               description=spec.description, spec=spec)
+                               description=spec.description, spec=spec,
+                               score_gradients="own" if spec.differentiable_score else "reference")
         try:
             availability = spec.probe()
             if not isinstance(availability, Availability):

@@ -19,11 +19,12 @@ from typing import Callable, Optional
 import torch
 
 from .batch import INVALID_TOKEN, SamplingBatch, StepState
-from .bitmask import unpack_bitmask
+from .bitmask import bitmask_width, pack_kept, unpack_bitmask
 from . import catalog, pipeline, selectors, thinking
 from .noise import STREAM_XTC, gumbel_from_uniform, row_keys, seeded_gumbel, stream_uniform
 # outputs and verification are their own modules; their names stay importable from here
 from .outputs import Logprobs, SamplerOutput, VerifyOutput, raise_on_flagged, slot_logprobs  # noqa: F401
+from .scoring import Scoring
 from .stages import StageInputs, StageSpec, run_stage
 from .verification import (  # noqa: F401
     VERIFY_METHODS,
@@ -115,7 +116,7 @@ def penalised(x: torch.Tensor, prompt_mask: torch.Tensor, counts: torch.Tensor, 
     return x - f * counts.to(torch.float32) - p * occurred                    # step 8
 
 
-class Sampler(Verification):
+class Sampler(Verification, Scoring):
     """A sampling backend. This class is the ``reference`` backend; plugins subclass it."""
 
     name = "reference"
@@ -168,8 +169,9 @@ class Sampler(Verification):
         token_ids, final, filtered = self.choose_tokens(x, s)              # steps 9-14
         valid = valid & self.drawn_is_finite(x, final, token_ids, s)
         logprobs = self.step_logprobs(raw, x, final, token_ids, s)         # step 15
+        kept = self.kept_set(x, final, token_ids, valid, s) if s.any_kept else None
         token_ids = torch.where(valid, token_ids, INVALID_TOKEN)
-        return SamplerOutput(token_ids, valid, logprobs, filtered)
+        return SamplerOutput(token_ids, valid, logprobs, filtered, kept)
 
     def choose_tokens(self, x: torch.Tensor, s: StepState) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
         """Steps 9-14: (int64 [B] token ids, float32 [B, V] final logits, the log-probabilities
@@ -233,6 +235,21 @@ class Sampler(Verification):
         else:
             source = self.processed_source(x, final, s, normalise=s.logprobs_mode == "processed")
         return self.gather_logprobs(source, token_ids, s.num_logprobs)
+
+    def kept_set(self, x: torch.Tensor, final: torch.Tensor, token_ids: torch.Tensor,
+                 valid: torch.Tensor, s: StepState) -> torch.Tensor:
+        """The kept sets of the step (``SamplingParams.return_kept``): int32 [B, ceil(V / 32)]
+        packed bits (``corelib.bitmask.pack_kept``) of the tokens with a finite logit in the
+        distribution each random row drew from (``final``, after the selectors), the drawn
+        token alone for greedy rows (the argmax; step 8b's forced token); zeros for flagged
+        rows (``valid`` False) and rows that did not ask (``s.return_kept``). x, final:
+        float32 [B, V] after step 8b and after step 14's selectors; token_ids int64 [B]. One
+        pass over the final logits, no host sync. Not in place."""
+        keep = self.processed_source(x, final, s, normalise=False) > NEG_INF
+        if s.any_greedy:
+            vocab = torch.arange(keep.shape[-1], device=keep.device)[None, :]
+            keep = torch.where(s.greedy[:, None], vocab == token_ids[:, None], keep)
+        return pack_kept(keep & (valid & s.return_kept)[:, None])
 
     def sample_random(self, x: torch.Tensor, s: StepState) -> tuple[torch.Tensor, torch.Tensor]:
         """Steps 10-14 for every row (greedy rows' results are replaced by the caller).
@@ -322,9 +339,10 @@ class Sampler(Verification):
         """Step 14's stateful selectors (group "select"): what the draw takes from each row
         that uses one. x float32 [B, V] after ``filter``; ``logp`` its log-probabilities when
         the caller has them. In ``verify`` (``s.verify_slots`` > 1) each slot's state first
-        advances by the row's earlier drafts (``selector_slot_state``)."""
+        advances by the row's earlier drafts (``selector_slot_state``); for ``score``'s
+        gradients that state is a constant, as the history it stands for is."""
         if s.verify_slots > 1:
-            s = self.selector_slot_state(self.log_softmax(x) if logp is None else logp, s)
+            s = self.selector_slot_state((self.log_softmax(x) if logp is None else logp).detach(), s)
         return self.run_group("select", x, s)
 
     def run_orders(self, x: torch.Tensor, s: StepState) -> torch.Tensor:
@@ -428,18 +446,22 @@ class Sampler(Verification):
             logprobs = Logprobs(torch.empty((0, width), dtype=torch.long, device=self.device),
                                 torch.empty((0, width), dtype=torch.float32, device=self.device),
                                 torch.empty(0, dtype=torch.long, device=self.device))
-        return SamplerOutput(ids, valid, logprobs)
+        kept = None
+        if s.any_kept:
+            kept = torch.empty((0, bitmask_width(s.vocab_size)), dtype=torch.int32, device=self.device)
+        return SamplerOutput(ids, valid, logprobs, kept=kept)
 
     # ------------------------------------------------------------------ stages
     def working_copy(self, logits: torch.Tensor, batch: SamplingBatch, s: StepState) -> torch.Tensor:
         """Step 2: a float32 ``[B, V]`` copy; one logits row per request is expanded to its
         children, and ``verify``'s flat logits to its slots (``s.logits_rows``). Never
         aliases ``logits``."""
+        dtype = s.work_dtype
         if s.logits_rows is not None:
-            return logits.index_select(0, s.logits_rows).to(torch.float32)
+            return logits.index_select(0, s.logits_rows).to(dtype)
         if logits.shape[0] != s.num_rows:
-            return logits.index_select(0, batch.request_index(s.num_rows)).to(torch.float32)
-        return logits.to(torch.float32, copy=True)
+            return logits.index_select(0, batch.request_index(s.num_rows)).to(dtype)
+        return logits.to(dtype, copy=True)
 
     def raw_logprobs(self, x: torch.Tensor, s: StepState) -> torch.Tensor:
         """Step 1 (rows asking for logprobs in a raw mode): float32 ``[B, V]`` from the working
@@ -502,7 +524,7 @@ class Sampler(Verification):
 
     def apply_logit_bias(self, x: torch.Tensor, s: StepState) -> torch.Tensor:
         """Step 6: ``x[row, bias_ids] += bias_values`` (padding adds 0 to token 0). Not in place."""
-        return x.scatter_add(1, s.bias_ids, s.bias_values)
+        return x.scatter_add(1, s.bias_ids, s.bias_values.to(x.dtype))
 
     def apply_penalties(self, x: torch.Tensor, s: StepState) -> torch.Tensor:
         """Steps 7-8 from running counts. ``prompt_mask`` bool [B, V], ``output_counts`` int32
@@ -621,7 +643,7 @@ class Sampler(Verification):
         """Step 10's temperature per row when some row is dynamic: (float32 [B] divisor, 1 where
         the logits stay as they are; bool [B]: T' = 0, only the argmax tokens stay). ``t``:
         the static temperatures (greedy rows 1). Not in place."""
-        logp = torch.log_softmax(x, dim=-1)
+        logp = torch.log_softmax(x.detach(), dim=-1)     # T' is a constant for gradients
         p = logp.exp()
         entropy = -torch.where(p > 0, p * logp, 0.0).sum(dim=-1)
         return dynamic_divisor(entropy, (x > NEG_INF).sum(dim=-1), t, s)
@@ -649,7 +671,7 @@ class Sampler(Verification):
         + (c - 1) / 2 * f * d**3, f = ``smoothing_factor`` (float32 [B], 0 = off); dropped
         tokens stay -inf. Not in place."""
         f, c = s.smoothing_factor[:, None], s.smoothing_curve[:, None]
-        m = x.amax(dim=-1, keepdim=True)
+        m = x.detach().amax(dim=-1, keepdim=True)            # a constant for gradients
         d = x - m
         smoothed = m - (3.0 - c) / 2.0 * f * d * d + (c - 1.0) / 2.0 * f * d * d * d
         return torch.where((f > 0) & (x > NEG_INF), smoothed, x)

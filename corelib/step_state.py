@@ -34,6 +34,7 @@ class _StepStateFields:
     # bool [B]
     seeded: torch.Tensor
     greedy: torch.Tensor
+    return_kept: torch.Tensor    # the row asks for its kept set (``out.kept``)
     # int32 [B]: the row's order of the filter group, 0 = the default one, k > 0 the order
     # ``filter_orders`` gives for k (the batch numbers the orders its requests ask for)
     filter_order: torch.Tensor
@@ -91,6 +92,10 @@ class _StepStateFields:
     # the non-default filter orders some row runs: (k, names in order), k as in filter_order
     filter_orders: tuple = ()
     any_selector: bool = False         # some random row uses a stateful selector (group "select")
+    any_kept: bool = False             # some row asks for its kept set (return_kept)
+    # the float dtype the step works in (step 2's copy): float32, except ``score`` on float64
+    # logits that require grad (so that gradients can be checked in float64)
+    work_dtype: torch.dtype = torch.float32
 
     def stages_at(self, slot: str) -> list[tuple[StageSpec, StageInputs, Optional[str]]]:
         """The custom stages some row uses at ``slot`` (``corelib.stages.SLOTS``)."""
@@ -128,6 +133,7 @@ SCALARS: dict[str, tuple[torch.dtype, float]] = {
     "position": (torch.int32, 0),
     "seeded": (torch.bool, False),
     "greedy": (torch.bool, False),
+    "return_kept": (torch.bool, False),
     "dry_length": (torch.int32, 0),
     "dry_since_breaker": (torch.int32, 0),
     "thinking_budget": (torch.int32, thinking.NO_BUDGET),

@@ -16,7 +16,7 @@ import torch
 from .batch import INVALID_TOKEN, SamplingBatch, StepState, padded_ids_problem
 from .drafts import DraftLayout, checked_flat_arguments, tensor_argument
 from .noise import STREAM_ACCEPT, STREAM_BLOCK
-from .outputs import Logprobs, VerifyOutput, slot_logprobs
+from .outputs import Logprobs, VerifyOutput, slot_kept, slot_logprobs
 from .transfer import upload
 
 #: ``verify``'s rules for rows with draft probabilities: the token-by-token ratio test, or
@@ -101,7 +101,10 @@ class Verification:
         logprobs = self.step_logprobs(raw, x, final, emitted.flatten(), s)  # step 15
         if logprobs is not None:
             logprobs = slot_logprobs(logprobs, emitted)
-        return VerifyOutput(emitted, num_emitted, num_emitted > 0, logprobs, filtered)
+        kept = None
+        if s.any_kept:
+            kept = slot_kept(self.kept_set(x, final, token_ids, valid, s), num_emitted)
+        return VerifyOutput(emitted, num_emitted, num_emitted > 0, logprobs, filtered, kept)
 
     def speculative_step_state(self, batch: SamplingBatch, drafts: Drafts) -> StepState:
         """The step state of ``verify`` (``batch.speculative_state``: ``B (K+1)`` virtual rows);
@@ -295,7 +298,8 @@ class Verification:
             lp = Logprobs(lp.token_ids.view(0, slots, -1), lp.logprobs.view(0, slots, -1),
                           lp.ranks.view(0, slots))
         ids = torch.empty((0, slots), dtype=torch.long, device=self.device)
-        return VerifyOutput(ids, out.token_ids, out.valid, lp)
+        kept = None if out.kept is None else out.kept.view(0, slots, -1)
+        return VerifyOutput(ids, out.token_ids, out.valid, lp, kept=kept)
 
 
 def verify_logits_shape(logits) -> tuple[int, int, int]:

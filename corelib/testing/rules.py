@@ -53,6 +53,9 @@ RULES: dict[str, str] = {
     "verify_args": "verification argument checks (ValueError naming the argument; the batch unchanged)",
     "order": "the order of the filter group (sampler_order, temperature_last: each row runs its own order, exactly as alone; stages that drop nothing do not change seeded draws)",
     "selector_state": "stateful selectors' state (mirostat, adaptive-p: kept across join, leave, swap and append; sampler_state moves a request exactly, on any backend; a malformed one raises ValueError naming it)",
+    "kept": "kept sets (return_kept: int32 [rows, ceil(V / 32)] bits of the distribution each row drew from, after every stage, the grammar mask and the selector; greedy rows the argmax, forced rows the forced token, flagged rows and rows that did not ask none; per slot in verify)",
+    "score": "score (teacher forcing: position t sees the row's state with the tokens before it appended; the processed logprob equals, bitwise, what sample reported for the token it drew; kept= replays given kept sets; differentiable)",
+    "score_args": "score argument checks (ValueError naming the argument; the batch unchanged)",
     "custom_stage": "custom stages (run at their slot on the rows that use them; state moves and resumes with the row; failures raise StageError)",
 }
 
