@@ -15,12 +15,13 @@ from .registry import (
     available_stages,
     get_sampler,
 )
+from .outputs import ScoreOutput
 from .sampler import Logprobs, Sampler, SamplerOutput, VerifyOutput
 from .stages import StageError, StageInputs, StageSpec, StageState
 
 __all__ = [
     "Availability", "BackendSpec", "BackendStatus", "BackendUnavailableError", "Logprobs",
-    "Sampler", "SamplerOutput", "SamplingBatch", "SamplingParams", "StageError", "StageInputs",
+    "Sampler", "SamplerOutput", "SamplingBatch", "SamplingParams", "ScoreOutput", "StageError", "StageInputs",
     "StageSpec", "StageState", "StageStatus", "StepState", "UnknownRequestError", "VerifyOutput",
     "available_backends", "available_stages", "get_sampler", "hookimpl", "hookspec",
     "__version__",

@@ -273,10 +273,13 @@ def public_api() -> list[str]:
             if isinstance(obj, type) and issubclass(obj, BaseException):
                 signature = None
             lines.append(name.replace("_", r"\_") if name.startswith("__") else name + (signature or ""))
+    from corelib.scoring import Scoring
     from corelib.verification import Verification
     for cls in (corelib.Sampler, corelib.SamplingBatch, testing.ConformanceSuite, hf.GenerateOutput):
-        # the Sampler's verification parts live in a module of their own, but are its methods
-        members = {**vars(Verification), **vars(cls)} if cls is corelib.Sampler else vars(cls)
+        # the Sampler's verification and scoring parts live in modules of their own, but are
+        # its methods
+        members = ({**vars(Verification), **vars(Scoring), **vars(cls)} if cls is corelib.Sampler
+                   else vars(cls))
         for name, member in members.items():
             if name.startswith("_") or name.startswith("test_"):
                 continue
