@@ -61,6 +61,16 @@ class GenerateOutput:
 
     completions: list[list[Completion]]
     prompt_ids: torch.Tensor   # int64 [P, T]: the prompts as the model saw them (left-padded)
+    # With ``generate(return_kept=True)``, per completion (``rows`` order, C of them) and step
+    # (S = the longest completion's length): int32 [C, S, ceil(V / 32)] packed kept sets
+    # (``corelib.bitmask``), zeros from the step after a completion's last token on; float32
+    # [C, S] the drawn token's logprob in the call's ``logprobs_mode``, 0 after the last token.
+    kept: Optional[torch.Tensor] = None
+    logprobs: Optional[torch.Tensor] = None
+    # With ``generate(return_logits=True)``: float32 [C, S, V] the logits the sampler was given
+    # at each step (a prompt's one first-step row repeated for each of its children), 0 after
+    # a completion's last token.
+    logits: Optional[torch.Tensor] = None
 
     @property
     def rows(self) -> list[Completion]:
@@ -82,6 +92,16 @@ class GenerateOutput:
             out[i, : self.prompt_ids.shape[1]] = self.prompt_ids[c.prompt_index]
             out[i, self.prompt_ids.shape[1]: self.prompt_ids.shape[1] + len(c.token_ids)] = torch.tensor(
                 c.token_ids, dtype=torch.long)
+        return out
+
+    def completion_ids(self) -> torch.Tensor:
+        """int64 ``[C, S]``: each completion's generated tokens in ``rows`` order, -1 after its
+        last token (``Sampler.score``'s padding), S the longest completion's length."""
+        rows = self.rows
+        longest = max((len(c.token_ids) for c in rows), default=0)
+        out = torch.full((len(rows), longest), -1, dtype=torch.long)
+        for i, c in enumerate(rows):
+            out[i, : len(c.token_ids)] = torch.tensor(c.token_ids, dtype=torch.long)
         return out
 
 
@@ -237,22 +257,27 @@ def _prompt_positions(mask: torch.Tensor) -> torch.Tensor:
 class _Decoding:
     """The host bookkeeping of one ``generate`` call: completions, stop sets, finished rows."""
 
-    def __init__(self, params: list[SamplingParams], stops: list[set[int]]):
+    def __init__(self, params: list[SamplingParams], stops: list[set[int]],
+                 per_step: Optional["_PerStep"] = None):
         self.params = params
         self.stops = stops
         self.completions = [[Completion(i, c, logprobs=[] if p.logprobs is not None else None)
                              for c in range(p.n)] for i, p in enumerate(params)]
+        self.per_step = per_step
 
-    def record(self, rows: list[tuple[str, int]], out: SamplerOutput, last_step: bool) -> list[str]:
-        """Store one step's tokens; return the requests all of whose children have finished."""
+    def record(self, rows: list[tuple[str, int]], out: SamplerOutput, last_step: bool,
+               logits: Optional[torch.Tensor] = None) -> list[str]:
+        """Store one step's tokens (and, with ``per_step``, its tensors; logits float [R, V],
+        one row per batch row); return the requests all of whose children have finished."""
         tokens = out.token_ids.tolist()
         logprobs = _host_logprobs(out)
-        done = []
+        done, active = [], []
         for row, (rid, child) in enumerate(rows):
             prompt = int(rid)
             completion = self.completions[prompt][child]
             if completion.finish_reason is not None:
                 continue   # a finished child keeps its row until its siblings finish
+            active.append((row, prompt, child))
             completion.token_ids.append(tokens[row])
             if completion.logprobs is not None:
                 completion.logprobs.append(_token_logprobs(logprobs, row, self.params[prompt].logprobs))
@@ -263,7 +288,50 @@ class _Decoding:
         for rid in dict.fromkeys(rid for rid, _ in rows):
             if all(c.finish_reason is not None for c in self.completions[int(rid)]):
                 done.append(rid)
+        if self.per_step is not None:
+            self.per_step.record(active, out, logits)
         return done
+
+
+class _PerStep:
+    """``generate``'s per-step tensors (kept sets, drawn logprobs, logits), kept for each
+    step's active rows and laid out ``[completions, steps, ...]`` at the end. Every completion
+    draws its j-th token at step j, so a step's index is the same for all its rows."""
+
+    def __init__(self, params: list[SamplingParams], kept: bool, logits: bool):
+        offsets = [0]
+        for p in params:
+            offsets.append(offsets[-1] + p.n)
+        self.offsets, self.want_kept, self.want_logits = offsets, kept, logits
+        self.steps: list[tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor],
+                               Optional[torch.Tensor], Optional[torch.Tensor]]] = []
+
+    def record(self, active: list[tuple[int, int, int]], out: SamplerOutput,
+               logits: Optional[torch.Tensor]) -> None:
+        device = out.token_ids.device
+        rows = torch.tensor([row for row, _, _ in active], dtype=torch.long, device=device)
+        places = torch.tensor([self.offsets[p] + c for _, p, c in active], dtype=torch.long)
+        kept = out.kept.index_select(0, rows) if self.want_kept else None
+        drawn = out.logprobs.logprobs[:, 0].index_select(0, rows) if self.want_kept else None
+        step_logits = None
+        if self.want_logits:
+            step_logits = logits.index_select(0, rows.to(logits.device)).float()
+        self.steps.append((places, rows, kept, drawn, step_logits))
+
+    def finish(self, output: "GenerateOutput", vocab_size: int) -> None:
+        C, S = self.offsets[-1], len(self.steps)
+        if self.want_kept:
+            first = self.steps[0][2]
+            output.kept = first.new_zeros((C, S, first.shape[-1]))
+            output.logprobs = torch.zeros((C, S), dtype=torch.float32, device=first.device)
+            for step, (places, _, kept, drawn, _) in enumerate(self.steps):
+                output.kept[places.to(first.device), step] = kept
+                output.logprobs[places.to(first.device), step] = drawn.float()
+        if self.want_logits:
+            first = self.steps[0][4]
+            output.logits = first.new_zeros((C, S, vocab_size))
+            for step, (places, _, _, _, logits) in enumerate(self.steps):
+                output.logits[places.to(first.device), step] = logits
 
 
 def _host_logprobs(out: SamplerOutput):
@@ -275,14 +343,16 @@ def _host_logprobs(out: SamplerOutput):
 
 def _token_logprobs(logprobs, row: int, n: int) -> TokenLogprobs:
     ids, values, ranks = logprobs
-    top = list(zip(ids[row][1: n + 1], values[row][1: n + 1]))
+    end = len(ids[row]) if n == -1 else n + 1   # logprobs=-1: every token
+    top = list(zip(ids[row][1: end], values[row][1: end]))
     return TokenLogprobs(ids[row][0], values[row][0], ranks[row], top)
 
 
 def generate(model, input_ids, params: SamplingParams | Sequence[SamplingParams], *,
              max_new_tokens: int = 16, attention_mask: Optional[torch.Tensor] = None,
              eos_token_id: int | Sequence[int] | None = None, pad_token_id: Optional[int] = None,
-             sampler: Optional[Sampler] = None, logprobs_mode: str = "raw") -> GenerateOutput:
+             sampler: Optional[Sampler] = None, logprobs_mode: str = "raw",
+             return_kept: bool = False, return_logits: bool = False) -> GenerateOutput:
     """Generate up to ``max_new_tokens`` tokens per completion with corelib sampling.
 
     ``model``: a transformers causal LM (any ``nn.Module`` whose forward takes ``input_ids``,
@@ -298,9 +368,30 @@ def generate(model, input_ids, params: SamplingParams | Sequence[SamplingParams]
     ``pad_token_id`` (default: the model's generation config, else 0). Raises ValueError
     naming the request (its id is the prompt's index) when a row has no token left to sample
     (all masked) or its logits are NaN.
+
+    For training on the rollout (``Sampler.score``; C completions in ``rows`` order, S the
+    longest completion's length, V the vocabulary, W = ceil(V / 32)):
+
+    - ``return_kept=True`` sets ``return_kept`` on every request's params (and ``logprobs``
+      to 0 where it is None, so each drawn token's logprob is computed) and fills the output's
+      ``kept``, int32 ``[C, S, W]``: each step's kept set, the tokens of the distribution the
+      completion drew from (greedy rows: the argmax alone), packed as ``corelib.bitmask``
+      packs the token bitmask; and ``logprobs``, float32 ``[C, S]``: the drawn token's
+      logprob in ``logprobs_mode`` (``"processed"``: the value ``score`` reproduces). Both are
+      zero after a completion's last token, where ``completion_ids()`` reads -1.
+    - ``return_logits=True`` fills ``logits``, float32 ``[C, S, V]``: the logits the sampler
+      was given at each step (a prompt's first-step row for each of its children), zero after
+      a completion's last token. ``score(out.logits, batch, out.completion_ids(),
+      kept=out.kept)`` on a batch holding the same requests then gives ``out.logprobs``
+      bitwise (processed mode, the same backend).
+
+    Neither changes a token: the draws are those of a call without them.
     """
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
+    for name, value in (("return_kept", return_kept), ("return_logits", return_logits)):
+        if not isinstance(value, bool):
+            raise ValueError(f"{name} must be a bool, got {value!r}")
     device = _model_device(model)
     if sampler is None:
         from .. import get_sampler
@@ -310,7 +401,10 @@ def generate(model, input_ids, params: SamplingParams | Sequence[SamplingParams]
     params = _per_prompt(params, len(prompts))
     eos = _eos_ids(model, eos_token_id)
     params = [_with_extra_stops(p, eos[1:]) for p in params]
-    decoding = _Decoding(params, [set(eos) | set(p.stop_token_ids) for p in params])
+    if return_kept:
+        params = [_with_kept(p) for p in params]
+    per_step = _PerStep(params, return_kept, return_logits) if return_kept or return_logits else None
+    decoding = _Decoding(params, [set(eos) | set(p.stop_token_ids) for p in params], per_step)
     call = _ModelCall(model)
 
     with torch.inference_mode():
@@ -331,7 +425,10 @@ def generate(model, input_ids, params: SamplingParams | Sequence[SamplingParams]
             out = sampler.sample(logits.to(sampler.device), batch)
             out.raise_on_invalid(batch)   # names the request: its id is the prompt's index
             rows = batch.rows
-            done = decoding.record(rows, out, last_step=step == max_new_tokens - 1)
+            row_logits = None
+            if return_logits:   # the first step's per-request logits, one row per child
+                row_logits = logits.index_select(0, rows_to_prompt) if step == 0 else logits
+            done = decoding.record(rows, out, last_step=step == max_new_tokens - 1, logits=row_logits)
             if step == max_new_tokens - 1 or len(done) == batch.num_requests:
                 break
             batch.append(out.token_ids)
@@ -343,7 +440,18 @@ def generate(model, input_ids, params: SamplingParams | Sequence[SamplingParams]
             mask = torch.cat([mask, mask.new_ones((mask.shape[0], 1))], dim=1)
             logits, cache = call(tokens[:, None], mask, positions[:, None], cache)
             positions = positions + 1
-    return GenerateOutput(decoding.completions, ids)
+    output = GenerateOutput(decoding.completions, ids)
+    if per_step is not None:
+        per_step.finish(output, batch.vocab_size)
+    return output
+
+
+def _with_kept(params: SamplingParams) -> SamplingParams:
+    """The request's params with its kept sets asked for, and the drawn token's logprob."""
+    update: dict[str, Any] = {"return_kept": True}
+    if params.logprobs is None:
+        update["logprobs"] = 0
+    return params.model_copy(update=update)
 
 
 def _remove_requests(batch, old_rows: list[tuple[str, int]], done: list[str]) -> torch.Tensor:

@@ -325,3 +325,99 @@ def test_bad_inputs_raise_clear_errors(llama):
 def test_importing_the_integration_does_not_import_transformers():
     code = "import sys, corelib.integrations.hf; assert 'transformers' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+# ---------------------------------------------------------------------- kept sets for training
+# A temperature that spreads the tiny model's logits as a trained model's, so that each filter
+# drops tokens; child 0 of prompt 0 is greedy in the mixed case.
+ROLLOUT = SamplingParams(seed=21, n=2, temperature=0.1, top_k=20, top_p=0.9, min_p=0.05)
+
+
+def kept_bits(out) -> torch.Tensor:
+    """bool [C, S, V] from the output's packed kept sets."""
+    C, S, W = out.kept.shape
+    return corelib.bitmask.unpack_bitmask(out.kept.reshape(C * S, W), V).view(C, S, V)
+
+
+def stopping_eos(model, params) -> int:
+    """A token the seeded rollout draws at step 3 of its first completion: with it as eos,
+    that completion stops early and the others (mostly) run on."""
+    return generate(model, PROMPTS, params, max_new_tokens=STEPS, sampler=reference()).rows[0].token_ids[3]
+
+
+def score_batch(params: list[SamplingParams], eos: int, mode: str = "processed"):
+    batch = reference().new_batch(V, eos_token_id=eos, logprobs_mode=mode)
+    for i, (prompt, p) in enumerate(zip(PROMPTS, params)):
+        batch.add(str(i), p, prompt_token_ids=prompt)
+    return batch
+
+
+def test_kept_sets_are_the_finite_processed_logits_and_hold_the_drawn_token(llama):
+    params = [SamplingParams(temperature=0.0, logprobs=-1)] + [
+        ROLLOUT.model_copy(update={"logprobs": -1, "seed": 21 + i}) for i in range(2)]
+    eos = stopping_eos(llama, params)
+    out = generate(llama, PROMPTS, params, max_new_tokens=STEPS, eos_token_id=eos, sampler=reference(),
+                   logprobs_mode="processed_logits", return_kept=True, return_logits=True)
+    plain = generate(llama, PROMPTS, params, max_new_tokens=STEPS, eos_token_id=eos, sampler=reference())
+    assert out.token_ids() == plain.token_ids(), "return_kept must not change a token"
+    ids, bits = out.completion_ids(), kept_bits(out)
+    C, S = ids.shape
+    assert out.kept.dtype == torch.int32 and out.kept.shape == (C, S, (V + 31) // 32)
+    assert out.logits.shape == (C, S, V) and out.logprobs.shape == (C, S)
+    lengths = [len(c.token_ids) for c in out.rows]
+    assert min(lengths) < S, "one completion must stop early (the zeros after it are checked)"
+    truncated = 0
+    for c, completion in enumerate(out.rows):
+        for step, token in enumerate(completion.token_ids):
+            values = torch.full((V,), float("nan"))
+            top = completion.logprobs[step].top
+            assert len(top) == V, "logprobs=-1 lists every token"
+            values[torch.tensor([t for t, _ in top])] = torch.tensor([v for _, v in top])
+            assert bool(bits[c, step, token])
+            if completion.prompt_index == 0:
+                # greedy: the argmax alone (its processed logits are step 8b's, all finite)
+                assert bits[c, step].sum() == 1 and token == int(out.logits[c, step].argmax())
+            else:
+                assert torch.equal(bits[c, step], torch.isfinite(values)), f"completion {c}, step {step}"
+                truncated += int(bits[c, step].sum() < V)
+        assert not out.kept[c, len(completion.token_ids):].any()
+        assert not out.logprobs[c, len(completion.token_ids):].any()
+        assert not out.logits[c, len(completion.token_ids):].any()
+        assert (ids[c, len(completion.token_ids):] == -1).all()
+    assert truncated > 10, "the filters must drop tokens (the test must be able to fail)"
+
+
+def test_score_on_the_rollouts_logits_equals_its_processed_logprobs_bitwise(llama):
+    """What a trainer gets from ``score`` given the rollout's own logits, kept sets and tokens,
+    on a fresh batch of the same requests: the rollout's processed logprobs, bitwise, with
+    kept= and without (seeded and unseeded rows); padding reads 0."""
+    params = [ROLLOUT, ROLLOUT.model_copy(update={"seed": None}), ROLLOUT.model_copy(update={"seed": 5})]
+    eos = stopping_eos(llama, params[:1] * 3)
+    out = generate(llama, PROMPTS, params, max_new_tokens=STEPS, eos_token_id=eos, sampler=reference(),
+                   logprobs_mode="processed", return_kept=True, return_logits=True)
+    ids = out.completion_ids()
+    given = ids >= 0
+    assert not given.all(), "one completion must stop early"
+    # zeros after the end, also where a sibling still runs on the finished child's row
+    assert not out.kept[~given].any() and not out.logprobs[~given].any()
+    for kept in (out.kept, None):
+        scored = reference().score(out.logits, score_batch(params, eos), ids, kept=kept)
+        assert torch.equal(scored.logprobs[given], out.logprobs[given])
+        assert scored.kept_token[given].all()
+        assert not scored.logprobs[~given].any()
+    # the logprobs are the processed ones: not the model's log_softmax
+    raw = torch.log_softmax(out.logits, dim=-1).gather(-1, ids.clamp(min=0)[..., None])[..., 0]
+    assert (raw[given] - out.logprobs[given]).abs().min() > 0.01
+
+
+def test_return_kept_asks_every_request_and_checks_its_flags(llama):
+    out = generate(llama, PROMPTS, [GREEDY, SamplingParams(seed=1, logprobs=2), SamplingParams(seed=2)],
+                   max_new_tokens=3, return_kept=True)
+    assert [len(c.logprobs) for c in out.rows] == [3, 3, 3]
+    assert [len(c.logprobs[0].top) for c in out.rows] == [0, 2, 0]
+    assert out.logits is None and bool((out.kept != 0).any(dim=-1).all())
+    assert generate(llama, PROMPTS, GREEDY, max_new_tokens=2).kept is None
+    with pytest.raises(ValueError, match="return_kept"):
+        generate(llama, PROMPTS, GREEDY, return_kept=1)
+    with pytest.raises(ValueError, match="return_logits"):
+        generate(llama, PROMPTS, GREEDY, return_logits="yes")
