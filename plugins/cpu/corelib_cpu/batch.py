@@ -109,17 +109,19 @@ class CpuBatch(SamplingBatch):
         return with_slots(super()._new_step_state(n), *slots)
 
     def speculative_state(self, draft_token_ids: torch.Tensor, num_rows: Optional[int] = None,
-                          *, slots_only: bool = False) -> StepState:
+                          dense_by_row: bool = False, *, slots_only: bool = False) -> StepState:
         """The core's verification state as a ``CpuStepState``, with each slot's penalty slots
-        advanced by the row's earlier drafts. ``slots_only``: leave out the dense penalty tensors (the core
-        would copy each ``K + 1`` times; a sampler that reads the slots does not need them)."""
+        advanced by the row's earlier drafts. ``dense_by_row``: as the core's (for the
+        reference's stages on this batch: its differentiable ``score``). ``slots_only``: leave
+        out the dense penalty tensors (the core would copy each ``K + 1`` times; a sampler that
+        reads the slots does not need them)."""
         if not self.has_penalty_slots:
-            return cpu_state(super().speculative_state(draft_token_ids, num_rows))
+            return cpu_state(super().speculative_state(draft_token_ids, num_rows, dense_by_row))
         dense = {}
         if slots_only:
             dense = {name: self._tensors.pop(name) for name in _DENSE_PENALTY_STATE if name in self._tensors}
         try:
-            s = super().speculative_state(draft_token_ids, num_rows)
+            s = super().speculative_state(draft_token_ids, num_rows, dense_by_row)
         finally:
             self._tensors.update(dense)
         n = len(self._row_keys) if num_rows is None else num_rows

@@ -30,4 +30,6 @@ def _factory(device):
 @hookimpl
 def corelib_backends():
     return [BackendSpec(name="cpu", device_type="cpu", priority=CPU_PRIORITY, probe=_probe,
-                        factory=_factory, description=_description())]
+                        factory=_factory, description=_description(),
+                        # the stages work in place on workspace buffers: no autograd graph
+                        differentiable_score=False)]
