@@ -33,9 +33,11 @@ def rl():
     return load("rl_policy_gradient")
 
 
-@pytest.mark.parametrize("backend", ["reference"])
+@pytest.mark.parametrize("backend", [None, "reference"], ids=["default", "reference"])
 def test_rl_example_prints_its_targets(backend):
-    done = subprocess.run([sys.executable, str(EXAMPLES / "rl_policy_gradient.py"), "--backend", backend],
+    """As a user runs it (the default backend: corelib.get_sampler()'s), and on the reference."""
+    args = [] if backend is None else ["--backend", backend]
+    done = subprocess.run([sys.executable, str(EXAMPLES / "rl_policy_gradient.py"), *args],
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr
     numbers = {name: float(value) for name, value in
