@@ -1,10 +1,13 @@
-"""The sampler: a template method fixing the contract's stage order, and the reference stages.
+"""The sampler: a template method fixing the contract's stage order.
 
 ``Sampler`` is the ``reference`` backend: every stage is plain, readable torch and is the
 oracle for all other backends. A backend subclasses it and overrides the stages it does
 faster; the order of the built-in stages lives in ``corelib.pipeline``'s table, which
 ``prepare`` and ``filter`` below run group by group (``run_group``), and the order of the parts
-of a step in ``sample_state`` and ``verify_state``.
+of a step in ``sample_state`` and ``verify_state``. The reference stages are in
+``corelib.logit_stages`` (steps 1-8b) and ``corelib.filter_stages`` (steps 9-14), verification
+in ``corelib.verification`` and teacher forcing in ``corelib.scoring``: parts of this class,
+mixed in; step 15 is here.
 
 Shapes: ``B`` rows, ``V`` vocabulary. Reference stages never modify their input tensors
 (they return new ones), so a backend may call them on any tensor.
@@ -13,19 +16,20 @@ Shapes: ``B`` rows, ``V`` vocabulary. Reference stages never modify their input 
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Callable, Optional
 
 import torch
 
 from .batch import INVALID_TOKEN, SamplingBatch, StepState
-from .bitmask import bitmask_width, pack_kept, unpack_bitmask
-from . import catalog, pipeline, selectors, thinking
-from .noise import STREAM_XTC, gumbel_from_uniform, row_keys, seeded_gumbel, stream_uniform
-# outputs and verification are their own modules; their names stay importable from here
+from .bitmask import bitmask_width, pack_kept
+from . import catalog, pipeline, selectors
+from .noise import row_keys, stream_uniform
+# the stages, outputs and verification are their own modules; their names stay importable
+# from here, where backends have always found them
+from .filter_stages import FilterStages, dynamic_divisor, nucleus_keep, tail_free_length, typical_keep  # noqa: F401
+from .logit_stages import NEG_INF, LogitStages, penalised  # noqa: F401
 from .outputs import Logprobs, SamplerOutput, VerifyOutput, raise_on_flagged, slot_logprobs  # noqa: F401
 from .scoring import Scoring
-from .stages import StageInputs, StageSpec, run_stage
 from .verification import (  # noqa: F401
     VERIFY_METHODS,
     Drafts,
@@ -35,88 +39,11 @@ from .verification import (  # noqa: F401
     verify_logits_shape,
 )
 
-NEG_INF = float("-inf")
 #: Logprobs modes whose values come from step 1 (the model's logits as given).
 RAW_MODES = ("raw", "raw_logits")
 
 
-def typical_keep(x: torch.Tensor, typical_p: torch.Tensor) -> torch.Tensor:
-    """Step 13a's kept set by a full sort: bool [B, V] for logits x float32 [B, V] and
-    typical_p float32 [B] (every row filtered, 1 included). Mass summed in float64. Not in
-    place."""
-    logp = torch.log_softmax(x, dim=-1)
-    p = logp.exp()
-    entropy = -torch.where(p > 0, p * logp, 0.0).sum(dim=-1, keepdim=True)
-    score = torch.where(p > 0, (-logp - entropy).abs(), float("inf"))
-    order = torch.argsort(score, dim=-1, stable=True)
-    ordered_p = p.gather(1, order).double()
-    mass_before = ordered_p.cumsum(dim=-1) - ordered_p
-    inside = mass_before < typical_p.double()[:, None]
-    last = inside.sum(dim=-1, keepdim=True).clamp(min=1) - 1
-    threshold = score.gather(1, order.gather(1, last))
-    return score <= threshold
-
-
-def dynamic_divisor(entropy: torch.Tensor, kept: torch.Tensor, t: torch.Tensor,
-                    s: StepState) -> tuple[torch.Tensor, torch.Tensor]:
-    """Step 10's dynamic temperature from each row's entropy (float32 [B], nats) and kept-token
-    count (int [B]): (float32 [B] divisor: T' on dynamic rows with more than one kept token, 1
-    on dynamic rows with one, ``t`` elsewhere; bool [B]: T' = 0, the argmax tokens alone stay).
-    ``t`` float32 [B], the static temperatures (greedy rows 1). Not in place."""
-    ratio = (entropy / kept.clamp(min=2).to(torch.float32).log()).clamp(min=0.0)
-    d = s.dynatemp_range
-    lo = (t - d).clamp(min=0.0)
-    dynamic = lo + (t + d - lo) * ratio.pow(s.dynatemp_exponent)
-    on = (d > 0) & ~s.greedy
-    t = torch.where(on, torch.where(kept > 1, dynamic, 1.0), t)
-    argmax_only = on & (kept > 1) & (dynamic == 0)
-    return torch.where(argmax_only, 1.0, t), argmax_only
-
-
-def tail_free_length(q: torch.Tensor, n: torch.Tensor, tfs: torch.Tensor) -> torch.Tensor:
-    """Step 13c's kept length j (int64 [B, 1], >= 1): for each row's probabilities sorted in
-    descending order, float64 ``q`` [B, M] (its first n kept, M >= 3 or the row's n <= M),
-    the smallest j whose normalised second differences sum past ``tfs`` (float32 [B]), n - 2
-    when none does. ``n`` int [B, 1] kept tokens (rows with n <= 2 keep everything: the
-    caller's test). Not in place."""
-    second = (q[:, :-2] - 2.0 * q[:, 1:-1] + q[:, 2:]).abs()
-    inside = torch.arange(second.shape[-1], device=q.device)[None, :] < n - 2
-    second = torch.where(inside, second, 0.0)
-    total = second.sum(dim=-1, keepdim=True)
-    weights = torch.where(total > 1e-6, second / total.clamp(min=1e-300),
-                          inside.double() / (n - 2).clamp(min=1).double())
-    passed_before = (torch.cumsum(weights, dim=-1) <= tfs.double()[:, None]) & inside
-    return torch.minimum(passed_before.sum(dim=-1, keepdim=True) + 1, (n - 2).clamp(min=1))
-
-
-def nucleus_keep(probs: torch.Tensor, ordered: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """Step 13's kept set: bool [B, V], True for tokens in the nucleus (ties at its edge kept).
-
-    probs: float32 [B, V] renormalised over what steps 11-12 left; ordered: float32 [B, K], the
-    row's K largest probs in descending order (K = V, or any K that holds the whole nucleus);
-    top_p: float32 [B] (1 keeps every token). Mass is summed in float64. Not in place.
-    """
-    ordered64 = ordered.double()
-    mass_before = ordered64.cumsum(dim=-1) - ordered64
-    # Token j (by rank) is in the nucleus when the mass strictly before it is < top_p.
-    in_nucleus = mass_before < top_p.double()[:, None]
-    last = in_nucleus.sum(dim=-1, keepdim=True).clamp(min=1) - 1           # (B, 1)
-    threshold = ordered.gather(1, last)
-    return (probs >= threshold) | (top_p >= 1.0)[:, None]
-
-
-def penalised(x: torch.Tensor, prompt_mask: torch.Tensor, counts: torch.Tensor, r: torch.Tensor,
-              f: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
-    """Steps 7-8 on x float32 with the prompt mask (bool), output counts (int32) and the
-    repetition, frequency and presence penalties (float32), all broadcast to x's shape. Not
-    in place."""
-    seen = prompt_mask | (counts > 0)
-    x = torch.where(seen, torch.where(x > 0, x / r, x * r), x)               # step 7
-    occurred = (counts > 0).to(torch.float32)
-    return x - f * counts.to(torch.float32) - p * occurred                    # step 8
-
-
-class Sampler(Verification, Scoring):
+class Sampler(Verification, Scoring, LogitStages, FilterStages):
     """A sampling backend. This class is the ``reference`` backend; plugins subclass it."""
 
     name = "reference"
@@ -451,363 +378,6 @@ class Sampler(Verification, Scoring):
             kept = torch.empty((0, bitmask_width(s.vocab_size)), dtype=torch.int32, device=self.device)
         return SamplerOutput(ids, valid, logprobs, kept=kept)
 
-    # ------------------------------------------------------------------ stages
-    def working_copy(self, logits: torch.Tensor, batch: SamplingBatch, s: StepState) -> torch.Tensor:
-        """Step 2: a float32 ``[B, V]`` copy; one logits row per request is expanded to its
-        children, and ``verify``'s flat logits to its slots (``s.logits_rows``). Never
-        aliases ``logits``."""
-        dtype = s.work_dtype
-        if s.logits_rows is not None:
-            return logits.index_select(0, s.logits_rows).to(dtype)
-        if logits.shape[0] != s.num_rows:
-            return logits.index_select(0, batch.request_index(s.num_rows)).to(dtype)
-        return logits.to(dtype, copy=True)
-
-    def raw_logprobs(self, x: torch.Tensor, s: StepState) -> torch.Tensor:
-        """Step 1 (rows asking for logprobs in a raw mode): float32 ``[B, V]`` from the working
-        logits before any stage, ``log_softmax`` for ``"raw"``, a copy for ``"raw_logits"``;
-        step 15 reads it. Not in place."""
-        return self.log_softmax(x) if s.logprobs_mode == "raw" else self.copy_logits(x)
-
-    def log_softmax(self, x: torch.Tensor) -> torch.Tensor:
-        """float32 ``[B, V]`` -> float32 ``[B, V]`` log-probabilities; not in place."""
-        return torch.log_softmax(x, dim=-1)
-
-    def copy_logits(self, x: torch.Tensor) -> torch.Tensor:
-        """Step 1 of ``logprobs_mode="raw_logits"``: float32 ``[B, V]``, a copy of the working
-        logits before any stage (later stages may work on ``x`` in place)."""
-        return x.clone()
-
-    def finite_rows(self, x: torch.Tensor) -> torch.Tensor:
-        """bool ``[B]``: rows free of NaN and +inf (-inf is a legitimate mask)."""
-        return ~(torch.isnan(x) | (x == float("inf"))).any(dim=-1)
-
-    def any_token_left(self, x: torch.Tensor) -> torch.Tensor:
-        """bool ``[B]``: rows with at least one token not masked to -inf."""
-        return (x > NEG_INF).any(dim=-1)
-
-    def neutralise_rows(self, x: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-        """Replace invalid rows by zeros (uniform); returns a new tensor."""
-        return torch.where(valid[:, None], x, torch.zeros((), dtype=x.dtype, device=x.device))
-
-    def apply_allowed_ids(self, x: torch.Tensor, s: StepState) -> torch.Tensor:
-        """Step 3: tokens outside a row's allowed set -> -inf. ``s.allowed_mask`` bool [B, V]
-        (all True for rows without the option; a verify state's may be per row, ``[B / S, V]``
-        with ``s.slots_per_row`` S, read by every slot of the row). Not in place."""
-        S = s.slots_per_row
-        if S == 1:
-            return x.masked_fill(~s.allowed_mask, NEG_INF)
-        n, V = x.shape[0] // S, x.shape[-1]
-        return x.view(n, S, V).masked_fill(~s.allowed_mask[:, None], NEG_INF).view(n * S, V)
-
-    def apply_token_bitmask(self, x: torch.Tensor, s: StepState) -> torch.Tensor:
-        """Step 3, structured output: tokens whose bit is 0 in ``s.token_bitmask`` (int32
-        [B, ceil(V / 32)], bit j % 32 of word j // 32; a row of -1 words is unconstrained)
-        -> -inf. Not in place (the reference unpacks a bool [B, V] mask)."""
-        return x.masked_fill(~unpack_bitmask(s.token_bitmask, x.shape[-1]), NEG_INF)
-
-    def apply_bad_words(self, x: torch.Tensor, s: StepState) -> torch.Tensor:
-        """Step 4: ban each bad word's last token when the row's generated tokens end with the
-        rest of the word. ``bad_prefix`` int64 [B, W, P] (right-aligned, -2 matches anything),
-        ``recent`` int64 [B, P] (last P generated, -1 before any), ``bad_last`` [B, W],
-        ``bad_valid`` bool [B, W] (False for padding words). Not in place."""
-        recent = s.recent[:, None, :]                                      # (B, 1, P)
-        prefix_matches = ((s.bad_prefix == recent) | (s.bad_prefix == -2)).all(dim=-1)
-        banned = prefix_matches & s.bad_valid                              # (B, W)
-        return self._add_at(x, s.bad_last, banned)
-
-    def apply_min_tokens(self, x: torch.Tensor, s: StepState) -> torch.Tensor:
-        """Step 5: while ``position < min_tokens``, stop ids and eos -> -inf. ``stop_ids``
-        int64 [B, S] with ``stop_valid`` bool [B, S]. Not in place."""
-        pending = (s.position < s.min_tokens)[:, None]                     # (B, 1)
-        return self._add_at(x, s.stop_ids, s.stop_valid & pending)
-
-    def apply_logit_bias(self, x: torch.Tensor, s: StepState) -> torch.Tensor:
-        """Step 6: ``x[row, bias_ids] += bias_values`` (padding adds 0 to token 0). Not in place."""
-        return x.scatter_add(1, s.bias_ids, s.bias_values.to(x.dtype))
-
-    def apply_penalties(self, x: torch.Tensor, s: StepState) -> torch.Tensor:
-        """Steps 7-8 from running counts. ``prompt_mask`` bool [B, V], ``output_counts`` int32
-        [B, V]; penalties float32 [B] (1, 0, 0 disable them). A verify state's counts may be
-        per row (``[B / S, V]``, ``s.slots_per_row`` S): every slot reads its row's, and the
-        tokens of its earlier drafts (``s.slot_drafts`` int64 [B, K]) are penalised again with
-        the drafts counted, so no ``[B, V]`` state is copied per slot. Not in place."""
-        S = s.slots_per_row
-        if S == 1:
-            return penalised(x, s.prompt_mask, s.output_counts, s.repetition_penalty[:, None],
-                             s.frequency_penalty[:, None], s.presence_penalty[:, None])
-        B, V = x.shape
-        n = B // S
-        per_slot = lambda v: v.view(n, S, 1)                                # noqa: E731
-        out = penalised(x.view(n, S, V), s.prompt_mask[:, None], s.output_counts[:, None],
-                        per_slot(s.repetition_penalty), per_slot(s.frequency_penalty),
-                        per_slot(s.presence_penalty)).view(B, V)
-        ids = s.slot_drafts
-        if ids.shape[1] == 0:
-            return out
-        live = ids >= 0
-        safe = ids.clamp(min=0)                                            # [B, K]
-        row = torch.arange(B, device=x.device)[:, None] // S
-        # each id's count after the slot's drafts: the row's, plus its live drafts equal to it
-        # (an entry past the drafts names token 0 with its right value too, so any order of
-        # the scatter below writes the same)
-        extra = ((safe[:, :, None] == safe[:, None, :]) & live[:, None, :]).sum(-1)
-        counts = s.output_counts[row, safe] + extra.to(torch.int32)
-        values = penalised(x.gather(1, safe), s.prompt_mask[row, safe], counts,
-                           s.repetition_penalty[:, None], s.frequency_penalty[:, None],
-                           s.presence_penalty[:, None])
-        return out.scatter_(1, safe, values)
-
-    def thinking_forced_tokens(self, s: StepState) -> torch.Tensor:
-        """Step 8b's forced token per row (``corelib.thinking.forced_tokens``): int64 [B], -1
-        for rows that are not forced. From ``thinking_markers`` int64 [B, 3, L],
-        ``thinking_match`` bool [B, 3, L], ``thinking_count`` and ``thinking_budget`` int32
-        [B] (-1 = no budget). Not in place."""
-        return thinking.forced_tokens(s.thinking_markers, s.thinking_match, s.thinking_count,
-                                      s.thinking_budget)
-
-    def apply_thinking_budget(self, x: torch.Tensor, forced: torch.Tensor) -> torch.Tensor:
-        """Step 8b: a forced row (``forced`` int64 [B], -1 = not forced) keeps only its forced
-        token, with logit 0 (so its processed logprob is 0); every other token -> -inf. Rows
-        that are not forced keep ``x`` (float32 [B, V]). Not in place."""
-        vocab = torch.arange(x.shape[-1], device=x.device)[None, :]
-        only = torch.where(vocab == forced[:, None], 0.0, NEG_INF).to(x.dtype)
-        return torch.where((forced >= 0)[:, None], only, x)
-
-    def apply_dry(self, x: torch.Tensor, s: StepState) -> torch.Tensor:
-        """Step 8a, DRY: a token that would extend a repeat of length L >= dry_allowed_length
-        gets ``logit -= dry_multiplier * dry_base ** min(L - dry_allowed_length, 30)``.
-
-        From the batch's history (``corelib.history``): ``dry_history`` int64 [B, H],
-        ``dry_match`` int32 [B, H] (repeat length before each token), ``dry_length`` and
-        ``dry_since_breaker`` int32 [B], ``dry_breakers`` int64 [B, NB]; per-row
-        ``dry_multiplier`` (0 = off), ``dry_base``, ``dry_allowed_length``, ``dry_range`` (0 =
-        whole history). Costs O(B H): only tokens of the history can be penalised, so the
-        penalty is scattered onto them, never computed over the vocabulary. Not in place."""
-        tokens, penalty = self.dry_penalties(s)
-        # x[t] - (the largest penalty on t): an amin over the history's entries for t.
-        return x.scatter_reduce(1, tokens, x.gather(1, tokens) - penalty, reduce="amin")
-
-    @staticmethod
-    def dry_penalties(s: StepState) -> tuple[torch.Tensor, torch.Tensor]:
-        """DRY's penalty for each history entry: (int64 [B, H] token ids, float32 [B, H]
-        penalties, 0 where the entry extends no repeat of allowed length or lies outside the
-        row's window). A token's penalty is the largest over its entries. Not in place."""
-        history, H = s.dry_history, s.dry_history.shape[1]
-        column = torch.arange(H, device=history.device)[None, :]
-        length = s.dry_length.to(torch.long)[:, None]
-        window = s.dry_range.to(torch.long)[:, None]
-        start = torch.where(window > 0, (length - window).clamp(min=0), 0)            # (B, 1)
-        in_window = (column >= start) & (column < length)
-        breaker = (history[:, :, None] == s.dry_breakers[:, None, :]).any(dim=-1)     # (B, H)
-        repeat = torch.minimum(s.dry_match.to(torch.long), column - start)
-        repeat = torch.minimum(repeat, s.dry_since_breaker.to(torch.long)[:, None])
-        allowed = s.dry_allowed_length.to(torch.long)[:, None]
-        penalised = in_window & ~breaker & (repeat >= allowed) & (s.dry_multiplier > 0)[:, None]
-        exponent = (repeat - allowed).clamp(min=0, max=30).to(torch.float32)
-        penalty = s.dry_multiplier[:, None] * torch.pow(s.dry_base[:, None], exponent)
-        return torch.where(in_window, history, 0), torch.where(penalised, penalty, 0.0)
-
-    def apply_custom_stages(self, x: torch.Tensor, s: StepState, slot: str) -> torch.Tensor:
-        """The plugins' stages at ``slot`` ("after_penalties" after step 8a, "after_filters"
-        after step 13b), in registration order; rows that do not use a stage keep their
-        logits. x float32 [B, V]; not in place. A failing stage raises ``StageError``."""
-        for spec, inputs, plugin in s.stages_at(slot):
-            x = run_stage(spec, self.stage_implementation(spec), x, inputs, plugin)
-        return x
-
-    def stage_implementation(self, spec: StageSpec) -> Callable[[torch.Tensor, StageInputs], torch.Tensor]:
-        """The function this backend runs for a custom stage: its own faster one when the
-        stage's plugin registered one under this backend's name, else the plain-torch one."""
-        return spec.implementations.get(self.name, spec.apply)
-
-    def argmax(self, x: torch.Tensor) -> torch.Tensor:
-        """Step 9: int64 [B], the lowest id among the row's maxima."""
-        return torch.argmax(x, dim=-1)
-
-    def apply_temperature(self, x: torch.Tensor, s: StepState) -> torch.Tensor:
-        """Step 10: ``x / temperature`` per row (greedy rows divide by 1). With
-        ``dynatemp_range`` d > 0 (float32 [B], 0 = static), the row's temperature comes from
-        the entropy H of its current distribution over its n kept tokens: T' = lo + (hi - lo)
-        * (H / ln n) ** ``dynatemp_exponent``, lo = max(0, T - d), hi = T + d; n <= 1 leaves
-        the logits as they are, T' = 0 keeps the argmax tokens only. Not in place."""
-        t = torch.where(s.greedy, torch.ones_like(s.temperature), s.temperature)
-        if not s.any_dynatemp:
-            return x / t[:, None]
-        t, argmax_only = self.dynamic_temperature(x, t, s)
-        out = x / t[:, None]
-        return torch.where(argmax_only[:, None] & (x < x.amax(dim=-1, keepdim=True)), NEG_INF, out)
-
-    def dynamic_temperature(self, x: torch.Tensor, t: torch.Tensor,
-                            s: StepState) -> tuple[torch.Tensor, torch.Tensor]:
-        """Step 10's temperature per row when some row is dynamic: (float32 [B] divisor, 1 where
-        the logits stay as they are; bool [B]: T' = 0, only the argmax tokens stay). ``t``:
-        the static temperatures (greedy rows 1). Not in place."""
-        logp = torch.log_softmax(x.detach(), dim=-1)     # T' is a constant for gradients
-        p = logp.exp()
-        entropy = -torch.where(p > 0, p * logp, 0.0).sum(dim=-1)
-        return dynamic_divisor(entropy, (x > NEG_INF).sum(dim=-1), t, s)
-
-    def apply_top_n_sigma(self, x: torch.Tensor, s: StepState) -> torch.Tensor:
-        """Step 10a: over each row's finite logits, drop those below max - n * sigma (sigma their
-        population standard deviation). ``top_n_sigma`` float32 [B], 0 = off. Not in place."""
-        finite = torch.isfinite(x)
-        count = finite.sum(dim=-1, keepdim=True).clamp(min=1).to(torch.float32)
-        mean = torch.where(finite, x, 0.0).sum(dim=-1, keepdim=True) / count
-        variance = torch.where(finite, (x - mean) ** 2, 0.0).sum(dim=-1, keepdim=True) / count
-        threshold = x.amax(dim=-1, keepdim=True) - s.top_n_sigma[:, None] * variance.sqrt()
-        keep = (x >= threshold) | (s.top_n_sigma <= 0.0)[:, None]
-        return x.masked_fill(~keep, NEG_INF)
-
-    def apply_min_p(self, x: torch.Tensor, s: StepState) -> torch.Tensor:
-        """Step 11: drop tokens with prob < min_p * max prob (min_p 0 keeps all). Not in place."""
-        probs = torch.softmax(x, dim=-1)
-        threshold = s.min_p[:, None] * probs.max(dim=-1, keepdim=True).values
-        return x.masked_fill(probs < threshold, NEG_INF)
-
-    def apply_smoothing(self, x: torch.Tensor, s: StepState) -> torch.Tensor:
-        """Step 10b, quadratic smoothing: with m the row's largest kept logit, d = x - m and c =
-        ``smoothing_curve`` (float32 [B]), each kept logit becomes m - (3 - c) / 2 * f * d**2
-        + (c - 1) / 2 * f * d**3, f = ``smoothing_factor`` (float32 [B], 0 = off); dropped
-        tokens stay -inf. Not in place."""
-        f, c = s.smoothing_factor[:, None], s.smoothing_curve[:, None]
-        m = x.detach().amax(dim=-1, keepdim=True)            # a constant for gradients
-        d = x - m
-        smoothed = m - (3.0 - c) / 2.0 * f * d * d + (c - 1.0) / 2.0 * f * d * d * d
-        return torch.where((f > 0) & (x > NEG_INF), smoothed, x)
-
-    def apply_top_a(self, x: torch.Tensor, s: StepState) -> torch.Tensor:
-        """Step 11a: drop tokens with p < ``top_a`` * max(p)**2 (``top_a`` float32 [B], 0 =
-        off; the most likely tokens always stay). Not in place."""
-        p = torch.softmax(x, dim=-1)
-        most = p.amax(dim=-1, keepdim=True)
-        return x.masked_fill((p < s.top_a[:, None] * most * most) & (p < most), NEG_INF)
-
-    def apply_epsilon(self, x: torch.Tensor, s: StepState) -> torch.Tensor:
-        """Step 11b: drop tokens with p < ``epsilon_cutoff`` (float32 [B], 0 = off), never the
-        most likely ones. Not in place."""
-        p = torch.softmax(x, dim=-1)
-        most = p.amax(dim=-1, keepdim=True)
-        return x.masked_fill((p < s.epsilon_cutoff[:, None]) & (p < most), NEG_INF)
-
-    def apply_eta(self, x: torch.Tensor, s: StepState) -> torch.Tensor:
-        """Step 11c: with H = -sum p ln p, drop tokens with p < min(eta, sqrt(eta) * exp(-H))
-        (``eta_cutoff`` float32 [B], 0 = off), never the most likely ones. Not in place."""
-        logp = torch.log_softmax(x, dim=-1)
-        p = logp.exp()
-        entropy = -torch.where(p > 0, p * logp, 0.0).sum(dim=-1, keepdim=True)
-        eta = s.eta_cutoff[:, None]
-        cutoff = torch.minimum(eta, eta.sqrt() * torch.exp(-entropy))
-        most = p.amax(dim=-1, keepdim=True)
-        return x.masked_fill((p < cutoff) & (p < most), NEG_INF)
-
-    def apply_top_k_top_p(self, x: torch.Tensor, s: StepState) -> torch.Tensor:
-        """Steps 12-13 by a full sort (the reference; fast backends avoid the sort).
-
-        top_k int32 [B] (0 = off): keep logits >= the k-th largest. top_p float32 [B] (1 = off):
-        keep the smallest most-likely set whose mass >= top_p of what is left, ties at the
-        boundary kept, never fewer than one token. Not in place."""
-        if s.any_top_k:
-            x = self.apply_top_k(x, s)
-        if s.any_top_p:
-            x = self.apply_top_p(x, s)
-        return x
-
-    def apply_top_k(self, x: torch.Tensor, s: StepState) -> torch.Tensor:
-        """Step 12 alone; see ``apply_top_k_top_p``."""
-        V = x.shape[-1]
-        k = s.top_k.to(torch.long).clamp(max=V)
-        ordered = torch.sort(x, dim=-1, descending=True).values
-        kth = ordered.gather(1, (k - 1).clamp(min=0)[:, None])            # (B, 1)
-        keep = (x >= kth) | (k == 0)[:, None]
-        return x.masked_fill(~keep, NEG_INF)
-
-    def apply_top_p(self, x: torch.Tensor, s: StepState) -> torch.Tensor:
-        """Step 13 alone; see ``apply_top_k_top_p``. Mass is summed in float64."""
-        probs = torch.softmax(x, dim=-1)
-        ordered = torch.sort(probs, dim=-1, descending=True).values
-        return x.masked_fill(~nucleus_keep(probs, ordered, s.top_p), NEG_INF)
-
-    def apply_typical_p(self, x: torch.Tensor, s: StepState) -> torch.Tensor:
-        """Step 13a: over the probabilities left, H = -sum p log p and score = |-log p - H|;
-        keep the smallest set of lowest-score tokens whose mass >= typical_p (ties at the
-        boundary kept, never fewer than one token). ``typical_p`` float32 [B], 1 = off. Mass
-        summed in float64, by a full sort (the reference). Not in place."""
-        keep = typical_keep(x, s.typical_p) | (s.typical_p >= 1.0)[:, None]
-        return x.masked_fill(~keep, NEG_INF)
-
-    def apply_tfs(self, x: torch.Tensor, s: StepState) -> torch.Tensor:
-        """Step 13c, tail-free sampling (``tfs`` float32 [B], 1 = off): the kept probabilities
-        sorted descending, q_1 >= ... >= q_n (n <= 2: nothing happens); the second differences
-        |q_i - 2 q_(i+1) + q_(i+2)|, i = 1..n-2, normalised to sum 1 (uniform when their sum
-        is <= 1e-6); keep q_1..q_j for the smallest j whose running sum passes ``tfs`` (j =
-        n - 2 when none does), with every token tied with q_j. Sums in float64, by a full sort
-        (the reference). Not in place."""
-        if x.shape[-1] <= 2:        # every row keeps n <= 2 tokens (and XLA cannot sum 0 columns)
-            return x
-        p = torch.softmax(x, dim=-1)
-        q = torch.sort(p, dim=-1, descending=True).values.double()
-        n = (x > NEG_INF).sum(dim=-1, keepdim=True)
-        threshold = q.gather(1, tail_free_length(q, n, s.tfs) - 1).to(p.dtype)
-        keep = (p >= threshold) | (n <= 2) | (s.tfs >= 1.0)[:, None]
-        return x.masked_fill(~keep, NEG_INF)
-
-    def apply_p_less(self, x: torch.Tensor, s: StepState) -> torch.Tensor:
-        """Step 13d, p-less: drop tokens with p < L, L = sum p**2 ("plain") or (V sum p**2 - 1)
-        / (V - 1) ("norm", V the vocabulary); ``p_less`` int32 [B]: ``pipeline.P_LESS_MODES``,
-        0 = off. Never the most likely tokens. Not in place."""
-        p = torch.softmax(x, dim=-1)
-        collision = (p * p).sum(dim=-1, keepdim=True)
-        V = x.shape[-1]
-        norm = (V * collision - 1.0) / max(V - 1, 1)
-        mode = s.p_less[:, None]
-        level = torch.where(mode == pipeline.P_LESS_MODES["norm"], norm, collision)
-        most = p.amax(dim=-1, keepdim=True)
-        return x.masked_fill((mode != pipeline.P_LESS_OFF) & (p < level) & (p < most), NEG_INF)
-
-    def apply_xtc(self, x: torch.Tensor, s: StepState) -> torch.Tensor:
-        """Step 13b, XTC: with probability ``xtc_probability`` (float32 [B], 0 = off; the coin
-        from ``row_uniforms`` on the XTC stream), when two or more kept tokens have probability
-        >= ``xtc_threshold``, drop all of them but those with the smallest such probability.
-        Not in place."""
-        p = torch.softmax(x, dim=-1)
-        above = (x > NEG_INF) & (p >= s.xtc_threshold[:, None])
-        smallest = torch.where(above, p, float("inf")).amin(dim=-1, keepdim=True)
-        coin = self.row_uniforms(s, STREAM_XTC) < s.xtc_probability
-        act = (above.sum(dim=-1) >= 2) & coin
-        return x.masked_fill(above & (p > smallest) & act[:, None], NEG_INF)
-
-    def apply_mirostat(self, x: torch.Tensor, s: StepState) -> torch.Tensor:
-        """Step 14, mirostat v2 (``mirostat_tau`` float32 [B], 0 = off): drop the tokens whose
-        surprise -log2 p exceeds the row's ``mirostat_mu`` (float32 [B], the batch's state),
-        never the most likely ones; the draw then takes the renormalised rest. Not in place."""
-        dropped = selectors.mirostat_dropped(torch.log_softmax(x, dim=-1), s.mirostat_mu, s.mirostat_tau)
-        return x.masked_fill(dropped, NEG_INF)
-
-    def apply_adaptive_p(self, x: torch.Tensor, s: StepState) -> torch.Tensor:
-        """Step 14, adaptive-p (``adaptive_p_target`` float32 [B], < 0 = off): each kept token's
-        logit becomes 5 - 10 u**2 / (1 + u), u = |p - a| / 0.3, a = clamp(2 target - w / s, 0,
-        1) from the row's state (``adaptive_p_weighted`` w, ``adaptive_p_total`` s, float32
-        [B]); dropped tokens stay -inf. Not in place."""
-        shaped = selectors.adaptive_logits(torch.softmax(x, dim=-1), s.adaptive_p_target,
-                                           s.adaptive_p_weighted, s.adaptive_p_total)
-        return torch.where((s.adaptive_p_target >= 0)[:, None] & (x > NEG_INF), shaped, x)
-
-    def draw(self, x: torch.Tensor, s: StepState) -> torch.Tensor:
-        """Step 14: int64 [B] by the Gumbel-max race ``argmax(x + gumbel)`` over kept tokens
-        (x float32 [B, V], dropped tokens -inf). Seeded rows use the contract's noise
-        function; others this sampler's generator. Never waits on the host."""
-        B, V = x.shape
-        noise = torch.zeros_like(x)
-        if s.any_unseeded:
-            u = torch.rand(x.shape, generator=self.generator, device=x.device)
-            noise = gumbel_from_uniform(u)
-        if s.any_seeded:
-            keys = row_keys(s.seed_lo, s.seed_hi, s.child, s.position)[:, None]
-            vocab = torch.arange(V, dtype=torch.int32, device=x.device)[None, :]
-            noise = torch.where(s.seeded[:, None], seeded_gumbel(keys, vocab), noise)
-        return torch.argmax(x + noise, dim=-1)
-
     def gather_logprobs(self, logprobs: torch.Tensor, token_ids: torch.Tensor,
                         num_logprobs: int) -> Logprobs:
         """Step 15 from float32 [B, V] log-probabilities and int64 [B] sampled ids."""
@@ -831,10 +401,3 @@ class Sampler(Verification, Scoring):
         (float32 [B, n] values, int64 [B, n] ids). Not in place."""
         top = torch.topk(logprobs, n, dim=-1)
         return top.values, top.indices
-
-    # ------------------------------------------------------------------ helpers
-    @staticmethod
-    def _add_at(x: torch.Tensor, ids: torch.Tensor, banned: torch.Tensor) -> torch.Tensor:
-        """Set ``x[row, ids[row, j]]`` to -inf where ``banned[row, j]``; returns a new tensor."""
-        penalty = torch.where(banned, NEG_INF, 0.0).to(x.dtype)
-        return x.scatter_add(1, ids, penalty)

@@ -20,9 +20,8 @@ import torch
 from . import pipeline
 from .batch import SamplingBatch, StepState, padded_ids_problem
 from .bitmask import bitmask_width, unpack_bitmask
+from .logit_stages import NEG_INF
 from .outputs import ScoreOutput
-
-NEG_INF = float("-inf")
 
 
 class Scoring:

@@ -273,13 +273,13 @@ def public_api() -> list[str]:
             if isinstance(obj, type) and issubclass(obj, BaseException):
                 signature = None
             lines.append(name.replace("_", r"\_") if name.startswith("__") else name + (signature or ""))
-    from corelib.scoring import Scoring
-    from corelib.verification import Verification
     for cls in (corelib.Sampler, corelib.SamplingBatch, testing.ConformanceSuite, hf.GenerateOutput):
-        # the Sampler's verification and scoring parts live in modules of their own, but are
-        # its methods
-        members = ({**vars(Verification), **vars(Scoring), **vars(cls)} if cls is corelib.Sampler
-                   else vars(cls))
+        # the Sampler's stages, verification and scoring parts live in modules of their own
+        # (classes it mixes in), but are its methods
+        members = {}
+        for part in reversed(cls.__mro__ if cls is corelib.Sampler else (cls,)):
+            if part.__module__.startswith("corelib"):
+                members.update(vars(part))
         for name, member in members.items():
             if name.startswith("_") or name.startswith("test_"):
                 continue
