@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import sys
 from typing import TYPE_CHECKING, Optional
 
 if TYPE_CHECKING:
@@ -66,7 +67,7 @@ def describe() -> str:
     if reason is not None:
         return f"kernels: pure torch ({reason})"
     return ("kernels: numba (seeded noise, small-vocabulary draw, top-k/top-p of candidates, "
-            "quadratic smoothing, tail-free)")
+            "quadratic smoothing, tail-free, kept-set packing)")
 
 
 def _compiled():
@@ -270,10 +271,34 @@ def _compile():
                 count += 1
             out[r] = min(count + 1, max(inside, 1))
 
+    @numba.njit(cache=True, nogil=True)
+    def pack_above(x, floor, out):          # pragma: no cover - runs compiled
+        # one byte of 8 comparisons at a time (uint8 lanes vectorise; a 32-bit word's
+        # variable shifts do not), written where the int32 words' little-endian bytes lie
+        n, V = x.shape
+        whole = V // 8
+        for r in range(n):
+            row = x[r]
+            o = out[r]
+            for k in range(whole):
+                b = np.uint8(0)
+                for j in range(8):
+                    b |= np.uint8(row[k * 8 + j] > floor) << np.uint8(j)
+                o[k] = b
+            k = whole
+            if whole * 8 < V:
+                b = np.uint8(0)
+                for j in range(V - whole * 8):
+                    b |= np.uint8(row[whole * 8 + j] > floor) << np.uint8(j)
+                o[k] = b
+                k += 1
+            for m in range(k, o.shape[0]):
+                o[m] = np.uint8(0)
+
     return dict(whole_rows=whole_rows, per_row_ids=per_row_ids, inverse_cdf=inverse_cdf,
                 mixed_keys=mixed_keys, positive_ids=positive_ids,
                 candidate_top_k=candidate_top_k, candidate_top_p=candidate_top_p, smooth=smooth,
-                tfs_second=tfs_second, tfs_index=tfs_index)
+                tfs_second=tfs_second, tfs_index=tfs_index, pack_above=pack_above)
 
 
 def seeded_uniforms_into(out: torch.Tensor, keys: torch.Tensor,
@@ -415,6 +440,23 @@ def tfs_thresholds(q: torch.Tensor, n: torch.Tensor, tfs: torch.Tensor) -> Optio
     kernels["tfs_index"](second.numpy(), total.numpy(), counts.numpy(), tfs.double().contiguous().numpy(),
                          j.numpy())
     return q.gather(1, (j - 1)[:, None]).to(torch.float32)
+
+
+def pack_above(x: torch.Tensor, floor: float, out: torch.Tensor) -> bool:
+    """The kept-set words of ``x > floor`` by the compiled kernel: out int32 ``[n, ceil(V /
+    32)]`` (contiguous) gets bit ``j % 32`` of word ``j // 32`` set where ``x[r, j] > floor``
+    (NaN: not set), bits for ids >= V 0 (``corelib.bitmask.pack_kept``'s layout); x float32
+    ``[n, V]`` contiguous rows. One read of x, where torch's comparison, conversion and
+    weighted sum make four passes over ``[n, V]``. Returns False, writing nothing, where the
+    compiled path does not run (or the machine is big-endian: the kernel writes the words'
+    bytes)."""
+    kernels = _compiled()
+    if kernels is None or not x.is_contiguous() or not out.is_contiguous() or sys.byteorder != "little":
+        return False
+    import numpy as np
+    import torch
+    kernels["pack_above"](x.numpy(), np.float32(floor), out.view(torch.uint8).numpy())
+    return True
 
 
 def reset() -> None:

@@ -20,11 +20,14 @@ from typing import Optional
 
 import torch
 from corelib import Sampler, SamplingBatch, StepState, pipeline
+from corelib.bitmask import bitmask_width, pack_kept
 from corelib.outputs import ScoreOutput
+from corelib.sampler import NEG_INF
 
+from . import kernels
 from .batch import CpuBatch
 from .bitmask import apply_bitmask_rows
-from .block import Block
+from .block import Block, Candidates, runs
 from .state import rows_state
 
 
@@ -80,6 +83,54 @@ class Scoring:
         out.selector_source = source
         return out
 
+    def kept_set(self, x: Block, final: Block, token_ids: torch.Tensor, valid: torch.Tensor,
+                 s: StepState) -> torch.Tensor:
+        """``Sampler.kept_set`` of a block: int32 [n, W], the packed bits of the final
+        distribution's tokens of each asking, valid row (``s.return_kept``, ``valid`` bool
+        [n]); zeros for the others. Read from what the filters left, never writing the final
+        logits out: a greedy row's drawn token (token_ids int64 [n]); a candidate row's kept
+        candidates; a row with a pending probability cut its kept weights (> 0; a cut of 0
+        keeps every finite logit: x then); any other random row its finite logits, packed by
+        the compiled kernel in one read (``kernels.pack_above``). Not in place."""
+        bp = final.plan
+        W = bitmask_width(s.vocab_size)
+        out = torch.zeros((bp.n, W), dtype=torch.int32)
+        ask = (valid & s.return_kept).tolist()
+        greedy = [r for r in bp.greedy_rows if ask[r]]
+        if greedy:
+            index = torch.tensor(greedy, dtype=torch.long)
+            tokens = token_ids.index_select(0, index)
+            bit = torch.bitwise_left_shift(torch.ones_like(tokens), tokens & 31)
+            out[index, tokens >> 5] = torch.where(bit >= 2**31, bit - 2**32, bit).to(torch.int32)
+        rows = [r for r in bp.random_rows if ask[r]]
+        if not rows:
+            return out
+        cand = final.cand
+        place = {row: j for j, row in enumerate(cand.rows)} if cand is not None else {}
+        at = [place[r] for r in rows if r in place]
+        if at:
+            out.index_copy_(0, cand.index[at], candidate_words(cand, at, W))
+        dense, cuts = [], {}
+        for r in rows:
+            if r in place:
+                continue
+            c = final.cuts.get(r)
+            if c is None or r in final.masked:
+                dense.append(r)
+            else:
+                cuts.setdefault(id(c[0]), (c[0], []))[1].append((r, c[1]))
+        for record, members in cuts.values():
+            record.resolve([j for _, j in members], self.workspace)
+            for r, j in members:
+                if record.cut[j] == 0.0:           # keeps every token x holds
+                    dense.append(r)
+                else:
+                    pack_rows(record.weights[j:j + 1], 0.0, out[r:r + 1])
+        xx = final.x
+        for r0, r1 in runs(sorted(dense)):
+            pack_rows(xx[r0:r1], NEG_INF, out[r0:r1])
+        return out
+
     def replay_kept(self, x: Block, s: StepState, kept: torch.Tensor) -> Block:
         """``Scoring.replay_kept`` on the block's random rows (greedy rows keep step 8b's
         logits, which their processed logprobs read): the reference's replayed stages
@@ -104,6 +155,24 @@ class Scoring:
         x.changed()
         x.dropped = True
         return x
+
+
+def pack_rows(x: torch.Tensor, floor: float, out: torch.Tensor) -> None:
+    """out int32 [m, W] = the packed bits of ``x > floor`` (x float32 [m, V]): the compiled
+    kernel (one read of x) where it runs, else the core's ``pack_kept``."""
+    if not kernels.pack_above(x, floor, out):
+        out.copy_(pack_kept(x > floor))
+
+
+def candidate_words(cand: Candidates, at: list, W: int) -> torch.Tensor:
+    """int32 [m, W]: the packed bits of the candidates still kept (value > -inf) of places
+    ``at`` of ``cand``. A row's candidate ids are distinct, so each word is the sum of its
+    bits' weights (in int64, then wrapped to int32)."""
+    index = torch.tensor(at, dtype=torch.long)
+    ids, values = cand.ids.index_select(0, index), cand.values.index_select(0, index)
+    bits = torch.where(values > NEG_INF, torch.bitwise_left_shift(torch.ones_like(ids), ids & 31), 0)
+    words = torch.zeros((len(at), W), dtype=torch.long).scatter_add_(1, ids >> 5, bits)
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
 
 
 def join_scores(outputs: list) -> ScoreOutput:

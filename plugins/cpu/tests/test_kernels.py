@@ -235,4 +235,22 @@ def test_info_names_the_path():
         assert described == "kernels: pure torch (numba not installed)"
     else:
         assert described == ("kernels: numba (seeded noise, small-vocabulary draw, top-k/top-p of "
-                             "candidates, quadratic smoothing, tail-free)")
+                             "candidates, quadratic smoothing, tail-free, kept-set packing)")
+
+
+@needs_numba
+@pytest.mark.parametrize("V", [1, 7, 33, 1000, 32000])
+def test_kernel_packs_kept_sets_as_the_core_does(V):
+    from corelib.bitmask import bitmask_width, pack_kept
+    x = torch.randn((5, V), generator=torch.Generator().manual_seed(V))
+    x[x < -0.5] = float("-inf")
+    x[0, 0], x[1, -1], x[2, V // 2] = float("nan"), float("inf"), -0.0
+    for floor in (float("-inf"), 0.0):
+        out = torch.full((5, bitmask_width(V)), -1, dtype=torch.int32)     # every bit written
+        assert kernels.pack_above(x, floor, out)
+        assert torch.equal(out, pack_kept(x > floor))
+
+
+def test_kept_set_packing_falls_back_to_torch(torch_path):
+    x = torch.randn((2, 40))
+    assert not kernels.pack_above(x, 0.0, torch.empty((2, 2), dtype=torch.int32))
