@@ -23,6 +23,9 @@ It prints, and ``run()`` returns:
 - ``trainer_without_kept_vs_rollout``: the trainer's logits scored without ``kept=``, the
   truncation recomputed from them (it has no random part here; a token near a cut-off could
   fall on the other side, which ``kept=`` rules out).
+- ``reference_backend_vs_rollout``: the rollout's logits scored by the reference backend
+  (0.0 when it is the rollout's backend; another backend's arithmetic may differ in rounding).
+- ``float64_vs_rollout``: the rollout's logits in float64, requiring grad (scored in float64).
 - ``mean_log_kept_mass``: the mean, over the drawn tokens, of log S, S the kept set's mass
   under the tempered distribution softmax(logits / T) (= the tempered full-vocabulary
   log_softmax of the token minus its processed logprob): what a trainer taking log_softmax
@@ -138,6 +141,12 @@ def run(backend: Optional[str] = None, steps: int = 16, seed: int = 1000) -> dic
         # no kept=: score recomputes the truncation on the trainer's logits (deterministic
         # here: top-k, top-p and min-p have no random part)
         recomputed = sampler.score(trainer_logits.detach(), new_batch(sampler, params), ids)
+        reference = corelib.get_sampler("reference")
+        on_reference = reference.score(rollout.logits, new_batch(reference, params), ids, kept=rollout.kept)
+    # float64 logits that require grad are scored in float64 (the gradcheck path)
+    in_float64 = sampler.score(rollout.logits.double().requires_grad_(True), new_batch(sampler, params),
+                               ids, kept=rollout.kept).logprobs.detach()
+    with torch.no_grad():
         tempered = torch.log_softmax(rollout.logits / TEMPERATURE, dim=-1)
         untempered = torch.log_softmax(rollout.logits, dim=-1)
         token = ids.clamp(min=0)[..., None]
@@ -160,6 +169,8 @@ def run(backend: Optional[str] = None, steps: int = 16, seed: int = 1000) -> dic
         "rollout_logits_vs_rollout": float((own.logprobs - rollout.logprobs)[mask].abs().max()),
         "trainer_without_kept_vs_rollout": float(
             (recomputed.logprobs - rollout.logprobs)[mask].abs().max()),
+        "reference_backend_vs_rollout": float((on_reference.logprobs - rollout.logprobs)[mask].abs().max()),
+        "float64_vs_rollout": float((in_float64 - rollout.logprobs.double())[mask].abs().max()),
         "all_kept": float(bool(scored.kept_token[mask].all())),
         "mean_log_kept_mass": float(log_kept_mass.mean()),
         "min_log_kept_mass": float(log_kept_mass.min()),
