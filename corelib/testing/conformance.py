@@ -29,6 +29,7 @@ from ..sampler import Sampler
 from .engine import EngineConformance
 from .fourth import FourthReleaseConformance
 from .kept import KeptConformance
+from .verify import VerifyConformance
 from .rules import OUTPUT, PROMPT, RULES, chi_square_p_value, params_text, violation
 
 Request = tuple  # (request_id, SamplingParams, prompt_token_ids, output_token_ids or None)
@@ -62,7 +63,7 @@ STAGE_RULES: dict[str, str] = {
     **{name: rule for name, (_, rule) in COMBINED_CASES.items()},
 }
 
-class ConformanceSuite(KeptConformance, FourthReleaseConformance, EngineConformance):
+class ConformanceSuite(KeptConformance, FourthReleaseConformance, VerifyConformance, EngineConformance):
     """Contract checks for one backend; subclass as ``TestConformance`` and set ``backend``."""
 
     #: the backend's name as ``corelib.get_sampler`` takes it
