@@ -129,20 +129,51 @@ class CpuBatch(SamplingBatch):
 
     def _speculative_slots(self, drafts: torch.Tensor, n: int):
         """Slots of the ``n (K + 1)`` virtual rows: row r's slot j holds r's slots after its
-        first j drafts."""
+        first j drafts (int64 [n S, A + K] ids, int32 counts, int64 [n S] lengths; A the
+        slots' allocated width), as ``count_into_slots`` would leave them draft after draft,
+        computed for every j at once: each draft's slot (its token's among the row's slots,
+        or the next one opened at its token's first occurrence among the drafts), and the
+        counts as a running sum over the drafts. ``score``'s T positions are K = T - 1
+        drafts: one draft at a time would cost K passes over all K + 1 slots' state."""
         K = drafts.shape[1]
         S = K + 1
         ids, counts, length = self.penalty_slots(n)
-        ids = torch.cat([ids, ids.new_zeros((n, K))], dim=1).repeat_interleave(S, dim=0)
-        counts = torch.cat([counts, counts.new_zeros((n, K))], dim=1).repeat_interleave(S, dim=0)
-        length = length.repeat_interleave(S)
-        uses = self._slot_rows[:n].repeat_interleave(S)
-        slot = torch.arange(S).repeat(n)
-        expanded = drafts.repeat_interleave(S, dim=0)
-        for j in range(K):
-            tokens = expanded[:, j]
-            count_into_slots(ids, counts, length, tokens.clamp(min=0), uses & (slot > j) & (tokens >= 0))
-        return ids, counts, length
+        if K == 0:
+            return ids.clone(), counts.clone(), length.clone()
+        A = ids.shape[1]
+        live = (drafts >= 0) & self._slot_rows[:n, None]                      # (n, K)
+        d = drafts.clamp(min=0)
+        width = int(length.max()) if n else 0
+        real = torch.arange(width) < length[:, None]                           # (n, width)
+        match = (d[:, :, None] == ids[:, None, :width]) & real[:, None, :]      # (n, K, width)
+        in_base = match.any(dim=-1)
+        base_slot = match.to(torch.uint8).argmax(dim=-1)                       # the row's slots are distinct
+        position = torch.arange(K)
+        # each draft's first occurrence among the row's live drafts (itself when it is the first)
+        same = (d[:, :, None] == d[:, None, :]) & live[:, None, :] & (position[:, None] >= position[None, :])
+        first = same.to(torch.uint8).argmax(dim=-1)                             # (n, K)
+        opens = live & ~in_base & (first == position)                          # opens a slot
+        rank = opens.cumsum(dim=-1) - 1                                          # its new slot's rank
+        slot = torch.where(in_base, base_slot, length[:, None] + rank.gather(1, first))
+        slot = torch.where(live, slot, 0)
+        added = torch.zeros((n, K, A + K), dtype=torch.int32)
+        added.scatter_(2, slot[:, :, None], live[:, :, None].to(torch.int32))
+        before = torch.cat([torch.zeros((n, 1, A + K), dtype=torch.int32),
+                            added.cumsum(dim=1, dtype=torch.int32)], dim=1)      # (n, S, A + K)
+        opened = torch.cat([torch.zeros((n, 1), dtype=torch.long), opens.cumsum(dim=-1)], dim=1)  # (n, S)
+        # the tokens of the slots opened, by rank (column K takes the drafts that open none)
+        new_ids = torch.zeros((n, K + 1), dtype=torch.long).scatter_(1, torch.where(opens, rank, K), d)
+        column = torch.arange(A + K)[None, None, :]
+        offset = column - length[:, None, None]                                 # (n, 1, A + K)
+        is_new = (offset >= 0) & (offset < opened[:, :, None])                  # (n, S, A + K)
+        wide_ids = torch.cat([ids, ids.new_zeros((n, K))], dim=1)[:, None, :]
+        wide_counts = torch.cat([counts, counts.new_zeros((n, K))], dim=1)[:, None, :]
+        taken = new_ids.gather(1, offset[:, 0].clamp(0, K - 1))[:, None, :]
+        out_ids = torch.where(is_new, taken, wide_ids)
+        out_counts = torch.where(is_new | (offset < 0), before + torch.where(offset < 0, wide_counts, 0),
+                                 wide_counts)
+        return (out_ids.reshape(n * S, A + K), out_counts.reshape(n * S, A + K),
+                (length[:, None] + opened).reshape(n * S))
 
     # ------------------------------------------------------------------ add / remove / append
     def add(self, request_id: str, params: SamplingParams,

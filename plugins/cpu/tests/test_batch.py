@@ -104,3 +104,25 @@ def test_requests_leaving_together_leave_the_slots_of_one_at_a_time():
     assert slot_state(at_once) == slot_state(one_by_one) == dense_state(at_once)
     at_once.remove("b", "c")                    # the last penalty requests: no slots are read
     assert not at_once.has_penalty_slots
+
+
+def test_speculative_slots_are_the_state_after_each_slots_drafts():
+    """Slot j of a verify (or score) state holds the row's state after its first j drafts:
+    repeated drafts, drafts already seen, -1 padding and rows without penalties."""
+    batch = CpuBatch(V)
+    batch.add("a", SamplingParams(**PEN), prompt_token_ids=[3, 4, 5])
+    batch.add("plain", SamplingParams(), prompt_token_ids=[3])
+    batch.add("b", SamplingParams(**PEN), prompt_token_ids=[9], output_token_ids=[7, 7])
+    batch.append(torch.tensor([4, 1, 8]))
+    drafts = torch.tensor([[6, 4, 6, 11, 6, 12], [1, 2, 3, -1, -1, -1], [7, 13, 13, 9, -1, -1]])
+    s = batch.speculative_state(drafts, slots_only=True)
+    dense = batch.speculative_state(drafts)
+    S = drafts.shape[1] + 1
+    for v in range(3 * S):
+        row = v // S
+        if row == 1:
+            continue                                   # no penalties: no slots are read
+        L = int(s.slot_len[v])
+        got = dict(zip(s.slot_ids[v, :L].tolist(), s.slot_counts[v, :L].tolist()))
+        seen = (dense.prompt_mask[v] | (dense.output_counts[v] > 0)).nonzero().flatten().tolist()
+        assert got == {t: int(dense.output_counts[v, t]) for t in seen}, (row, v % S)
