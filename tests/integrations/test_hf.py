@@ -421,3 +421,24 @@ def test_return_kept_asks_every_request_and_checks_its_flags(llama):
         generate(llama, PROMPTS, GREEDY, return_kept=1)
     with pytest.raises(ValueError, match="return_logits"):
         generate(llama, PROMPTS, GREEDY, return_logits="yes")
+
+
+def test_score_in_chunks_with_append_between_equals_one_call(llama):
+    """A trainer scoring a long rollout chunk by chunk (score, append the chunk, go on) gets
+    one call's values bitwise, with kept= and without; without, the mirostat state moved by
+    the appends reproduces the rollout's processed logprobs."""
+    params = [SamplingParams(seed=30 + i, temperature=0.1, mirostat_tau=3.0, repetition_penalty=1.3)
+              for i in range(len(PROMPTS))]
+    out = generate(llama, PROMPTS, params, max_new_tokens=STEPS, sampler=reference(),
+                   logprobs_mode="processed", return_kept=True, return_logits=True)
+    ids = out.completion_ids()
+    for kept in (out.kept, None):
+        whole = reference().score(out.logits, score_batch(params, None), ids, kept=kept).logprobs
+        batch, parts = score_batch(params, None), []
+        for start in range(0, ids.shape[1], 5):
+            part = slice(start, start + 5)
+            parts.append(reference().score(out.logits[:, part], batch, ids[:, part],
+                                           kept=None if kept is None else kept[:, part]).logprobs)
+            batch.append(ids[:, part])
+        assert torch.equal(torch.cat(parts, dim=1), whole)
+        assert torch.equal(whole, out.logprobs)
