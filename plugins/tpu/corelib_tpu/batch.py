@@ -58,7 +58,7 @@ FLOAT_COLUMNS = tuple(f.name for f in _FLOAT_FIELDS)
 NEUTRAL_FLOATS = tuple(float(f.neutral) for f in _FLOAT_FIELDS)
 INT_COLUMNS = tuple(f.name for f in _INT_FIELDS) + (
     "seed_lo", "seed_hi", "child", "position", "seeded", "greedy", "random_key",
-    "thinking_budget", "route", "logprobs_on", "filter_order")
+    "thinking_budget", "route", "logprobs_on", "filter_order", "return_kept")
 _NEUTRAL_INTS = tuple(int(f.neutral) for f in _INT_FIELDS)
 _COL = {name: i for i, name in enumerate(FLOAT_COLUMNS + INT_COLUMNS)}
 _POSITION = INT_COLUMNS.index("position")
@@ -68,6 +68,7 @@ _ROUTE = INT_COLUMNS.index("route")
 _LOGPROBS_ON = INT_COLUMNS.index("logprobs_on")
 _GREEDY = INT_COLUMNS.index("greedy")
 _FILTER_ORDER = INT_COLUMNS.index("filter_order")
+_RETURN_KEPT = INT_COLUMNS.index("return_kept")
 #: The stateful selectors' per-row state (``pipeline.state_fields``: mirostat's mu,
 #: adaptive-p's sums): float32 ``[C]`` device tensors, since ``append`` advances them from the
 #: step's distribution, which stays on the device.
@@ -338,7 +339,7 @@ class XlaSamplingBatch(SamplingBatch):
 
         random_keys: int32 ``[num_rows]`` host tensor, the unseeded rows' noise keys for this
         step (the sampler draws them from its generator); zeros when omitted. One
-        host-to-device transfer: the per-row scalars as an int32 ``[B, 26]`` block (floats as
+        host-to-device transfer: the per-row scalars as one int32 block (floats as
         their bits). Dense state is sliced, not copied.
         """
         B = self._rows_for(num_rows)
@@ -388,7 +389,8 @@ class XlaSamplingBatch(SamplingBatch):
         s = self._state_of(table, dense, B * S, position=position)
         # the draft after each slot advances the selectors' state to the next slot (the
         # sampler's selector_slot_state); the last slot has none
-        after = torch.cat([drafts, torch.full_like(drafts[:, :1], -1)], dim=1)
+        last = torch.full((drafts.shape[0], 1), -1, dtype=drafts.dtype, device=drafts.device)
+        after = torch.cat([drafts, last], dim=1)         # K = 0 (score's one position): [-1]
         s.verify_slots = S
         s.verify_drafts = after.gather(1, slot.to(torch.long)[:, None])[:, 0]
         return s
@@ -496,7 +498,7 @@ class XlaSamplingBatch(SamplingBatch):
         return B
 
     def _host_table(self, B: int, random_keys: Optional[torch.Tensor]) -> torch.Tensor:
-        """int32 ``[B, 26]``: the per-row scalars, floats as their bits, and the batch's
+        """int32 ``[B, columns]``: the per-row scalars, floats as their bits, and the batch's
         route and logprobs switch in every row."""
         self._ints[:B, _RANDOM_KEY] = 0 if random_keys is None else random_keys
         path = self.path() if self._row_keys else "greedy"
@@ -536,7 +538,7 @@ class XlaSamplingBatch(SamplingBatch):
             dry_since_breaker=dense["dry_since"], dry_breakers=dense["dry_breakers"],
             thinking_budget=col("thinking_budget"), thinking_count=dense["thinking_count"],
             thinking_markers=dense["thinking_markers"], thinking_match=dense["thinking_match"],
-            filter_order=col("filter_order"),
+            filter_order=col("filter_order"), return_kept=col("return_kept") != 0,
             **{f.name: dense[f.name] for f in STATE_FIELDS},
             stages=self._stage_inputs(dense),
             variant=variant, live_rows=len(self._row_keys), logprobs_asked=asked,
@@ -847,6 +849,12 @@ class XlaSamplingBatch(SamplingBatch):
             self._cached[key] = host.to(self.device)
         return self._cached[key]
 
+    def asks_kept(self) -> bool:
+        """Some live row asks for its kept set (``SamplingParams.return_kept``): the step
+        graphs compute kept sets whenever a row's ``return_kept`` column is set (a conditional
+        on the device), and the host reads them back only then."""
+        return any(p.return_kept for p in self._row_params)
+
     def _asked_logprobs(self) -> Optional[int]:
         """The batch's real N: the largest ``logprobs`` of a row (V for -1), None if none asks."""
         if self._asked is None:
@@ -888,7 +896,9 @@ def flags_for(variant: Variant, asked: Optional[int], padded_logprobs: int) -> d
     False because the bias is part of the additive row of step 3; ``any_bitmask`` and
     ``any_dry`` are True because the mask is always an input (all -1 without one) and DRY is
     in every graph (multiplier 0 = off); so is the reasoning budget (``any_thinking``: budget
-    -1 = off), whose step 8b is one pass over the logits. ``any_greedy`` is True only when
+    -1 = off), whose step 8b is one pass over the logits, and the kept sets (``any_kept``:
+    computed in a conditional on the rows' ``return_kept``, so asking for them compiles
+    nothing new). ``any_greedy`` is True only when
     every row is greedy: otherwise greedy rows, whose filter parameters are neutral, get their
     argmax from the draw (``TpuSampler.draw``). The stateful selectors (``any_selector``) and
     the filter orders besides the default one (``filter_orders``: (k, names) for each of the
@@ -899,7 +909,7 @@ def flags_for(variant: Variant, asked: Optional[int], padded_logprobs: int) -> d
     return dict(
         stages, any_bias=False,
         any_greedy=not random, all_greedy=not random, any_random=random, any_seeded=random,
-        any_unseeded=random, any_thinking=True,
+        any_unseeded=random, any_thinking=True, any_kept=True,
         num_logprobs=None if asked is None else padded_logprobs,
         any_selector=random and variant.selectors,
         filter_orders=tuple(enumerate(variant.orders, start=1)) if random else (),
@@ -973,7 +983,8 @@ def _int_values(params: SamplingParams, child: int, position: int, vocab_size: i
     return [*(_stage_value(f, params, vocab_size) for f in _INT_FIELDS),
             seed_lo, seed_hi, child, position, int(params.seed is not None),
             int(params.is_greedy), 0, budget, 0, 0,   # random_key, route and logprobs_on: per step
-            0]                                       # filter_order: the batch's (_order_index)
+            0,                                       # filter_order: the batch's (_order_index)
+            int(params.return_kept)]
 
 
 def _positive(name: str, value: int) -> int:

@@ -1,4 +1,5 @@
-"""Token bitmasks (structured output, part of step 3) inside the step graph.
+"""Token bitmasks inside the step graph: structured output's (part of step 3) and the kept
+sets the step returns (``SamplingParams.return_kept``).
 
 The caller's packed words (``corelib.bitmask``: bit ``j % 32`` of word ``j // 32``, 1 =
 allowed) enter the graph as an int32 ``[B, W]`` input; each logit reads its own bit with a
@@ -32,3 +33,19 @@ def apply_words(x: torch.Tensor, words: torch.Tensor) -> torch.Tensor:
     (-1 = unconstrained). Adds -inf where the bit is 0, so NaN and +inf logits stay non-finite
     for the valid-row check (``TpuSampler.any_token_left``). Not in place."""
     return x + torch.where(allowed_bits(words, x.shape[-1]) == 0, NEG_INF, 0.0)
+
+
+def pack_words(keep: torch.Tensor) -> torch.Tensor:
+    """int32 ``[B, ceil(V / 32)]`` words of bool ``keep`` ``[B, V]`` in the layout above (bits
+    for ids >= V are 0): the core's ``pack_kept``, with the bit weights made from the cached
+    iota, so that it can run inside a conditional's branch (which reads no other tensor).
+    Each word is the sum of its distinct bit weights (bit 31 weighs -2**31), which is their
+    bitwise or; XLA fuses the weighting into the sum. Not in place."""
+    B, V = keep.shape
+    W = -(-V // BITS)
+    bits = keep.to(torch.int32)
+    if W * BITS != V:
+        bits = torch.nn.functional.pad(bits, (0, W * BITS - V))
+    shifts = iota(BITS, torch.int32, keep.device)                              # (1, 32)
+    weights = torch.where(shifts == BITS - 1, -(2**31), torch.bitwise_left_shift(1, shifts))
+    return (bits.view(B, W, BITS) * weights).sum(dim=-1, dtype=torch.int32)

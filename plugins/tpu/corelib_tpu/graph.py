@@ -29,7 +29,7 @@ from corelib.batch import SamplingBatch
 from corelib.bitmask import bitmask_width
 from corelib.drafts import DraftLayout, padded_arguments
 from corelib.params import SamplingParams
-from corelib.outputs import Logprobs, SamplerOutput, VerifyOutput, slot_logprobs
+from corelib.outputs import Logprobs, SamplerOutput, ScoreOutput, VerifyOutput, slot_logprobs
 from corelib.sampler import Sampler
 from corelib.verification import (
     VERIFY_METHODS,
@@ -61,8 +61,10 @@ class WarmupReport:
     paths: tuple[str, ...]
     variants: int = 0              # static variants of the sample step per bucket
     speculative_k: tuple[int, ...] = ()
+    score_positions: tuple[int, ...] = ()
     cache_hits: int = 0            # graphs loaded from the persistent compile cache instead
-    #: graphs compiled for each ("sample", bucket) and ("verify", bucket, K) step
+    #: graphs compiled for each ("sample", bucket), ("verify", bucket, K) and ("score",
+    #: bucket, T) step
     step_graphs: dict = dataclasses.field(default_factory=dict)
 
 
@@ -123,8 +125,10 @@ class GraphRunner(Sampler):
             out = super().sample(x, batch, mask)       # keeps out.selector_source for append
             packed = _pack(out)
             xla.launch(_outputs(packed, out))
-            host = packed.cpu()                                  # the one transfer of the step
-        return _unpack(host[:n], batch._asked_logprobs(), out.logprobs is not None)
+            host, kept = _fetch(packed, out.kept, batch)         # the one transfer of the step
+        result = _unpack(host[:n], batch._asked_logprobs(), out.logprobs is not None)
+        result.kept = None if kept is None else kept[:n]
+        return result
 
     def verify(self, logits: torch.Tensor, batch: SamplingBatch, draft_token_ids: torch.Tensor,
                draft_probs: Optional[torch.Tensor] = None,
@@ -180,9 +184,75 @@ class GraphRunner(Sampler):
             packed = _pack_verify(out)
             xla.launch(_outputs(packed, out))
             batch.keep_selector_source(out.selector_source, slots=graph_k + 1)
-            host = packed.cpu()                                  # the one transfer of the step
-        return _unpack_verify(host[:n], K + 1, graph_k + 1, batch._asked_logprobs(),
-                              out.logprobs is not None)
+            host, kept = _fetch(packed, out.kept, batch)         # the one transfer of the step
+        result = _unpack_verify(host[:n], K + 1, graph_k + 1, batch._asked_logprobs(),
+                                out.logprobs is not None)
+        result.kept = None if kept is None else kept.view(-1, graph_k + 1, kept.shape[-1])[:n, :K + 1]
+        return result
+
+    def score(self, logits: torch.Tensor, batch: SamplingBatch, token_ids,
+              kept: Optional[torch.Tensor] = None) -> ScoreOutput:
+        """``Sampler.score`` (teacher forcing) as one graph per (bucket, T, ``kept`` given or
+        not, stateful selectors used or not), then one transfer; returns CPU tensors of the
+        live rows. ``warmup(score_positions=...)`` compiles those graphs.
+
+        logits ``[rows, T, V]`` (or ``[rows, V]`` with token_ids ``[rows]``) on the device, any
+        float dtype; token_ids int ``[rows, T]`` and kept int32 ``[rows, T, ceil(V / 32)]`` on
+        the host or the device. Each may instead come padded to ``batch.bucket()`` rows (the
+        layout that needs no padding graph; host ids and kept sets never need one). Position
+        t is a virtual row with the row's state advanced by ``token_ids[:, :t]`` (the state
+        ``verify``'s slots see), through the same stages as ``sample``.
+
+        With logits that require grad, the core's ``score`` runs on them unpadded, with this
+        backend's stages and each conditional's predicate read on the host
+        (``xla.eager_branches``): differentiable, results on the device, graphs compiled per
+        shape (not covered by warm-up)."""
+        self._check_batch(batch)
+        if isinstance(logits, torch.Tensor) and logits.requires_grad:
+            with xla.eager_branches():
+                return super().score(logits, batch, token_ids, kept)
+        n = batch.num_rows
+        padded = (isinstance(logits, torch.Tensor) and logits.dim() in (2, 3) and n > 0
+                  and logits.shape[0] == batch.bucket(n) and logits.shape[0] != n)
+        live = (lambda t: t[:n] if isinstance(t, torch.Tensor) else t) if padded else (lambda t: t)
+        self.check_score_arguments(live(logits), batch, live(token_ids), live(kept))
+        one = logits.dim() == 2
+        x = logits[:, None] if one else logits
+        rows, T, V = x.shape
+        if n == 0:
+            out = self.empty_score_output(T, torch.float32)
+            return _each_score(out, lambda t: t.cpu()[:, 0] if one else t.cpu())
+        bucket = batch.bucket(n)
+        ids = token_ids if isinstance(token_ids, torch.Tensor) else torch.as_tensor(token_ids)
+        ids = ids.reshape(rows, T)
+        xla.launch([x])
+        x = self._padded_slots(x, batch, bucket, T)
+        ids = xla.fit_block(ids, (bucket, T), -1, torch.long, self.device, self.guard,
+                            f"padding score's token_ids ({rows} rows, T {T})")
+        words = None
+        if kept is not None:
+            words = xla.fit_block(kept.reshape(rows, T, -1), (bucket, T, kept.shape[-1]), 0,
+                                  torch.int32, self.device, self.guard,
+                                  f"padding score's kept ({rows} rows, T {T})")
+        given = ", kept" if words is not None else ""
+        with self.guard.watch(f"score (bucket {bucket}, T {T}{given})"):
+            out = self._score_padded(x, batch, ids, words)
+            packed = _pack_score(out)
+            xla.launch(_outputs(packed, out))
+            batch.keep_selector_source(out.selector_source, slots=T)
+            host = packed.cpu()                                  # the one transfer of the call
+        result = _unpack_score(host[:n * T], n, T)
+        return _each_score(result, lambda t: t[:, 0]) if one else result
+
+    def _score_padded(self, x: torch.Tensor, batch: XlaSamplingBatch, ids: torch.Tensor,
+                      kept: Optional[torch.Tensor]) -> ScoreOutput:
+        """The score graph's contents: ``Scoring.score_state`` on padded inputs (x float32
+        ``[B, T, V]``, ids int64 ``[B, T]`` with -1 padding, kept int32 ``[B, T, W]`` or None),
+        flat ``[B T]`` outputs."""
+        B, T, V = x.shape
+        s = self.score_step_state(batch, ids)
+        flat_kept = None if kept is None else kept.reshape(B * T, -1)
+        return self.score_state(x.reshape(B * T, V), batch, s, ids.reshape(-1), flat_kept)
 
     def processed_logits(self, logits: torch.Tensor, batch: SamplingBatch,
                          token_bitmask: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -205,7 +275,7 @@ class GraphRunner(Sampler):
                per_request_logits: bool = False, processed_logits: bool = False,
                unpadded_verify: bool = False, device_bitmask: bool = False,
                block_verify: bool = False, selectors: bool = True,
-               orders: Iterable = ()) -> WarmupReport:
+               orders: Iterable = (), score_positions: Iterable[int] = ()) -> WarmupReport:
         """Compile every graph serving can need for this vocabulary, then arm strict mode.
 
         Per bucket: the step for each static variant (``variants()``: 4, 3 without
@@ -228,14 +298,20 @@ class GraphRunner(Sampler):
         the filter orders besides the default one that requests will run (``sampler_order``
         lists, or ``"temperature_last"``): every random graph traces each in a conditional on
         its rows (``corelib_tpu.orders``); an order none of them serves compiles the graphs
-        again when a request first runs it. Uses a scratch batch of the same shapes
-        (graphs depend on shapes, not contents).
+        again when a request first runs it. ``score_positions``: the position counts T that
+        ``score`` will be called with (a trainer's sequence lengths): per bucket and T, the
+        score graphs without and with ``kept`` (and, with ``selectors``, again with the
+        stateful selectors), and the append graphs of T ids per row; they take inputs padded
+        to the bucket (``score``). Uses a scratch batch of the same shapes (graphs depend on
+        shapes, not contents).
         """
         start, hits, t0 = xla.compile_count(), xla.persistent_cache_hits(), time.perf_counter()
         self.orders.extend(orders)
         scratch = self.new_batch(vocab_size, logprobs_mode=logprobs_mode)
         spec_k = self.speculative_k
-        scratch.warm_state_graphs(slots=(1, *(k + 1 for k in spec_k)), selectors=selectors)
+        score_t = _positions(score_positions)
+        scratch.warm_state_graphs(slots=tuple(dict.fromkeys((1, *(k + 1 for k in spec_k), *score_t))),
+                                  selectors=selectors)
         V = vocab_size
         variants = [v for v in self.variants(scratch) if selectors or not v.selectors]
         step_graphs: dict = {}
@@ -265,6 +341,15 @@ class GraphRunner(Sampler):
                     with counted("verify", bucket, K), self._forcing(chosen):
                         out = self._verify_padded(xs, scratch, ids, probs, mask, method)
                         xla.launch(_outputs(_pack_verify(out), out))
+            for T in score_t:
+                xs = self._zeros((bucket, T, V), torch.float32)
+                ids = torch.full((bucket, T), -1, dtype=torch.long).to(self.device)
+                words = torch.zeros((bucket, T, bitmask_width(V)), dtype=torch.int32).to(self.device)
+                for chosen in [v for v in variants if v.random]:
+                    for given in (None, words):
+                        with counted("score", bucket, T), self._forcing(chosen):
+                            out = self._score_padded(xs, scratch, ids, given)
+                            xla.launch(_outputs(_pack_score(out), out))
         self._warm_padding(vocab_size, logprobs_mode, logits_dtypes, per_request_logits,
                            unpadded_verify, device_bitmask, spec_k)
         if self.device.type == "xla":
@@ -274,6 +359,7 @@ class GraphRunner(Sampler):
         return WarmupReport(graphs=xla.compile_count() - start,
                             seconds=time.perf_counter() - t0, buckets=tuple(self.buckets),
                             paths=PATHS, variants=len(variants), speculative_k=spec_k,
+                            score_positions=score_t,
                             cache_hits=xla.persistent_cache_hits() - hits,
                             step_graphs=step_graphs)
 
@@ -311,7 +397,8 @@ class GraphRunner(Sampler):
         out = self.sample(logits[:, 0], batch, mask)
         emitted = out.token_ids[:, None]
         logprobs = None if out.logprobs is None else slot_logprobs(out.logprobs, emitted)
-        return VerifyOutput(emitted, out.valid.to(torch.long), out.valid, logprobs)
+        kept = None if out.kept is None else out.kept[:, None]
+        return VerifyOutput(emitted, out.valid.to(torch.long), out.valid, logprobs, kept=kept)
 
     def _padded_verify_inputs(self, logits, batch: XlaSamplingBatch, ids: torch.Tensor,
                               probs: Optional[torch.Tensor], token_bitmask, bucket: int,
@@ -467,9 +554,23 @@ class GraphRunner(Sampler):
 
 
 def _outputs(packed: torch.Tensor, out) -> list[torch.Tensor]:
-    """What a step graph computes: the packed results, and the distribution after the filter
+    """What a step graph computes: the packed results, the kept sets (int32 ``[B, W]``, or
+    ``[B, K + 1, W]``; zeros unless a row asks, ``TpuSampler.kept_set``: an output of every
+    step graph, so that asking compiles nothing new), and the distribution after the filter
     group where rows use a stateful selector (it stays on the device for ``append``)."""
-    return [packed] if out.selector_source is None else [packed, out.selector_source]
+    extra = [t for t in (getattr(out, "kept", None), out.selector_source) if t is not None]
+    return [packed, *extra]
+
+
+def _fetch(packed: torch.Tensor, kept: Optional[torch.Tensor],
+           batch: XlaSamplingBatch) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """The step's results on the host in one transfer: the packed tensor, and the kept sets
+    when some row asks for them (``batch.asks_kept``; otherwise they stay on the device and
+    None is returned)."""
+    if kept is None or not batch.asks_kept():
+        return packed.cpu(), None
+    host, words = xla.fetch([packed, kept])
+    return host, words
 
 
 def _pack(out: SamplerOutput) -> torch.Tensor:
@@ -528,6 +629,36 @@ def _unpack_verify(host: torch.Tensor, slots: int, graph_slots: int, asked: Opti
                             bits[:, :slots, :take].contiguous().view(torch.float32),
                             ranks[:, :slots].to(torch.long))
     return VerifyOutput(emitted, num_emitted, valid, logprobs)
+
+
+def _pack_score(out: ScoreOutput) -> torch.Tensor:
+    """int32 ``[B T, 5]``: (logprob bits, raw logprob bits, kept_token, rank, valid), one
+    tensor for one transfer."""
+    return torch.stack([xla.bitcast(out.logprobs.to(torch.float32), torch.int32),
+                        xla.bitcast(out.raw_logprobs.to(torch.float32), torch.int32),
+                        out.kept_token.to(torch.int32), out.ranks.to(torch.int32),
+                        out.valid.to(torch.int32)], dim=1)
+
+
+def _unpack_score(host: torch.Tensor, rows: int, T: int) -> ScoreOutput:
+    """The inverse of ``_pack_score`` on the host, as ``[rows, T]`` tensors."""
+    host = host.reshape(rows, T, 5)
+    return ScoreOutput(host[..., 0].contiguous().view(torch.float32),
+                       host[..., 1].contiguous().view(torch.float32), host[..., 2].to(torch.bool),
+                       host[..., 3].to(torch.long), host[..., 4].to(torch.bool))
+
+
+def _each_score(out: ScoreOutput, f) -> ScoreOutput:
+    return ScoreOutput(f(out.logprobs), f(out.raw_logprobs), f(out.kept_token), f(out.ranks),
+                       f(out.valid))
+
+
+def _positions(values: Iterable[int]) -> tuple[int, ...]:
+    values = tuple(values)
+    for t in values:
+        if isinstance(t, bool) or not isinstance(t, int) or t < 1:
+            raise ValueError(f"score_positions must hold positive ints, got {t!r} in {values!r}")
+    return tuple(sorted(set(values)))
 
 
 def _empty_output() -> SamplerOutput:

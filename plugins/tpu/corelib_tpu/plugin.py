@@ -24,4 +24,6 @@ def _factory(device):
 @hookimpl
 def corelib_backends():
     return [BackendSpec(name="tpu", device_type="xla", priority=TPU_PRIORITY, probe=_probe,
-                        factory=_factory, description=DESCRIPTION)]
+                        factory=_factory, description=DESCRIPTION,
+                        # TpuSampler.differentiable_score: grads through the same stages
+                        differentiable_score=True)]

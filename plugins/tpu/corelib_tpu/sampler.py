@@ -61,6 +61,9 @@ class TpuSampler(GraphRunner):
 
     name = "tpu"
     batch_class = XlaSamplingBatch
+    # ``score`` with logits that require grad runs these stages with each conditional's
+    # predicate read on the host (``xla.eager_branches``), as plain autograd-tracked ops
+    differentiable_score = True
     # TPUs have no fast float64; block verification's sums over the vocabulary hold in float32
     # to well within the suite's statistical tolerance
     block_dtype = torch.float32
@@ -120,6 +123,28 @@ class TpuSampler(GraphRunner):
         return self._with_variant(s, batch, Variant(random=True, logprobs=True, stages=s.variant.stages,
                                                     folded=True, greedy_batches=True,
                                                     selectors=selectors, orders=batch.orders.traced))
+
+    def score_step_state(self, batch: SamplingBatch, token_ids: torch.Tensor,
+                         differentiable: bool = False) -> XlaStepState:
+        """``score``'s state (``Scoring.score_step_state``): ``B T`` virtual rows from the
+        batch's ``speculative_state`` with the given tokens before each position as drafts
+        (token_ids int64 ``[B, T]`` on the device, -1 padding; B the live rows, or the bucket
+        when the graph runner pads), traced as one variant whatever the rows (random, the
+        stateful selectors when a random row uses one, the sampler's filter orders, not
+        folded: step 1's log-probabilities are computed, step 15 is not traced), with the
+        greedy rows' argmax (``any_greedy``). ``differentiable`` changes nothing here: the
+        per-slot dense state is a broadcast of the row's, never a scatter of duplicates."""
+        V = batch.vocab_size
+        ids = torch.where((token_ids >= 0) & (token_ids < V), token_ids, -1)
+        s = batch.speculative_state(ids[:, :-1], token_ids.shape[0])
+        selectors = self._forced.selectors if self._forced is not None else batch.uses_selectors()
+        variant = Variant(random=True, logprobs=True, stages=s.variant.stages, selectors=selectors,
+                          orders=batch.orders.traced)
+        s = self._with_variant(s, batch, variant)
+        B, T = token_ids.shape
+        mask = batch.padded_bitmask(None, B, T).reshape(B * T, -1)          # all -1: no mask
+        return dataclasses.replace(s, num_logprobs=0, logprobs_mode="raw", any_kept=False,
+                                   any_greedy=True, token_bitmask=mask)
 
     def with_bitmask(self, s: XlaStepState, batch: SamplingBatch,
                      token_bitmask: Optional[torch.Tensor], slots: Optional[int] = None) -> XlaStepState:
@@ -458,6 +483,29 @@ class TpuSampler(GraphRunner):
         narrow = thresholds.narrow_rows(x, K, s.greedy).all()
         return xla.cond(narrow, _draw_over_candidates(K), _draw_over_vocabulary,
                         [x, self._noise_keys(s), s.greedy], ("draw", K))
+
+    def kept_set(self, x: torch.Tensor, final: torch.Tensor, token_ids: torch.Tensor,
+                 valid: torch.Tensor, s: XlaStepState) -> torch.Tensor:
+        """The step's kept sets as the core defines them (``Sampler.kept_set``): int32 ``[B,
+        ceil(V / 32)]`` packed bits (``bitmask.pack_words``) of the tokens with a finite logit
+        in ``final`` (float32 ``[B, V]``, after the selectors) for random rows, the drawn token
+        (int64 ``[B]``) for greedy rows (every graph, the folded random one included, where
+        ``any_greedy`` is False); zeros for flagged rows (``valid`` False), rows that did not
+        ask and padding rows (``s.return_kept`` False). Traced into every step graph
+        (``flags_for`` sets ``any_kept``) inside a conditional on "some row asks": a step
+        without such a row pays the predicate and a zero ``[B, W]`` output, and asking
+        compiles nothing. Not in place."""
+        def kept(final, token_ids, valid, asks, greedy):
+            vocab = xla.iota(final.shape[-1], torch.int64, final.device)
+            keep = torch.where(greedy[:, None], vocab == token_ids[:, None], final > NEG_INF)
+            return bitmask.pack_words(keep & (valid & asks)[:, None])
+
+        def none(final, token_ids, valid, asks, greedy):
+            return torch.zeros((final.shape[0], -(-final.shape[-1] // 32)), dtype=torch.int32,
+                               device=final.device)
+
+        return xla.cond(s.return_kept.any(), kept, none,
+                        [final, token_ids, valid, s.return_kept, s.greedy], "kept")
 
     def rejection_sample(self, final: torch.Tensor, s: XlaStepState,
                          drafts: Drafts) -> tuple[torch.Tensor, torch.Tensor]:

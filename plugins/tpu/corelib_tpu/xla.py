@@ -44,6 +44,15 @@ def launch(tensors: Sequence[torch.Tensor]) -> None:
         torch_xla._XLAC._xla_sync_multi(tensors, devices=[], wait=False)
 
 
+def fetch(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """The launched ``tensors`` as CPU tensors, read back in one call (one wait on the
+    device for all of them); off XLA, ``.cpu()`` of each."""
+    if tensors and all(t.device.type == "xla" for t in tensors):
+        import torch_xla
+        return list(torch_xla._XLAC._xla_get_cpu_tensors(list(tensors)))
+    return [t.cpu() for t in tensors]
+
+
 def bitcast(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Reinterpret the bits of ``tensor`` as ``dtype`` (same element size); not a copy off XLA.
 
@@ -99,7 +108,7 @@ def cond(pred: torch.Tensor, true_fn: Callable[..., Branch], false_fn: Callable[
     tensor, since a reused trace would keep reading its first value (one of more than 0
     dimensions raises ValueError). Off XLA the predicate is read and the branch runs eagerly.
     """
-    if pred.device.type != "xla":
+    if pred.device.type != "xla" or _EAGER[0]:
         return (true_fn if bool(pred) else false_fn)(*operands)
     import torch_xla
     cache_key = (key, _signature(operands))
@@ -137,7 +146,7 @@ def fori_loop(steps: int, body: Callable[..., tuple], carry: Sequence[torch.Tens
     (``key``, ``steps``, shapes and dtypes), reading only its arguments, Python scalars and
     cached iotas. Off XLA the loop runs eagerly."""
     carry = tuple(carry)
-    if not carry or carry[0].device.type != "xla":
+    if not carry or carry[0].device.type != "xla" or _EAGER[0]:
         for _ in range(steps):
             if live is not None and not bool(carry[live]):
                 break
@@ -154,6 +163,21 @@ def fori_loop(steps: int, body: Callable[..., tuple], carry: Sequence[torch.Tens
     return tuple(torch_xla._XLAC._xla_user_computation("xla::corelib_loop", args, computation))
 
 
+@contextmanager
+def eager_branches():
+    """Inside it, ``cond`` and ``fori_loop`` on XLA read their predicate on the host and run
+    the chosen branch (each loop step) as ordinary lazy operations, as they do off XLA: a
+    user computation has no autograd formula, so this is how a ``score`` whose logits
+    require grad runs the same stages differentiably (one host read per conditional; the
+    graphs it cuts are compiled per shape, outside warm-up)."""
+    previous, _EAGER[0] = _EAGER[0], True
+    try:
+        yield
+    finally:
+        _EAGER[0] = previous
+
+
+_EAGER = [False]
 Branch = "torch.Tensor | tuple[torch.Tensor, ...]"
 _CONDS: dict = {}
 _LOOPS: dict = {}
