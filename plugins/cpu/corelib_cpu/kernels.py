@@ -67,7 +67,7 @@ def describe() -> str:
     if reason is not None:
         return f"kernels: pure torch ({reason})"
     return ("kernels: numba (seeded noise, small-vocabulary draw, top-k/top-p of candidates, "
-            "quadratic smoothing, tail-free, kept-set packing)")
+            "quadratic smoothing, tail-free, kept-set packing, nucleus histogram)")
 
 
 def _compiled():
@@ -295,7 +295,35 @@ def _compile():
             for m in range(k, o.shape[0]):
                 o[m] = np.uint8(0)
 
-    return dict(whole_rows=whole_rows, per_row_ids=per_row_ids, inverse_cdf=inverse_cdf,
+    @numba.njit(inline="always")
+    def bucket_of(bits, shift, top):      # pragma: no cover - runs compiled
+        b = bits >> shift                 # arithmetic, as torch's on int32
+        return 0 if b < 0 else (top if b > top else b)
+
+    @numba.njit(cache=True, nogil=True)
+    def bucket_mass(probs, bits, shift, top, mass, count):  # pragma: no cover - runs compiled
+        # float64 sums in token order: torch.bincount's order, so its bits
+        n, V = probs.shape
+        for r in range(n):
+            for j in range(V):
+                k = bucket_of(bits[r, j], shift, top)
+                mass[r, k] += np.float64(probs[r, j])
+                count[r, k] += 1
+
+    @numba.njit(cache=True, nogil=True)
+    def band_indices(bits, bucket, shift, top, out):  # pragma: no cover - runs compiled
+        n, V = bits.shape
+        c = 0
+        for r in range(n):
+            want = bucket[r]
+            for j in range(V):
+                if bucket_of(bits[r, j], shift, top) == want:
+                    out[c] = r * V + j
+                    c += 1
+        return c
+
+    return dict(bucket_mass=bucket_mass, band_indices=band_indices,
+                whole_rows=whole_rows, per_row_ids=per_row_ids, inverse_cdf=inverse_cdf,
                 mixed_keys=mixed_keys, positive_ids=positive_ids,
                 candidate_top_k=candidate_top_k, candidate_top_p=candidate_top_p, smooth=smooth,
                 tfs_second=tfs_second, tfs_index=tfs_index, pack_above=pack_above)
@@ -457,6 +485,38 @@ def pack_above(x: torch.Tensor, floor: float, out: torch.Tensor) -> bool:
     import torch
     kernels["pack_above"](x.numpy(), np.float32(floor), out.view(torch.uint8).numpy())
     return True
+
+
+def bucket_mass(probs: torch.Tensor, shift: int, buckets: int):
+    """Pass 1 of ``select.select_by_histogram`` in one read: (float64 ``[n, buckets]`` the
+    probabilities' mass per bucket ``clamp(bits >> shift, 0, buckets - 1)`` of their float32
+    bits, int64 ``[n, buckets]`` the tokens per bucket) from probs float32 ``[n, V]``. The
+    float64 sums run in token order, as ``torch.bincount``'s do, so the same bits. None where
+    the compiled path does not run."""
+    kernels = _compiled()
+    if kernels is None:
+        return None
+    import torch
+    n = probs.shape[0]
+    probs = probs.contiguous()
+    mass = torch.zeros((n, buckets), dtype=torch.float64)
+    count = torch.zeros((n, buckets), dtype=torch.long)
+    kernels["bucket_mass"](probs.numpy(), probs.view(torch.int32).numpy(), shift, buckets - 1,
+                           mass.numpy(), count.numpy())
+    return mass, count
+
+
+def band_indices(probs: torch.Tensor, bucket: torch.Tensor, shift: int, buckets: int,
+                 size: int) -> torch.Tensor:
+    """int64 ``[size]``: the flat indices (row * V + token, ascending) of the tokens of probs
+    float32 ``[n, V]`` in their row's ``bucket`` (int64 ``[n]``), ``size`` of them (the
+    caller counted them with :func:`bucket_mass`). The compiled path only."""
+    import torch
+    out = torch.empty(size, dtype=torch.long)
+    found = _compiled()["band_indices"](probs.contiguous().view(torch.int32).numpy(),
+                                        bucket.contiguous().numpy(), shift, buckets - 1, out.numpy())
+    assert found == size
+    return out
 
 
 def reset() -> None:

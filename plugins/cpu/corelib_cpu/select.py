@@ -215,18 +215,27 @@ def select_by_histogram(probs: torch.Tensor, top_p: torch.Tensor, workspace=None
     bits = probs.view(torch.int32)
     p64 = top_p.double()[:, None]
 
-    # Pass 1 over every token, a row at a time: the float64 copy bincount needs stays one
+    # Pass 1 over every token: compiled, one read of the row (the same float64 sums, in
+    # token order); in torch a row at a time, so the float64 copy bincount needs stays one
     # row (and its histogram) in the cache.
-    keys = _take(workspace, SCRATCH, (n, V), torch.int32)
-    torch.bitwise_right_shift(bits, _KEY_SHIFT, out=keys).clamp_(0, _PROB_BUCKETS - 1)   # (n, V)
-    row64 = _take(workspace, "select_row64", (V,), torch.float64)
-    mass = torch.stack([torch.bincount(keys[i], row64.copy_(probs[i]), minlength=_PROB_BUCKETS)
-                        for i in range(n)])
+    compiled = kernels.bucket_mass(probs, _KEY_SHIFT, _PROB_BUCKETS)
+    if compiled is not None:
+        mass, count = compiled
+    else:
+        keys = _take(workspace, SCRATCH, (n, V), torch.int32)
+        torch.bitwise_right_shift(bits, _KEY_SHIFT, out=keys).clamp_(0, _PROB_BUCKETS - 1)   # (n, V)
+        row64 = _take(workspace, "select_row64", (V,), torch.float64)
+        mass = torch.stack([torch.bincount(keys[i], row64.copy_(probs[i]), minlength=_PROB_BUCKETS)
+                            for i in range(n)])
     bucket, above = lowest_qualifying(mass, torch.zeros_like(p64), p64)   # (n,), (n, 1)
 
     # Passes 2 and 3 over the bucket's tokens only (flat indices: 1-D gathers are ~10x
     # cheaper than indexing with row and column tensors).
-    at = (keys == bucket[:, None].to(torch.int32)).view(-1).nonzero()[:, 0]   # (m,)
+    if compiled is not None:
+        size = int(count.gather(1, bucket[:, None]).sum())
+        at = kernels.band_indices(probs, bucket, _KEY_SHIFT, _PROB_BUCKETS, size)
+    else:
+        at = (keys == bucket[:, None].to(torch.int32)).view(-1).nonzero()[:, 0]   # (m,)
     rows = at // V
     band = bits.view(-1).index_select(0, at)                          # float32 bits, (m,)
     low = band & ((1 << _KEY_SHIFT) - 1)

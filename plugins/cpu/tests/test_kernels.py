@@ -235,7 +235,7 @@ def test_info_names_the_path():
         assert described == "kernels: pure torch (numba not installed)"
     else:
         assert described == ("kernels: numba (seeded noise, small-vocabulary draw, top-k/top-p of "
-                             "candidates, quadratic smoothing, tail-free, kept-set packing)")
+                             "candidates, quadratic smoothing, tail-free, kept-set packing, nucleus histogram)")
 
 
 @needs_numba
@@ -254,3 +254,24 @@ def test_kernel_packs_kept_sets_as_the_core_does(V):
 def test_kept_set_packing_falls_back_to_torch(torch_path):
     x = torch.randn((2, 40))
     assert not kernels.pack_above(x, 0.0, torch.empty((2, 2), dtype=torch.int32))
+
+
+@needs_numba
+def test_nucleus_histogram_kernels_give_the_torch_paths_thresholds(monkeypatch):
+    from corelib_cpu.select import select_by_histogram
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn((6, 3000), generator=gen) * torch.tensor([0.5, 1, 2, 4, 8, 16])[:, None]
+    logits[1, :10] = float("-inf")
+    probs = torch.softmax(logits, dim=-1)
+    probs[5, 7] = float("nan")
+    top_p = torch.tensor([0.5, 0.9, 0.95, 0.3, 0.99, 0.9])
+    compiled = select_by_histogram(probs, top_p)
+    monkeypatch.setenv(kernels.KERNELS_ENV, "torch")
+    kernels.reset()
+    try:
+        plain = select_by_histogram(probs, top_p)
+    finally:
+        monkeypatch.delenv(kernels.KERNELS_ENV)
+        kernels.reset()
+    assert torch.equal(compiled[0].view(torch.int32), plain[0].view(torch.int32))
+    assert torch.equal(compiled[1], plain[1])
