@@ -70,11 +70,20 @@ class LogitStages:
             return x.x
         return self.workspace.take("raw", tuple(x.x.shape)).copy_(x.x)
 
+    def raw_logprobs(self, x: Block, s: StepState) -> torch.Tensor:
+        """Step 1 (``Sampler.raw_logprobs``): float32 [n, V], the log-probabilities of the
+        block's logits before any stage, into the workspace (``"raw"`` mode), or the logits
+        themselves (``copy_logits``). Not in place."""
+        if s.logprobs_mode != "raw":
+            return self.copy_logits(x)
+        return torch.log_softmax(x.x, dim=-1, out=self.workspace.take("raw", tuple(x.x.shape)))
+
     def log_softmax(self, x) -> torch.Tensor:
-        """float32 [n, V] log-probabilities of a Block's logits (into the workspace; step 1's
-        raw logprobs) or of a tensor (new). Not in place."""
+        """float32 [n, V] log-probabilities, new (what the selectors read outlives the block:
+        the batch keeps it until ``append``): of a Block's final logits (cuts applied,
+        candidates written out: ``Block.materialize``), or of a tensor. Not in place."""
         if isinstance(x, Block):
-            return torch.log_softmax(x.x, dim=-1, out=self.workspace.take("raw", tuple(x.x.shape)))
+            return torch.log_softmax(x.materialize(), dim=-1)
         return torch.log_softmax(x, dim=-1)
 
     def finite_rows(self, x: Block) -> torch.Tensor:

@@ -52,36 +52,16 @@ class Scoring:
 
     def score_state(self, logits: torch.Tensor, batch: SamplingBatch, s: StepState,
                     token_ids: torch.Tensor, kept: Optional[torch.Tensor]) -> ScoreOutput:
-        """``Scoring.score_state`` on each block of whole rows (all T positions of a row in
-        one block), joined in row order. logits float [B T, V], token_ids int64 [B T], kept
-        None or int32 [B T, W]."""
+        """``Scoring.score_state`` (the core's template parts) on each block of whole rows
+        (all T positions of a row in one block), joined in row order. logits float [B T, V],
+        token_ids int64 [B T], kept None or int32 [B T, W]."""
         T = s.verify_slots
         outputs = []
         for bs in self.block_states(logits, batch, s, slots=T):
             rows = slice(bs.plan.r0, bs.plan.r1)
-            outputs.append(self.score_block(logits, batch, bs, token_ids[rows],
-                                            None if kept is None else kept[rows]))
+            outputs.append(Sampler.score_state(self, logits, batch, bs, token_ids[rows],
+                                               None if kept is None else kept[rows]))
         return outputs[0] if len(outputs) == 1 else join_scores(outputs)
-
-    def score_block(self, logits: torch.Tensor, batch: SamplingBatch, s: StepState,
-                    token_ids: torch.Tensor, kept: Optional[torch.Tensor]) -> ScoreOutput:
-        """The core's ``score_state`` on one block (``s`` its state): the same parts, with the
-        log-probabilities the selectors read written to a new tensor (as ``sample_selected``
-        does: the workspace's buffer for them holds step 1's, which ``score_tokens`` reads)."""
-        x, raw, valid = self.prepare(logits, batch, s)                     # steps 1-8b
-        final, source = x, None
-        if kept is not None:
-            final = self.replay_kept(x, s, kept)                           # steps 10-10b, kept
-            valid = valid & (kept != 0).any(dim=-1)
-        elif s.any_random:
-            final = self.filter(x, s)                                      # steps 10-13b
-            if s.any_selector:
-                final.materialize()
-                source = final.source = torch.log_softmax(final.x, dim=-1)
-                final = self.select(final, s, source)                      # step 14
-        out = self.score_tokens(raw, x, final, token_ids, valid, s)
-        out.selector_source = source
-        return out
 
     def kept_set(self, x: Block, final: Block, token_ids: torch.Tensor, valid: torch.Tensor,
                  s: StepState) -> torch.Tensor:
