@@ -154,6 +154,37 @@ class KeptConformance:
         if bool(kept[2].any()):
             violation("kept", "verify: a row that did not ask has a kept set")
 
+    def test_kept_set_and_score_cover_custom_stages(self, sampler, reference, conformance_stages):
+        # a plugin's after_filters stage truncates, and its after_penalties stage bans a token
+        # generated once: the kept set shows both, and score follows the stage's state
+        args = {"conformance-floor": {"prob": 0.03}, "conformance-ban-repeats": {"times": 1}}
+        requests = [("custom", SamplingParams(seed=71, top_k=60, stage_args=args, logprobs=0,
+                                              return_kept=True), PROMPT, [3]),
+                    ("plain", SamplingParams(seed=72, top_k=60, logprobs=0, return_kept=True), PROMPT, [3])]
+        outs = {}
+        for s in (sampler, reference):
+            batch = self.build(s, requests, logprobs_mode="processed")
+            tokens, logprobs, kept = [], [], []
+            for step in range(3):
+                out = s.sample(self.on(s, self.logits(2, seed=80 + step)), batch)
+                tokens.append(out.token_ids.cpu())
+                logprobs.append(out.logprobs.logprobs[:, 0].cpu())
+                kept.append(out.kept.cpu())
+                batch.append(out.token_ids)
+            outs[s.name] = torch.stack(tokens, 1), torch.stack(logprobs, 1), torch.stack(kept, 1)
+        tokens, logprobs, kept = outs[sampler.name]
+        if not torch.equal(kept, outs[reference.name][2]):
+            violation("kept", "with custom stages, the kept sets differ from the reference's")
+        sets = unpack_bitmask(kept, self.vocab_size)
+        if bool(sets[0, :, 3].any()):
+            violation("kept", "token 3, which the custom ban-repeats stage bans, is in the kept set")
+        if not bool((sets[0].sum(-1) < sets[1].sum(-1)).all()):
+            violation("kept", "the custom floor stage did not shrink the kept set")
+        logits = torch.stack([self.logits(2, seed=80 + step) for step in range(3)], 1)
+        out, back, _ = self._score(sampler, requests, [0, 1], logits, tokens)
+        if not torch.equal(out.logprobs.cpu()[back], logprobs):
+            violation("score", "with custom stages, score differs from what sample reported")
+
     # ------------------------------------------------------------------ score
     def _rollout(self, sampler, order: Sequence[int], seed: int = 41):
         """Sample ``score_steps`` steps of the SCORED requests (in batch order ``order``),
