@@ -53,7 +53,7 @@ from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
 import torch
-from corelib import SamplerOutput, SamplingBatch, StepState
+from corelib import SamplerOutput, SamplingBatch, ScoreOutput, StepState
 from corelib.bitmask import bitmask_width
 from corelib.drafts import DraftLayout, padded_arguments
 from corelib.sampler import Drafts, Logprobs, VerifyOutput, checked_draft_probs, verify_logits_shape
@@ -259,6 +259,17 @@ class GraphedSampler:
         if "bitmask" in inputs:
             s = dataclasses.replace(s, token_bitmask=inputs["bitmask"], any_bitmask=True)
         return self.sampler.sample_state(inputs["logits"], batch, s)
+
+    # ------------------------------------------------------------------ score
+    #: ``score`` runs the eager sampler's, so its gradients are the sampler's.
+    differentiable_score = CudaSampler.differentiable_score
+
+    def score(self, logits: torch.Tensor, batch: SamplingBatch, token_ids: torch.Tensor,
+              kept: Optional[torch.Tensor] = None) -> ScoreOutput:
+        """The sampler's ``score`` (``corelib.scoring``), eager: scoring is a trainer's call
+        over ``[B, T, V]`` logits whose T varies from call to call, not a decode step, so no
+        graph captures it. Counts as an eager step."""
+        return self._eager(self.sampler.score, logits, batch, token_ids, kept)
 
     # ------------------------------------------------------------------ verify
     def verify(self, logits: torch.Tensor, batch: SamplingBatch, draft_token_ids: torch.Tensor,
@@ -472,9 +483,10 @@ def _first_rows(out: SamplerOutput, n: int) -> SamplerOutput:
     # The selector source is copied too: ``batch.append`` reads it after this call returns,
     # when another graph's replay may have reused the pool memory it lives in.
     return SamplerOutput(out.token_ids[:n].clone(), out.valid[:n].clone(), _clone_logprobs(out.logprobs, n),
-                         _clone_rows(out.selector_source, n))
+                         _clone_rows(out.selector_source, n), _clone_rows(out.kept, n))
 
 
 def _first_verify_rows(out: VerifyOutput, n: int, slots: int) -> VerifyOutput:
     return VerifyOutput(out.token_ids[:n].clone(), out.num_emitted[:n].clone(), out.valid[:n].clone(),
-                        _clone_logprobs(out.logprobs, n), _clone_rows(out.selector_source, n * slots))
+                        _clone_logprobs(out.logprobs, n), _clone_rows(out.selector_source, n * slots),
+                        _clone_rows(out.kept, n))

@@ -24,4 +24,7 @@ def _factory(device):
 @hookimpl
 def corelib_backends():
     return [BackendSpec(name="cuda", device_type="cuda", priority=CUDA_PRIORITY, probe=_probe,
-                        factory=_factory, description=DESCRIPTION)]
+                        factory=_factory, description=DESCRIPTION,
+                        # score's stages are autograd-safe: the in-place ones (bitmask, DRY)
+                        # take the reference's form when the logits require grad
+                        differentiable_score=True)]

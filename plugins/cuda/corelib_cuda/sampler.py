@@ -41,7 +41,7 @@ from corelib.noise import row_keys
 from corelib.sampler import NEG_INF, Drafts, nucleus_keep, tail_free_length
 
 from .batch import CudaBatch, CudaStepState, FilterBounds
-from .bitmask import choose_bitmask_path
+from .bitmask import choose_bitmask_path, pack_kept, token_words
 from .race import choose_race_path
 from .probe import ENV_FLASHINFER
 
@@ -238,9 +238,29 @@ class CudaSampler(Sampler):
     @staticmethod
     def final_logits_read(s: StepState) -> bool:
         """Whether anything reads the final logits beyond the drawn token's: seeded rows'
-        draws, processed logprobs, a ratio test (``final_needed``)."""
+        draws, processed logprobs, a ratio test (``final_needed``), a kept set
+        (``any_kept``). FlashInfer's fused kernels give no kept set, so a step where a row
+        asks for one filters in torch and FlashInfer draws from that result: the kept bits
+        and the draw then read the same final logits, and the set is exact."""
         processed = s.num_logprobs is not None and s.logprobs_mode == "processed"
-        return s.any_seeded or processed or getattr(s, "final_needed", False)
+        return (s.any_seeded or processed or s.any_kept
+                or getattr(s, "final_needed", False))
+
+    # ------------------------------------------------------------------ kept sets
+    def kept_set(self, x: torch.Tensor, final: torch.Tensor, token_ids: torch.Tensor,
+                 valid: torch.Tensor, s: StepState) -> torch.Tensor:
+        """The template's kept sets (``Sampler.kept_set``: int32 [B, ceil(V / 32)], the tokens
+        with a finite logit in the distribution each random row drew from, the drawn token
+        alone on greedy rows, zeros on flagged rows and rows that did not ask) in three passes
+        over [B, V] where the template takes five: the finite test of ``final`` and
+        ``corelib_cuda.bitmask.pack_kept``'s two; greedy rows and the rows' flags are applied
+        to the packed words ([B, W]), not to the vocabulary. Nothing from the host (the bit
+        weights are made on the device), so it captures in a CUDA graph. x, final float32
+        [B, V]; token_ids int64 [B]; valid bool [B]. Not in place."""
+        words = pack_kept(final > NEG_INF)
+        if s.any_greedy:
+            words = torch.where(s.greedy[:, None], token_words(token_ids, final.shape[-1]), words)
+        return words.masked_fill(~(valid & s.return_kept)[:, None], 0)
 
     # ------------------------------------------------------------------ row checks
     def finite_rows(self, x: torch.Tensor) -> torch.Tensor:
@@ -270,7 +290,10 @@ class CudaSampler(Sampler):
         on x float32 [B, V] (the working copy ``prepare`` owns); returns x. On CUDA a Triton
         kernel writes only the masked tokens (no [B, V] boolean), launched on x's device; where
         its first launch failed, or off CUDA, ``masked_fill_`` (``self.bitmask_path`` says
-        which)."""
+        which). Under autograd (``score`` of logits that require grad) the reference's
+        ``masked_fill``, not in place."""
+        if x.requires_grad:
+            return super().apply_token_bitmask(x, s)
         return self.bitmask.apply(x, s.token_bitmask)
 
     def apply_dry(self, x: torch.Tensor, s: StepState) -> torch.Tensor:
@@ -278,7 +301,12 @@ class CudaSampler(Sampler):
         returns x. The reference's computation (``Sampler.apply_dry``: repeat lengths from the
         batch's history arrays ``dry_history`` int64 [B, H], ``dry_match`` int32 [B, H], O(B H)),
         with the penalties scattered into x itself instead of into a copy, so the vocabulary is
-        touched only where a history token lands. ``dry_multiplier`` 0 disables it."""
+        touched only where a history token lands. ``dry_multiplier`` 0 disables it. Under
+        autograd (``score`` of logits that require grad) the reference's stage, not in place:
+        an in-place scatter would overwrite what the backward pass of the stages before it
+        reads."""
+        if x.requires_grad:
+            return super().apply_dry(x, s)
         tokens, penalty = self.dry_penalties(s)
         # x[t] - (the largest penalty on t): an amin over the history's entries for t.
         return x.scatter_reduce_(1, tokens, x.gather(1, tokens) - penalty, reduce="amin")
@@ -296,7 +324,8 @@ class CudaSampler(Sampler):
         threshold is found by radix select over the probabilities' bits
         (:meth:`top_p_threshold`), exact while every top_p is at most
         ``exact_top_p_limit(V)`` (about 0.9997 at V = 128256); a batch with a larger top_p
-        below 1, or without bounds, takes the reference's sort. Not in place."""
+        below 1, or without bounds, or float64 logits (``score``'s gradient checks: the radix
+        select reads float32 bits), takes the reference's sort. Not in place."""
         V = x.shape[-1]
         bounds = getattr(s, "bounds", None)
         K = V if bounds is None else bounds.candidates
@@ -309,7 +338,7 @@ class CudaSampler(Sampler):
             if s.any_top_p:
                 x = self.top_p_from_candidates(x, ids, s)
             return x
-        if (bounds is None or not bounds.exact_top_p
+        if (bounds is None or not bounds.exact_top_p or x.dtype != torch.float32
                 or bounds.max_top_k * self.SORT_FRACTION > V):
             return super().apply_top_k_top_p(x, s)
         if s.any_top_k:

@@ -7,13 +7,12 @@ import pytest
 from corelib.testing import ConformanceSuite
 
 from corelib_cuda import CudaSampler, GraphedSampler
-from corelib_cuda.probe import cuda_availability
+from cuda_support import GPU, SpecWithoutAGpu
 
-GPU = cuda_availability()
 needs_gpu = pytest.mark.skipif(not GPU.available, reason=f"cuda backend unavailable: {GPU.reason}")
 
 
-class TestTorchPathOnCpu(ConformanceSuite):
+class TestTorchPathOnCpu(SpecWithoutAGpu, ConformanceSuite):
     """The device-agnostic torch path, run on CPU tensors."""
 
     backend = "cuda"
@@ -47,7 +46,7 @@ def assert_replayed(before: dict, after: dict, calls: int) -> None:
     assert after["eager_steps"] == before["eager_steps"], "some draws ran eagerly"
 
 
-class TestGraphRunnerOnCpu(GraphReplays, ConformanceSuite):
+class TestGraphRunnerOnCpu(SpecWithoutAGpu, GraphReplays, ConformanceSuite):
     """The graph runner's padded, persistent-buffer step, replayed eagerly on CPU."""
 
     backend = "cuda"

@@ -20,11 +20,13 @@ from pathlib import Path
 import pytest
 import torch
 from corelib import Sampler, SamplingParams
+from corelib.bitmask import unpack_bitmask
 from corelib.testing import ConformanceSuite, chi_square_p_value
 
 from corelib_cuda import CudaSampler
 from corelib_cuda.flashinfer_ops import FlashInferDraw, self_test_in_subprocess
 from corelib_cuda.probe import import_flashinfer
+from cuda_support import SpecWithoutAGpu
 
 FAKE_ROOT = Path(__file__).parent / "fake_flashinfer"
 ENTRY_POINTS = ("sampling_from_logits", "top_p_sampling_from_probs", "top_k_mask_logits",
@@ -69,7 +71,7 @@ def test_the_stand_in_has_the_real_signatures(name):
         [(p.name, p.default, p.kind) for p in theirs.parameters.values()]
 
 
-class TestConformanceOnTheFlashInferPath(ConformanceSuite):
+class TestConformanceOnTheFlashInferPath(SpecWithoutAGpu, ConformanceSuite):
     backend = "cuda"
     draw_rows, draw_calls = 1000, 8
     verify_rows = 2000
@@ -228,12 +230,13 @@ def test_no_filter_draws_by_the_gumbel_kernel_alone(sampler):
     assert calls() == ["sampling_from_logits"]
 
 
-@pytest.mark.parametrize("why", ["seeded", "processed_logprobs"])
+@pytest.mark.parametrize("why", ["seeded", "processed_logprobs", "kept"])
 def test_when_the_final_logits_are_read_flashinfer_only_draws_from_them(sampler, why):
-    """Seeded rows or processed logprobs need steps 12-13 in torch: then FlashInfer draws the
-    unseeded rows from those final logits (one Gumbel kernel) instead of filtering again."""
-    params = [SamplingParams(top_k=5, top_p=0.9), SamplingParams(top_p=0.7, seed=3 if why == "seeded" else None,
-                                                                  logprobs=2)]
+    """Seeded rows, processed logprobs or a kept set need steps 12-13 in torch: then FlashInfer
+    draws the unseeded rows from those final logits (one Gumbel kernel) instead of filtering
+    again, and a kept set is the finite part of exactly what it drew from."""
+    params = [SamplingParams(top_k=5, top_p=0.9, return_kept=why == "kept"),
+              SamplingParams(top_p=0.7, seed=3 if why == "seeded" else None, logprobs=2)]
     mode = "processed" if why == "processed_logprobs" else "raw"
     batch = entry_point_batch(sampler, params, logprobs_mode=mode)
     logits = torch.randn(2, 64)
@@ -244,6 +247,61 @@ def test_when_the_final_logits_are_read_flashinfer_only_draws_from_them(sampler,
     drawn_from = fake.CALLS[0][1]["logits"]
     assert torch.equal(torch.isfinite(drawn_from), torch.isfinite(final)), "not the filtered logits"
     assert bool(torch.isfinite(final.gather(1, out.token_ids[:, None])).all())
+    if why == "kept":
+        kept = unpack_bitmask(out.kept, 64)
+        assert torch.equal(kept[0], torch.isfinite(drawn_from[0])) and not bool(kept[1].any())
+
+
+def test_unseeded_kept_sets_hold_every_flashinfer_draw_and_its_distribution(sampler):
+    """Unseeded rows asking for their kept sets: each is the reference's set for the same
+    logits (top-k, top-p and min-p drop no token at random), FlashInfer draws inside it, and
+    its draws follow the softmax over it (chi-square, fixed seeds)."""
+    vocab, R = 48, 4000
+    params = SamplingParams(top_k=12, top_p=0.85, min_p=0.02, temperature=0.9, return_kept=True)
+    logits = (torch.randn(vocab, generator=torch.Generator().manual_seed(3)) * 2).expand(R, -1).contiguous()
+    batch = entry_point_batch(sampler, [params] * R, vocab=vocab)
+    out = sampler.sample(logits, batch)
+    assert calls() == ["sampling_from_logits"]
+    reference = Sampler("cpu")
+    final = reference.processed_logits(logits[:1], entry_point_batch(reference, [params], vocab=vocab))[0]
+    kept = unpack_bitmask(out.kept, vocab)
+    assert bool((kept == torch.isfinite(final)).all()), "a kept set differs from the reference's"
+    assert bool(kept.gather(1, out.token_ids[:, None]).all()), "FlashInfer drew outside a kept set"
+    counts = torch.bincount(out.token_ids, minlength=vocab)
+    assert chi_square_p_value(counts, torch.softmax(final, dim=-1)) > 1e-6
+
+
+@pytest.mark.parametrize("method", ["token", "block"])
+def test_verify_kept_sets_per_slot_when_flashinfer_judges_the_drafts(sampler, method):
+    """Unseeded rows with draft probabilities (FlashInfer judges or draws them) asking for
+    their kept sets: slot j's is the reference's kept set of slot j's target, at every slot
+    the row reached, with the emitted token inside; zeros past them and for rows that did not
+    ask. Without penalties a slot's target does not depend on the drafts before it."""
+    vocab, K, R = 64, 3, 400
+    params = [SamplingParams(top_k=10, top_p=0.9, return_kept=True), SamplingParams(min_p=0.05)]
+    gen = torch.Generator().manual_seed(21)
+    logits = torch.randn((R, K + 1, vocab), generator=gen) * 2
+    drafts = torch.where(torch.rand((R, K), generator=gen) < 0.6, logits[:, :K].argmax(-1),
+                         torch.randint(vocab, (R, K), generator=gen))
+    probs = torch.softmax(torch.randn((R, K, vocab), generator=gen), dim=-1)
+    batch = entry_point_batch(sampler, [params[i % 2] for i in range(R)], vocab=vocab)
+    out = sampler.verify(logits, batch, drafts, probs, method=method)
+    # token verification judges by the chain kernel; block verification draws each slot by
+    # FlashInfer's Gumbel kernel from the filtered target
+    assert ("chain_speculative_sampling" if method == "token" else "sampling_from_logits") in calls()
+    reference = Sampler("cpu")
+    one = entry_point_batch(reference, [params[0]], vocab=vocab)
+    kept = unpack_bitmask(out.kept, vocab)                              # (R, K + 1, vocab)
+    emitted = out.num_emitted
+    assert int(emitted[::2].max()) > 1, "no row accepted a draft: the slots past 0 go unchecked"
+    for row in range(0, R, 2):
+        n = int(emitted[row])
+        for j in range(n):
+            want = torch.isfinite(reference.processed_logits(logits[row, j][None], one)[0])
+            assert torch.equal(kept[row, j], want), f"row {row}, slot {j}"
+            assert bool(kept[row, j, out.token_ids[row, j]]), f"row {row}: slot {j}'s token is not kept"
+        assert not bool(kept[row, n:].any()), f"row {row} reached {n} slots"
+    assert not bool(kept[1::2].any()), "rows that did not ask have kept sets"
 
 
 def test_the_fast_path_is_the_fused_entry_point_with_top_k_max():

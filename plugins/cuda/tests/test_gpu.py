@@ -372,3 +372,105 @@ def test_a_sampler_on_a_second_gpu_captures_launches_and_replays_there():
         assert got.token_ids.tolist() == want.token_ids.tolist(), f"step {step}"
     assert runner.stats["replays"] == 3 and torch.cuda.current_device() == 0
     assert torch.cuda.memory_allocated(0) == before, "work landed on cuda:0"
+
+
+# ---------------------------------------------------------------------------- kept sets, score
+def kept_requests():
+    """Every row of ``engine_requests`` asks for its kept set, but one."""
+    requests = [(rid, params.model_copy(update={"return_kept": True}), prompt, outputs)
+                for rid, params, prompt, outputs in engine_requests()]
+    rid, params, prompt, outputs = requests[-1]
+    return requests[:-1] + [(rid, params.model_copy(update={"return_kept": False}), prompt, outputs)]
+
+
+def test_kept_sets_and_score_never_sync(sampler):
+    """Kept sets out of sample and verify, and ``score`` over T positions with the rollout's
+    kept sets and without (ids on the device), under torch's sync debug mode and the detector."""
+    batch = build(sampler, kept_requests(), eos_token_id=9)
+    K, T, W = 3, 4, (V + 31) // 32
+    logits, ids, probs, mask = verify_inputs(batch, K)
+    rows = len(batch)
+    scored_logits = torch.randn((rows, T, V), device="cuda") * 3
+    tokens = torch.randint(V, (rows, T), device="cuda")
+    batch.append(sampler.verify(logits, batch, ids, probs, token_bitmask=mask).token_ids)   # warm-up
+    rollout = sampler.sample(logits[:, 0], batch, token_bitmask=mask[:, 0])
+    sampler.score(scored_logits, batch, tokens)
+    torch.cuda.synchronize()
+    with no_host_sync("cuda"):
+        out = sampler.verify(logits, batch, ids, probs, token_bitmask=mask)
+        batch.append(out.token_ids)
+        step = sampler.sample(logits[:, 0], batch, token_bitmask=mask[:, 0])
+        batch.append(step.token_ids)
+        scored = sampler.score(scored_logits, batch, tokens)
+        replayed = sampler.score(scored_logits[:, 0], batch, step.token_ids, step.kept)
+    assert out.kept.shape == (rows, K + 1, W) and step.kept.shape == (rows, W)
+    assert scored.logprobs.shape == (rows, T) and replayed.logprobs.shape == (rows,)
+    assert not bool(step.kept[-1].any()) and bool(step.kept[0].any())
+    drawn = step.token_ids.clamp(min=0)
+    bits = (step.kept.gather(1, (drawn // 32)[:, None])[:, 0] >> (drawn % 32)) & 1
+    assert bool((bits[:-1] == step.valid[:-1].int()).all()), "a drawn token is outside its kept set"
+
+
+def test_graph_replays_with_kept_sets_never_sync(sampler):
+    """Kept sets as an output of captured sample and verify steps, replayed without a sync;
+    each replay's drawn tokens lie in their kept sets."""
+    from corelib.bitmask import unpack_bitmask
+    runner = GraphedSampler(sampler, sizes=(16,))
+    batch = build(sampler, kept_requests(), eos_token_id=9)
+    K = 3
+    logits, ids, probs, mask = verify_inputs(batch, K)
+    rows = len(batch)
+    runner.step(logits[:, 0], batch)                                   # captures
+    batch.append(runner.verify(logits, batch, ids, probs).token_ids)
+    torch.cuda.synchronize()
+    with no_host_sync("cuda"):
+        for _ in range(3):
+            step = runner.step(logits[:, 0], batch)
+            out = runner.verify(logits, batch, ids, probs)
+            batch.append(out.token_ids)
+    assert runner.captures == 2 and runner.stats["eager_steps"] == 0
+    kept = unpack_bitmask(step.kept.cpu(), V)
+    tokens, valid = step.token_ids.cpu(), step.valid.cpu()
+    for row in range(rows - 1):
+        if bool(valid[row]):
+            assert bool(kept[row, tokens[row]]), f"row {row}: the drawn token is outside its kept set"
+    assert not bool(kept[-1].any())
+    assert out.kept.shape == (rows, K + 1, (V + 31) // 32)
+
+
+@pytest.mark.parametrize("config", ["top_k_top_p_min_p", "fourth_before_top_k", "top_p"])
+def test_flashinfer_kept_sets_are_the_torch_paths(fi_sampler, torch_sampler, config):
+    """Unseeded rows asking for their kept sets on the FlashInfer path: the torch path's sets
+    for the same logits (these filters drop no token at random), FlashInfer's draws inside
+    them."""
+    from corelib.bitmask import unpack_bitmask
+    rows = 64
+    params = SamplingParams(**CONFIGS[config], return_kept=True)
+    logits = (torch.randn((rows, V), generator=torch.Generator().manual_seed(13)) * 3).cuda()
+    got = fi_sampler.sample(logits, build(fi_sampler, [(f"f{i}", params, [], None) for i in range(rows)]))
+    want = torch_sampler.sample(logits, build(torch_sampler, [(f"t{i}", params, [], None) for i in range(rows)]))
+    assert torch.equal(got.kept, want.kept), "FlashInfer's path keeps other sets than the torch path"
+    kept = unpack_bitmask(got.kept.cpu(), V)
+    assert bool(kept.gather(1, got.token_ids.cpu()[:, None]).all()), "FlashInfer drew outside a kept set"
+
+
+def test_score_on_the_gpu_is_differentiable_and_matches_the_reference(torch_sampler):
+    """``score`` with gradients on CUDA tensors (DRY's in-place scatter takes the reference's
+    form under autograd): values and gradients against the reference's on the same GPU."""
+    from corelib import Sampler
+    requests = [("a", SamplingParams(seed=1, top_k=40, top_p=0.9, dry_multiplier=0.8, dry_allowed_length=1,
+                                     repetition_penalty=1.2), [1, 2, 1, 2], None),
+                ("g", SamplingParams(temperature=0.0, presence_penalty=0.5), [3], None)]
+    T = 3
+    logits = torch.randn((2, T, V), generator=torch.Generator().manual_seed(14)) * 3
+    tokens = logits.argmax(-1).cuda()
+    results = []
+    for sampler in (torch_sampler, Sampler("cuda")):
+        x = logits.cuda().requires_grad_()
+        out = sampler.score(x, build(sampler, requests), tokens)
+        torch.where(torch.isfinite(out.logprobs.detach()), out.logprobs, 0.0).sum().backward()
+        results.append((out.logprobs.detach().cpu(), x.grad.cpu()))
+    (lp, grad), (ref_lp, ref_grad) = results
+    assert torch.allclose(lp, ref_lp, rtol=1e-5, atol=1e-5, equal_nan=True)
+    assert torch.allclose(grad, ref_grad, rtol=1e-4, atol=1e-5)
+    assert bool(grad.abs().sum() > 0)

@@ -308,6 +308,108 @@ def test_replays_hand_the_batch_a_copy_of_the_selector_source():
     assert _first_rows(SamplerOutput(torch.zeros(2, dtype=torch.long), torch.ones(2, dtype=torch.bool)), 1).selector_source is None
 
 
+# ---------------------------------------------------------------------------- kept sets, score
+def kept_requests():
+    """Seeded rows that ask for their kept sets (top-k with top-p, XTC's coin, mirostat's
+    truncation), a greedy one; the rows of ``seeded_requests`` do not ask."""
+    return [
+        ("ka", SamplingParams(seed=11, top_k=40, top_p=0.9, temperature=0.8, return_kept=True), [1, 2], None),
+        ("kx", SamplingParams(seed=12, min_p=0.02, xtc_probability=0.5, xtc_threshold=0.01,
+                              return_kept=True), [3], None),
+        ("km", SamplingParams(seed=13, mirostat_tau=2.0, mirostat_eta=0.3, return_kept=True), [], None),
+        ("kg", SamplingParams(temperature=0.0, repetition_penalty=1.2, return_kept=True), [], None),
+    ]
+
+
+def assert_same_kept(got, want, shape, where):
+    assert got.kept is not None and tuple(got.kept.shape) == shape, where
+    assert torch.equal(got.kept.cpu(), want.kept.cpu()), f"{where}: kept sets differ from the eager sampler's"
+
+
+def test_kept_sets_are_an_output_of_the_captured_steps(pair):
+    """Sample and verify replays give the eager sampler's tokens and kept bits, for every kind
+    of row (a kept set with a random part, XTC's coin and mirostat's, included)."""
+    from corelib.bitmask import bitmask_width, unpack_bitmask
+    runner, eager = pair
+    W = bitmask_width(V)
+    requests = kept_requests() + seeded_requests()     # 4 + 4 rows: padded size 8
+    b_graph, b_eager = build(runner, requests), build(eager, requests)
+    rows = len(b_graph)
+    for step in range(3):
+        logits = logits_for(step, rows, runner.device)
+        got, want = runner.step(logits, b_graph), eager.step(logits, b_eager)
+        assert got.token_ids.tolist() == want.token_ids.tolist(), f"step {step}"
+        assert_same_kept(got, want, (rows, W), f"step {step}")
+    kept = unpack_bitmask(got.kept.cpu(), V)
+    asking = {rid for rid, *_ in kept_requests()}
+    for row, (rid, _) in enumerate(b_graph.rows):
+        if rid not in asking:
+            assert not bool(kept[row].any()), f"row {rid!r} did not ask"
+        else:
+            assert bool(kept[row, got.token_ids[row]]), f"row {rid!r}: its token is outside its kept set"
+        if rid == "kg":
+            assert int(kept[row].sum()) == 1, "a greedy row keeps its argmax alone"
+    K = 3
+    for step in range(2):
+        logits = torch.stack([logits_for(40 + 10 * step + j, rows, runner.device) for j in range(K + 1)], dim=1)
+        ids, probs = drafts_for(step, rows, K, runner.device)
+        if step == 0:                            # drafts the target would emit: slots reached
+            ids = torch.argmax(logits, dim=-1)[:, :K]
+        got, want = runner.verify(logits, b_graph, ids, probs), eager.verify(logits, b_eager, ids, probs)
+        assert got.token_ids.tolist() == want.token_ids.tolist(), f"verify step {step}"
+        assert_same_kept(got, want, (rows, K + 1, W), f"verify step {step}")
+        b_graph.append(got.token_ids)
+        b_eager.append(want.token_ids)
+    assert runner.captures == 2 and runner.stats["eager_steps"] == 0
+
+
+def test_asking_for_kept_sets_is_part_of_the_capture_key(pair):
+    """Whether any row asks (``any_kept``) is host state: a row that asks, joining rows that
+    do not (same size, same flags otherwise), captures the step again, and so does its
+    leaving; each capture's outputs say so (kept bits, then None)."""
+    runner, eager = pair
+    plain = seeded_requests()[:2]                          # 3 rows: padded size 4
+    asking = ("ka", SamplingParams(seed=11, top_k=40, top_p=0.9, temperature=0.8, return_kept=True), [1], None)
+    b_graph, b_eager = build(runner, plain), build(eager, plain)
+    outs = []
+    for step, change in enumerate((None, "add", None, "remove", None)):
+        for batch in (b_graph, b_eager):
+            if change == "add":
+                batch.add(asking[0], asking[1], prompt_token_ids=asking[2])
+            elif change == "remove":
+                batch.remove(asking[0])
+        logits = logits_for(step, len(b_graph), runner.device)
+        got, want = runner.step(logits, b_graph), eager.step(logits, b_eager)
+        assert got.token_ids.tolist() == want.token_ids.tolist(), f"step {step}"
+        assert (got.kept is None) == (want.kept is None), f"step {step}"
+        if got.kept is not None:
+            assert torch.equal(got.kept.cpu(), want.kept.cpu()), f"step {step}"
+        outs.append((got.kept is not None, runner.captures))
+    assert outs == [(False, 1), (True, 2), (True, 2), (False, 3), (False, 3)]
+
+
+def test_score_runs_the_eager_sampler():
+    """``score`` is not a decode step: the runner hands it to its sampler, counted as an eager
+    step, with the sampler's values and gradients."""
+    runner = GraphedSampler(CudaSampler("cpu", use_flashinfer=False), sizes=(4,), use_graphs=False)
+    eager = CudaSampler("cpu", use_flashinfer=False)
+    requests = [("a", SamplingParams(seed=1, top_k=40, top_p=0.9, dry_multiplier=0.8), [1, 2, 1], None),
+                ("g", SamplingParams(temperature=0.0), [], None)]
+    logits = torch.stack([logits_for(j, 2, "cpu") for j in range(3)], dim=1)
+    tokens = torch.argmax(logits, dim=-1)
+    outs, grads = [], []
+    for sampler in (runner, eager):
+        x = logits.clone().requires_grad_()
+        out = sampler.score(x, build(sampler, requests), tokens)
+        out.logprobs.sum().backward()
+        outs.append(out.logprobs.detach())
+        grads.append(x.grad)
+    assert torch.equal(outs[0], outs[1]) and torch.equal(grads[0], grads[1])
+    assert bool(grads[0].abs().sum() > 0)
+    assert runner.stats["eager_steps"] == 1 and runner.captures == 0
+    assert GraphedSampler.differentiable_score == CudaSampler.differentiable_score
+
+
 # ---------------------------------------------------------------------------- graph limit, stats
 def test_at_most_max_graphs_are_held_and_further_steps_run_eagerly():
     """Two graphs at most: a third size runs eagerly (and gives the eager tokens); a new key in

@@ -445,6 +445,38 @@ def test_verify_and_append_read_nothing_on_the_host_with_device_tensors():
         assert out.token_ids.shape == (5, K + 1) and out.logprobs.token_ids.shape == (5, K + 1, 6)
 
 
+def test_kept_sets_and_score_read_nothing_on_the_host_with_device_tensors():
+    """Kept sets out of sample and verify (the sampler's and the graph runner's), and ``score``
+    over T positions, with and without given kept sets, on the meta device: nothing read on
+    the host, nothing uploaded in a way that waits. Score's ids are on the device (ids on the
+    host are validated there, by design)."""
+    meta = CudaSampler("meta", use_flashinfer=False)
+    requests = [("full", SamplingParams(**dict(FULL, **NEW_SAMPLERS), return_kept=True), [1, 2, 3], None),
+                ("seeded", SamplingParams(**FULL, seed=5, n=2, return_kept=True), [1], None),
+                ("mirostat", SamplingParams(seed=6, mirostat_tau=3.0, return_kept=True), [], None),
+                ("greedy", SamplingParams(temperature=0.0, return_kept=True), [], None),
+                ("silent", SamplingParams(top_p=0.9), [], None),
+                ("thinking", SamplingParams(seed=7, thinking_budget=1, return_kept=True, **THINKING), [11, 5], None)]
+    K, T, W = 3, 4, V // 32
+    for runner in (meta, GraphedSampler(meta, sizes=(8,), use_graphs=False)):
+        batch = runner.new_batch(V, eos_token_id=9)
+        with no_host_sync():
+            for rid, params, prompt, outputs in requests:
+                batch.add(rid, params, prompt_token_ids=prompt, output_token_ids=outputs)
+            rows = batch.num_rows
+            out = runner.step(torch.randn(rows, V, device="meta"), batch)
+            spec = runner.verify(torch.randn(rows, K + 1, V, device="meta"), batch,
+                                 torch.zeros(rows, K, dtype=torch.long, device="meta"),
+                                 torch.rand(rows, K, V, device="meta"))
+            batch.append(spec.token_ids)
+            tokens = torch.zeros(rows, T, dtype=torch.long, device="meta")
+            scored = runner.score(torch.randn(rows, T, V, device="meta"), batch, tokens)
+            replayed = runner.score(torch.randn(rows, T, V, device="meta"), batch, tokens,
+                                    torch.zeros(rows, T, W, dtype=torch.int32, device="meta"))
+        assert out.kept.shape == (rows, W) and spec.kept.shape == (rows, K + 1, W)
+        assert scored.logprobs.shape == replayed.logprobs.shape == (rows, T)
+
+
 META_UPLOADS_THAT_WAIT = {
     "torch.tensor(list, device=...)": lambda m: torch.tensor([1, 2], device=m.device),
     "torch.as_tensor(list, device=...)": lambda m: torch.as_tensor([1, 2], device=m.device),
