@@ -147,7 +147,8 @@ class CpuBatch(SamplingBatch):
         real = torch.arange(width) < length[:, None]                           # (n, width)
         match = (d[:, :, None] == ids[:, None, :width]) & real[:, None, :]      # (n, K, width)
         in_base = match.any(dim=-1)
-        base_slot = match.to(torch.uint8).argmax(dim=-1)                       # the row's slots are distinct
+        # the row's slots are distinct: one match at most (none while no row has a slot)
+        base_slot = match.to(torch.uint8).argmax(dim=-1) if width else torch.zeros_like(d)
         position = torch.arange(K)
         # each draft's first occurrence among the row's live drafts (itself when it is the first)
         same = (d[:, :, None] == d[:, None, :]) & live[:, None, :] & (position[:, None] >= position[None, :])
