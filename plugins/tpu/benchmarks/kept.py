@@ -17,13 +17,18 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import statistics
+import sys
 import time
 
 import torch
 from corelib import SamplingParams
 
 from corelib_tpu.sampler import TpuSampler
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from paired import paired_steps, report  # noqa: E402
 
 BASE = dict(top_k=40, top_p=0.9, temperature=0.8)
 
@@ -43,7 +48,6 @@ def _batch(sampler: TpuSampler, rows: int, vocab: int, kept: bool):
 
 
 def _steps(args, device, rows: int, V: int) -> None:
-    import torch_xla
     plain = _WithoutKept(device, buckets=(rows,), max_rows=rows)
     r_plain = plain.warmup(V, selectors=False)
     traced = TpuSampler(device, buckets=(rows,), max_rows=rows)
@@ -58,26 +62,8 @@ def _steps(args, device, rows: int, V: int) -> None:
     }
     gen = torch.Generator().manual_seed(0)
     logits = [(torch.randn((rows, V), generator=gen) * 3).to(device) for _ in range(4)]
-    times: dict = {name: [] for name in cases}
-    for _ in range(2):                                   # anything left to compile, untimed
-        for sampler, batch in cases.values():
-            batch.append(sampler.sample(logits[0], batch).token_ids)
-    compiled = sum(s.guard.compiled_after_warmup for s in (plain, traced))
-    for r in range(args.rounds):
-        for name, (sampler, batch) in cases.items():
-            t0 = time.perf_counter()
-            out = sampler.sample(logits[r % 4], batch)
-            batch.append(out.token_ids)
-            torch_xla.sync()
-            times[name].append(time.perf_counter() - t0)
-    base = statistics.median(times["no kept traced"])
-    print(f"  step (sample + append), median of {args.rounds} paired rounds; graphs compiled "
-          f"after warm-up: {compiled}")
-    for name, ts in times.items():
-        med = statistics.median(ts)
-        print(f"  {name:26s} {med * 1e3:8.2f} ms  {med / base:5.2f}x  "
-              f"(min {min(ts) * 1e3:.2f}, max {max(ts) * 1e3:.2f})")
-
+    times, compiled = paired_steps(cases, logits, args.rounds, (plain, traced))
+    report(times, "no kept traced", args.rounds, compiled)
 
 def _score(args, device, V: int) -> None:
     """One sequence (bucket 8), T positions: one call against T calls of one position."""

@@ -17,13 +17,16 @@ and the append that advances its state).
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
+import os
+import sys
 
 import torch
 from corelib import SamplingParams
 
 from corelib_tpu.sampler import TpuSampler
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from paired import paired_steps, report  # noqa: E402
 
 ORDERS = [["top_k", "top_p", "temperature"], "temperature_last"]
 BASE = dict(top_k=40, top_p=0.9, temperature=0.8)
@@ -71,26 +74,8 @@ def main() -> None:
         }
         gen = torch.Generator().manual_seed(0)
         logits = [(torch.randn((rows, V), generator=gen) * 3).to(device) for _ in range(4)]
-        times: dict = {name: [] for name in cases}
-        for _ in range(2):                                   # compile anything left, untimed
-            for sampler, batch in cases.values():
-                batch.append(sampler.sample(logits[0], batch).token_ids)
-        compiled = sum(s.guard.compiled_after_warmup for s in (with_sel, ordered))
-        for r in range(args.rounds):
-            for name, (sampler, batch) in cases.items():
-                t0 = time.perf_counter()
-                out = sampler.sample(logits[r % 4], batch)
-                batch.append(out.token_ids)
-                torch_xla.sync()
-                times[name].append(time.perf_counter() - t0)
-        base = statistics.median(times["default"])
-        print(f"  step (sample + append), median of {args.rounds} paired rounds; "
-              f"graphs compiled after warm-up: {compiled}")
-        for name, ts in times.items():
-            med = statistics.median(ts)
-            print(f"  {name:26s} {med * 1e3:8.2f} ms  {med / base:5.2f}x  "
-                  f"(min {min(ts) * 1e3:.2f}, max {max(ts) * 1e3:.2f})")
-
+        times, compiled = paired_steps(cases, logits, args.rounds, (with_sel, ordered))
+        report(times, "default", args.rounds, compiled)
 
 if __name__ == "__main__":
     main()

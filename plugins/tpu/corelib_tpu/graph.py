@@ -85,7 +85,7 @@ class GraphRunner(Sampler):
         self.compile_cache_dir = xla.compile_cache(compile_cache) if on_xla else None
         super().__init__(device if device is not None else xla.default_device(), generator)
         self.buckets = buckets if isinstance(buckets, Buckets) else Buckets(buckets, max_rows)
-        self.speculative_k = _speculative_k(speculative_k)
+        self.speculative_k = _positive_ints("speculative_k", speculative_k)
         self.guard = xla.CompileGuard(strict)
         # the filter orders every random graph traces besides the default one (its batches share it)
         self.orders = FilterOrders()
@@ -309,7 +309,7 @@ class GraphRunner(Sampler):
         self.orders.extend(orders)
         scratch = self.new_batch(vocab_size, logprobs_mode=logprobs_mode)
         spec_k = self.speculative_k
-        score_t = _positions(score_positions)
+        score_t = _positive_ints("score_positions", score_positions)
         scratch.warm_state_graphs(slots=tuple(dict.fromkeys((1, *(k + 1 for k in spec_k), *score_t))),
                                   selectors=selectors)
         V = vocab_size
@@ -653,14 +653,6 @@ def _each_score(out: ScoreOutput, f) -> ScoreOutput:
                        f(out.valid))
 
 
-def _positions(values: Iterable[int]) -> tuple[int, ...]:
-    values = tuple(values)
-    for t in values:
-        if isinstance(t, bool) or not isinstance(t, int) or t < 1:
-            raise ValueError(f"score_positions must hold positive ints, got {t!r} in {values!r}")
-    return tuple(sorted(set(values)))
-
-
 def _empty_output() -> SamplerOutput:
     return SamplerOutput(torch.empty(0, dtype=torch.long), torch.empty(0, dtype=torch.bool), None)
 
@@ -670,9 +662,11 @@ def _empty_verify_output(slots: int) -> VerifyOutput:
                         torch.empty(0, dtype=torch.bool), None)
 
 
-def _speculative_k(values: Iterable[int]) -> tuple[int, ...]:
+def _positive_ints(name: str, values: Iterable[int]) -> tuple[int, ...]:
+    """``values`` sorted without repeats (``speculative_k``, ``score_positions``); ValueError
+    naming ``name`` for anything but a positive int."""
     values = tuple(values)
     for k in values:
         if isinstance(k, bool) or not isinstance(k, int) or k < 1:
-            raise ValueError(f"speculative_k must hold positive ints, got {k!r} in {values!r}")
+            raise ValueError(f"{name} must hold positive ints, got {k!r} in {values!r}")
     return tuple(sorted(set(values)))

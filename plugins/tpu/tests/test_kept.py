@@ -114,3 +114,9 @@ def test_kept_sets_come_back_with_the_step_in_one_transfer(warm):
     out = sampler.sample(logits, batch)
     assert met.metric_data("TransferFromDeviceTime")[0] - before == 1
     assert out.kept is not None
+
+
+def test_score_positions_must_be_positive_ints():
+    sampler = TpuSampler("cpu", buckets=(BUCKET,))
+    with pytest.raises(ValueError, match="score_positions must hold positive ints"):
+        sampler.warmup(V, score_positions=(3, 0))
