@@ -20,6 +20,9 @@ filtered log-probabilities it advances from (``selector_source``) are an output 
 captured step, copied out of the graphs' pool with the tokens and handed to the batch
 (``keep_selector_source``), as the eager sampler does. The number of each row's filter order
 is a per-row tensor too; the orders a batch holds are a host flag of the capture key.
+Kept sets (``return_kept``) likewise: which rows ask is a per-row tensor, whether any row asks
+(``any_kept``) a host flag of the key, and the packed bits an output of the captured step,
+copied out with the tokens. ``score`` is not captured: it runs the eager sampler's.
 
 What the graph cannot see is host state: the stage flags, the filter bounds, the custom stages
 in use and the addresses of the batch's tensors. They form the capture key; when a request

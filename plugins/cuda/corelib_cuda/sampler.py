@@ -21,6 +21,11 @@ class changes:
   stateful selectors and every filter after steps 12-13 (``flashinfer_draws``);
 - verification judges unseeded rows with draft probabilities by FlashInfer's
   ``chain_speculative_sampling`` when that path is active; seeded rows keep the contract's noise;
+- kept sets (``return_kept``) are packed from the final logits on the device in three passes
+  (``kept_set``); a step where a row asks filters in torch and FlashInfer only draws from that
+  result, so the set is the one the token came from;
+- ``score`` is the template's, differentiable: the in-place stages take the reference's form
+  when the logits require grad;
 - everything is fixed-shape and branches only on host flags, so a step (and a verify step) can
   be captured in a CUDA graph (see ``corelib_cuda.graph``).
 

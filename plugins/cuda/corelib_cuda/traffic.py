@@ -160,13 +160,14 @@ CONFIGS = {
     "mirostat": dict(temperature=0.7, top_k=50, top_p=0.9, mirostat_tau=3.0),
 }
 #: One new sampler at a time on top of top-k+top-p (``--configs +tfs`` and so on; not in the
-#: default table), and a request's own order of the same three filters.
+#: default table), a request's own order of the same three filters, and kept sets.
 _TOP_K_TOP_P = dict(temperature=0.7, top_k=50, top_p=0.9)
 SINGLE = {
     "+dynatemp": dict(dynatemp_range=0.3), "+smoothing": dict(smoothing_factor=0.3),
     "+top-a": dict(top_a=0.02), "+epsilon": dict(epsilon_cutoff=0.0003), "+eta": dict(eta_cutoff=0.0009),
     "+tfs": dict(tfs=0.95), "+p-less": dict(p_less="norm"), "+adaptive-p": dict(adaptive_p_target=0.3),
     "+own-order": dict(sampler_order=["top_p", "temperature", "top_k"]),
+    "+kept": dict(return_kept=True),
 }
 DEFAULT_CONFIGS = tuple(CONFIGS)
 CONFIGS.update({name: dict(_TOP_K_TOP_P, **extra) for name, extra in SINGLE.items()})
