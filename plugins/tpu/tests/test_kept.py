@@ -120,3 +120,33 @@ def test_score_positions_must_be_positive_ints():
     sampler = TpuSampler("cpu", buckets=(BUCKET,))
     with pytest.raises(ValueError, match="score_positions must hold positive ints"):
         sampler.warmup(V, score_positions=(3, 0))
+
+
+def test_score_is_bitwise_what_sample_reported_across_buckets():
+    """The conformance suite compares within one bucket; here the rollout runs in bucket 8
+    (3 rows) and the score in bucket 16 (the 3 rows after 7 others): XLA:CPU's row-wise
+    reductions give each row the same bits in both graphs."""
+    sampler = TpuSampler(xla_device(), buckets=(8, 16), dry_window=32)
+    params = [SamplingParams(seed=11, top_k=30, temperature=0.7, logprobs=0),
+              SamplingParams(seed=12, top_p=0.8, min_p=0.02, logprobs=0),
+              SamplingParams(temperature=0.0, logprobs=0)]
+    batch = sampler.new_batch(V, logprobs_mode="processed")
+    for i, p in enumerate(params):
+        batch.add(f"r{i}", p, prompt_token_ids=[5, 6])
+    steps = 2
+    logits = torch.randn((3, steps, V), generator=torch.Generator().manual_seed(13)) * 3
+    tokens, reported = torch.zeros((3, steps), dtype=torch.long), torch.zeros((3, steps))
+    for t in range(steps):
+        out = sampler.sample(logits[:, t].to(xla_device()), batch)
+        tokens[:, t], reported[:, t] = out.token_ids, out.logprobs.logprobs[:, 0]
+        batch.append(out.token_ids)
+    others = sampler.new_batch(V)
+    for i in range(7):
+        others.add(f"o{i}", SamplingParams(seed=20 + i, top_k=5), prompt_token_ids=[5, 6])
+    for i, p in enumerate(params):
+        others.add(f"r{i}", p, prompt_token_ids=[5, 6])
+    assert others.bucket() == 16
+    x = torch.cat([torch.randn((7, steps, V)), logits])
+    ids = torch.cat([torch.zeros((7, steps), dtype=torch.long), tokens])
+    scored = sampler.score(x.to(xla_device()), others, ids)
+    assert torch.equal(scored.logprobs[7:], reported)
