@@ -30,6 +30,24 @@ def penalised(x: torch.Tensor, prompt_mask: torch.Tensor, counts: torch.Tensor, 
     return x - f * counts.to(torch.float32) - p * occurred                    # step 8
 
 
+def earlier_equal_drafts(slot_drafts: torch.Tensor, S: int) -> torch.Tensor:
+    """int64 [n S, K]: for each virtual row's entry of ``slot_drafts`` (int64 [n S, K], the
+    row's drafts before the slot, -1 for none), how many of those drafts equal it; an entry of
+    -1 counts the drafts equal to token 0 (the id it is read as). By prefix sums over each
+    row's K drafts, O(n K^2), not per slot (O(n S K^2): at K = 511, ``score``'s 512 positions,
+    that was most of the step)."""
+    n, K = slot_drafts.shape[0] // S, slot_drafts.shape[1]
+    drafts = slot_drafts.view(n, S, K)[:, -1]          # the last slot sees every draft
+    live = drafts >= 0
+    zeros = torch.zeros((n, K, 1), dtype=torch.long, device=drafts.device)
+    equal = (drafts[:, :, None] == drafts[:, None, :]) & live[:, None, :]         # [n, K, K]
+    before = torch.cat([zeros, equal.long().cumsum(-1)], dim=-1)                  # [n, K, S]
+    zero = torch.cat([zeros[:, 0], ((drafts == 0) & live).long().cumsum(-1)], dim=-1)   # [n, S]
+    per_slot = before.transpose(1, 2)                                             # [n, S, K]
+    entry_live = slot_drafts.view(n, S, K) >= 0
+    return torch.where(entry_live, per_slot, zero[:, :, None]).view(n * S, K)
+
+
 class LogitStages:
     """Steps 1-8b of the reference backend (mixed into ``Sampler``)."""
 
@@ -126,14 +144,12 @@ class LogitStages:
         ids = s.slot_drafts
         if ids.shape[1] == 0:
             return out
-        live = ids >= 0
         safe = ids.clamp(min=0)                                            # [B, K]
         row = torch.arange(B, device=x.device)[:, None] // S
         # each id's count after the slot's drafts: the row's, plus its live drafts equal to it
         # (an entry past the drafts names token 0 with its right value too, so any order of
         # the scatter below writes the same)
-        extra = ((safe[:, :, None] == safe[:, None, :]) & live[:, None, :]).sum(-1)
-        counts = s.output_counts[row, safe] + extra.to(torch.int32)
+        counts = s.output_counts[row, safe] + earlier_equal_drafts(ids, S).to(torch.int32)
         values = penalised(x.gather(1, safe), s.prompt_mask[row, safe], counts,
                            s.repetition_penalty[:, None], s.frequency_penalty[:, None],
                            s.presence_penalty[:, None])
