@@ -153,3 +153,17 @@ def test_pack_kept_is_the_bitmask_layout_with_no_bits_past_the_vocabulary():
     assert torch.equal(unpack_bitmask(words, 70), keep)
     assert not unpack_bitmask(words, 96)[..., 70:].any()
     assert torch.equal(pack_kept(torch.ones((1, 32), dtype=torch.bool)), torch.tensor([[-1]], dtype=torch.int32))
+
+
+def test_earlier_equal_drafts_counts_as_comparing_every_slots_drafts():
+    from corelib.logit_stages import earlier_equal_drafts
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(100):
+        n, K = int(torch.randint(1, 4, (), generator=gen)), int(torch.randint(1, 9, (), generator=gen))
+        S = K + 1
+        drafts = torch.randint(-1, 4, (n, K), generator=gen).repeat_interleave(S, 0)
+        slot = torch.arange(S).repeat(n)
+        ids = torch.where((slot[:, None] > torch.arange(K)[None, :]) & (drafts >= 0), drafts, -1)
+        safe, live = ids.clamp(min=0), ids >= 0
+        brute = ((safe[:, :, None] == safe[:, None, :]) & live[:, None, :]).sum(-1)
+        assert torch.equal(earlier_equal_drafts(ids, S), brute)
