@@ -27,7 +27,7 @@ from corelib_cpu.sampler import CpuSampler
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from cpu_grid import GRID_CONFIGS, SEEDED, make_batch  # noqa: E402
-from harness import add_clock_argument, clock_from, interleaved, load_average, medians  # noqa: E402
+from harness import add_run_arguments, interleaved, load_average, medians, run_settings  # noqa: E402
 
 
 def load_base(revision: str, folder: str):
@@ -49,12 +49,9 @@ def main(argv=None) -> int:
     parser.add_argument("--vocab-size", type=int, default=128256)
     parser.add_argument("--configs", default=",".join(GRID_CONFIGS))
     parser.add_argument("--profiles", default="flat,peaked")
-    parser.add_argument("--repeats", type=int, default=5, help="timed calls per cell and side")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
-    add_clock_argument(parser)
+    add_run_arguments(parser, 5, "timed calls per cell and side")
     args = parser.parse_args(argv)
-    clock = clock_from(args, parser, args.threads)
-    torch.set_num_threads(args.threads)
+    clock = run_settings(args, parser)
     V = args.vocab_size
     with tempfile.TemporaryDirectory() as folder:
         Base = load_base(args.base, folder)

@@ -27,7 +27,7 @@ from corelib.bench import make_logits
 from corelib_cpu.sampler import CpuSampler
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from harness import add_clock_argument, clock_from, interleaved, load_average, medians  # noqa: E402
+from harness import add_run_arguments, interleaved, load_average, medians, run_settings  # noqa: E402
 
 #: The step every filter is added to: random rows at temperature 0.8.
 BASE = dict(temperature=0.8)
@@ -109,12 +109,9 @@ def main(argv=None) -> int:
     parser.add_argument("--batch-sizes", default="1,32,256")
     parser.add_argument("--vocab-size", type=int, default=128256)
     parser.add_argument("--profile", default="peaked", choices=["flat", "peaked"])
-    parser.add_argument("--repeats", type=int, default=5, help="timed rounds per cell")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
-    add_clock_argument(parser)
+    add_run_arguments(parser, 5)
     args = parser.parse_args(argv)
-    clock = clock_from(args, parser, args.threads)
-    torch.set_num_threads(args.threads)
+    clock = run_settings(args, parser)
     V = args.vocab_size
     print(f"cpu backend, V = {V}, {args.profile} logits, {args.threads} thread(s), {args.clock} clock, "
           f"median of {args.repeats}, load average {load_average():.2f} at start")

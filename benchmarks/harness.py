@@ -54,6 +54,22 @@ def clock_from(args: argparse.Namespace, parser: argparse.ArgumentParser,
     return CLOCKS[args.clock]
 
 
+def add_run_arguments(parser: argparse.ArgumentParser, repeats: int,
+                      repeats_help: str = "timed rounds per cell") -> None:
+    """``--repeats``, ``--threads`` (torch threads, default 1) and ``--clock`` on ``parser``;
+    ``run_settings`` reads them back."""
+    parser.add_argument("--repeats", type=int, default=repeats, help=repeats_help)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
+    add_clock_argument(parser)
+
+
+def run_settings(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Callable[[], float]:
+    """Sets torch's threads to ``--threads`` and returns the clock ``--clock`` names."""
+    clock = clock_from(args, parser, args.threads)
+    torch.set_num_threads(args.threads)
+    return clock
+
+
 def load_average() -> float:
     """The one-minute load average: printed with each run, as figures taken under load read
     differently."""

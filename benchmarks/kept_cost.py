@@ -27,7 +27,7 @@ from corelib.bench import make_logits
 from corelib_cpu.sampler import CpuSampler
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from harness import add_clock_argument, clock_from, interleaved, load_average, medians  # noqa: E402
+from harness import add_run_arguments, interleaved, load_average, medians, run_settings  # noqa: E402
 
 #: The steps measured: the common filter stacks, plain sampling and greedy.
 CONFIGS = {
@@ -57,12 +57,9 @@ def main(argv=None) -> int:
     parser.add_argument("--configs", default=",".join(CONFIGS))
     parser.add_argument("--profile", default="peaked", choices=["flat", "peaked"])
     parser.add_argument("--seeded", default="no,yes", help="unseeded and/or seeded rows")
-    parser.add_argument("--repeats", type=int, default=11, help="timed rounds per cell")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
-    add_clock_argument(parser)
+    add_run_arguments(parser, 11)
     args = parser.parse_args(argv)
-    clock = clock_from(args, parser, args.threads)
-    torch.set_num_threads(args.threads)
+    clock = run_settings(args, parser)
     V = args.vocab_size
     print(f"return_kept on the cpu backend, V = {V}, {args.profile} logits, {args.threads} "
           f"thread(s), {args.clock} clock, medians of {args.repeats} rounds, load average "

@@ -23,7 +23,7 @@ from corelib import SamplingParams, get_sampler
 from corelib.bench import make_logits
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from harness import add_clock_argument, clock_from, interleaved, load_average, medians  # noqa: E402
+from harness import add_run_arguments, interleaved, load_average, medians, run_settings  # noqa: E402
 
 #: The rows scored: the common filters; penalties, whose state moves with every position.
 CONFIGS = {
@@ -46,12 +46,9 @@ def main(argv=None) -> int:
     parser.add_argument("--vocab-size", type=int, default=32000)
     parser.add_argument("--backends", default="cpu,reference")
     parser.add_argument("--configs", default=",".join(CONFIGS))
-    parser.add_argument("--repeats", type=int, default=3, help="timed rounds per cell")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
-    add_clock_argument(parser)
+    add_run_arguments(parser, 3)
     args = parser.parse_args(argv)
-    clock = clock_from(args, parser, args.threads)
-    torch.set_num_threads(args.threads)
+    clock = run_settings(args, parser)
     T, V = args.positions, args.vocab_size
     logits = make_logits(T, V, "peaked")[None]                                 # [1, T, V]
     # tokens a sampler could have drawn: a likely token at most positions
