@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["bitmask_width", "pack_bitmask", "pack_kept", "unpack_bitmask"]
+__all__ = ["bitmask_width", "pack_bitmask", "pack_kept", "token_words", "unpack_bitmask"]
 
 BITS = 32
 
@@ -44,18 +44,31 @@ def pack_bitmask(allowed: torch.Tensor) -> torch.Tensor:
 
 def pack_kept(keep: torch.Tensor) -> torch.Tensor:
     """int32 ``[..., ceil(V / 32)]`` words from bool ``keep`` ``[..., V]``, bits for ids >= V
-    0: the layout of ``out.kept`` (``SamplingParams.return_kept``). Integer arithmetic only
-    (each word is the int32 sum of its distinct bit weights, which is its bitwise or), so it
-    traces on XLA and captures in CUDA graphs. Not in place."""
+    0: the layout of ``out.kept`` (``SamplingParams.return_kept``). Two passes over ``keep``
+    (bool times the bit weights, then each word's int32 sum of its distinct weights, which is
+    its bitwise or), the weights made by device ops: no host data to upload, so it runs without
+    a host sync, captures in CUDA graphs and traces on XLA. Not in place."""
     V = keep.shape[-1]
     width = bitmask_width(V)
-    bits = keep.to(torch.int32)
     if width * BITS != V:
-        bits = torch.nn.functional.pad(bits, (0, width * BITS - V))
-    return (bits.view(*keep.shape[:-1], width, BITS) * _weights(keep.device)).sum(dim=-1, dtype=torch.int32)
+        keep = torch.cat([keep, keep.new_zeros((*keep.shape[:-1], width * BITS - V))], dim=-1)
+    return (keep.view(*keep.shape[:-1], width, BITS) * bit_weights(keep.device)).sum(dim=-1, dtype=torch.int32)
 
 
-def _weights(device: torch.device) -> torch.Tensor:
-    """int32 [32]: bit j's value in a signed word (bit 31 is -2**31)."""
-    return torch.tensor([1 << j for j in range(BITS - 1)] + [-(1 << (BITS - 1))],
-                        dtype=torch.int32, device=device)
+def bit_weights(device: torch.device) -> torch.Tensor:
+    """int32 [32]: bit j's value in a signed word (bit 31 weighs -2**31), made on ``device``."""
+    return torch.bitwise_left_shift(torch.ones(BITS, dtype=torch.int32, device=device),
+                                    torch.arange(BITS, dtype=torch.int32, device=device))
+
+
+def token_words(token_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """int32 ``[B, ceil(V / 32)]``: each row's token (int64 ``[B]``) alone as a packed set (a
+    greedy row's kept set); an id outside [0, V) sets no bit. O(B W): no pass over the
+    vocabulary. Not in place."""
+    width = bitmask_width(vocab_size)
+    inside = (token_ids >= 0) & (token_ids < vocab_size)
+    word = torch.where(inside, token_ids // BITS, -1)
+    bit = torch.bitwise_left_shift(torch.ones_like(token_ids, dtype=torch.int32),
+                                   (token_ids % BITS).to(torch.int32))
+    column = torch.arange(width, device=token_ids.device)[None, :]
+    return torch.where(column == word[:, None], bit[:, None], 0).to(torch.int32)

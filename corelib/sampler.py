@@ -21,7 +21,7 @@ from typing import Callable, Optional
 import torch
 
 from .batch import INVALID_TOKEN, SamplingBatch, StepState
-from .bitmask import bitmask_width, pack_kept
+from .bitmask import bitmask_width, pack_kept, token_words
 from . import catalog, pipeline, selectors
 from .noise import row_keys, stream_uniform
 # the stages, outputs and verification are their own modules; their names stay importable
@@ -170,13 +170,13 @@ class Sampler(Verification, Scoring, LogitStages, FilterStages):
         distribution each random row drew from (``final``, after the selectors), the drawn
         token alone for greedy rows (the argmax; step 8b's forced token); zeros for flagged
         rows (``valid`` False) and rows that did not ask (``s.return_kept``). x, final:
-        float32 [B, V] after step 8b and after step 14's selectors; token_ids int64 [B]. One
-        pass over the final logits, no host sync. Not in place."""
-        keep = self.processed_source(x, final, s, normalise=False) > NEG_INF
+        float32 [B, V] after step 8b and after step 14's selectors; token_ids int64 [B]. The
+        finite test and the packing pass over [B, V]; greedy rows and the flags change the
+        packed words only. No host sync. Not in place."""
+        words = pack_kept(final > NEG_INF)      # greedy rows' words are replaced below
         if s.any_greedy:
-            vocab = torch.arange(keep.shape[-1], device=keep.device)[None, :]
-            keep = torch.where(s.greedy[:, None], vocab == token_ids[:, None], keep)
-        return pack_kept(keep & (valid & s.return_kept)[:, None])
+            words = torch.where(s.greedy[:, None], token_words(token_ids, s.vocab_size), words)
+        return words.masked_fill(~(valid & s.return_kept)[:, None], 0)
 
     def sample_random(self, x: torch.Tensor, s: StepState) -> tuple[torch.Tensor, torch.Tensor]:
         """Steps 10-14 for every row (greedy rows' results are replaced by the caller).

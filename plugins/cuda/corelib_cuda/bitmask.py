@@ -57,39 +57,6 @@ class BitmaskPath:
             return self.kernel(x, words if words.stride(-1) == 1 else words.contiguous())
 
 
-def bit_weights(device: torch.device) -> torch.Tensor:
-    """int32 [32]: bit j's value in a signed word (bit 31 weighs -2**31), made by device ops
-    (no host data: nothing to upload, nothing a CUDA-graph capture refuses)."""
-    return torch.bitwise_left_shift(torch.ones(BITS, dtype=torch.int32, device=device),
-                                    torch.arange(BITS, dtype=torch.int32, device=device))
-
-
-def pack_kept(keep: torch.Tensor) -> torch.Tensor:
-    """The kept sets' words (``out.kept``: int32 ``[..., ceil(V / 32)]``, bits for ids >= V 0)
-    from bool ``keep`` ``[..., V]``: ``corelib.bitmask.pack_kept``'s words, in two passes over
-    ``keep`` (bool times the bit weights, then the int32 sum of each word's distinct weights,
-    which is its bitwise or) instead of three, with the weights made on the device (the core
-    builds them from a Python list through ``torch.tensor``: a blocking upload at every step on
-    a GPU, and a host copy a CUDA-graph capture refuses). Not in place."""
-    V = keep.shape[-1]
-    width = bitmask_width(V)
-    if width * BITS != V:
-        keep = torch.cat([keep, keep.new_zeros((*keep.shape[:-1], width * BITS - V))], dim=-1)
-    return (keep.view(*keep.shape[:-1], width, BITS) * bit_weights(keep.device)).sum(dim=-1, dtype=torch.int32)
-
-
-def token_words(token_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """int32 [B, ceil(V / 32)]: each row's token (int64 [B]) alone as a kept set; an id outside
-    [0, V) keeps nothing. O(B W): no pass over the vocabulary. Not in place."""
-    width = bitmask_width(vocab_size)
-    inside = (token_ids >= 0) & (token_ids < vocab_size)
-    word = torch.where(inside, token_ids // BITS, -1)
-    bit = torch.bitwise_left_shift(torch.ones_like(token_ids, dtype=torch.int32),
-                                   (token_ids % BITS).to(torch.int32))
-    column = torch.arange(width, device=token_ids.device)[None, :]
-    return torch.where(column == word[:, None], bit[:, None], 0).to(torch.int32)
-
-
 def apply_token_bitmask_(x: torch.Tensor, words: torch.Tensor) -> torch.Tensor:
     """:meth:`BitmaskPath.apply` with the path of x's device (:func:`choose_bitmask_path`).
     IN PLACE on x float32 ``[B, V]``; words int32 ``[B, ceil(V / 32)]``."""

@@ -46,7 +46,7 @@ from corelib.noise import row_keys
 from corelib.sampler import NEG_INF, Drafts, nucleus_keep, tail_free_length
 
 from .batch import CudaBatch, CudaStepState, FilterBounds
-from .bitmask import choose_bitmask_path, pack_kept, token_words
+from .bitmask import choose_bitmask_path
 from .race import choose_race_path
 from .probe import ENV_FLASHINFER
 
@@ -250,22 +250,6 @@ class CudaSampler(Sampler):
         processed = s.num_logprobs is not None and s.logprobs_mode == "processed"
         return (s.any_seeded or processed or s.any_kept
                 or getattr(s, "final_needed", False))
-
-    # ------------------------------------------------------------------ kept sets
-    def kept_set(self, x: torch.Tensor, final: torch.Tensor, token_ids: torch.Tensor,
-                 valid: torch.Tensor, s: StepState) -> torch.Tensor:
-        """The template's kept sets (``Sampler.kept_set``: int32 [B, ceil(V / 32)], the tokens
-        with a finite logit in the distribution each random row drew from, the drawn token
-        alone on greedy rows, zeros on flagged rows and rows that did not ask) in three passes
-        over [B, V] where the template takes five: the finite test of ``final`` and
-        ``corelib_cuda.bitmask.pack_kept``'s two; greedy rows and the rows' flags are applied
-        to the packed words ([B, W]), not to the vocabulary. Nothing from the host (the bit
-        weights are made on the device), so it captures in a CUDA graph. x, final float32
-        [B, V]; token_ids int64 [B]; valid bool [B]. Not in place."""
-        words = pack_kept(final > NEG_INF)
-        if s.any_greedy:
-            words = torch.where(s.greedy[:, None], token_words(token_ids, final.shape[-1]), words)
-        return words.masked_fill(~(valid & s.return_kept)[:, None], 0)
 
     # ------------------------------------------------------------------ row checks
     def finite_rows(self, x: torch.Tensor) -> torch.Tensor:

@@ -242,16 +242,15 @@ def test_the_triton_kernel_inside_the_sampler_and_the_graph_runner_gives_the_tor
 @pytest.mark.parametrize("device", ["cpu", "meta", pytest.param("cuda", marks=pytest.mark.skipif(
     not GPU.available, reason=f"cuda backend unavailable: {GPU.reason}"))])
 def test_kept_words_are_the_cores_and_pack_without_host_data(device):
-    """``pack_kept`` gives the core's words (bits past V clear) at word edges, and builds
-    nothing from host data: the sync checker passes it on the meta device, which sees every
-    upload."""
-    from corelib.bitmask import pack_kept as core_pack_kept
-    from corelib_cuda.bitmask import pack_kept
+    """The core's ``pack_kept`` gives the same words on every device (bits past V clear) at
+    word edges, and builds nothing from host data: the sync checker passes it on the meta
+    device, which sees every upload."""
+    from corelib.bitmask import pack_kept
     from corelib_cuda.sync_check import no_host_sync
     for V in (1, 31, 32, 33, 1023, 1025):
         keep = torch.rand((3, 2, V), generator=torch.Generator().manual_seed(V)) < 0.5
         keep[0] = True
-        want = core_pack_kept(keep)
+        want = pack_kept(keep)
         on = keep.to(device)
         with no_host_sync(device if device == "cuda" else None):
             got = pack_kept(on)

@@ -7,12 +7,12 @@ import pytest
 from corelib.testing import ConformanceSuite
 
 from corelib_cuda import CudaSampler, GraphedSampler
-from cuda_support import GPU, SpecWithoutAGpu
+from cuda_support import GPU
 
 needs_gpu = pytest.mark.skipif(not GPU.available, reason=f"cuda backend unavailable: {GPU.reason}")
 
 
-class TestTorchPathOnCpu(SpecWithoutAGpu, ConformanceSuite):
+class TestTorchPathOnCpu(ConformanceSuite):
     """The device-agnostic torch path, run on CPU tensors."""
 
     backend = "cuda"
@@ -46,7 +46,7 @@ def assert_replayed(before: dict, after: dict, calls: int) -> None:
     assert after["eager_steps"] == before["eager_steps"], "some draws ran eagerly"
 
 
-class TestGraphRunnerOnCpu(SpecWithoutAGpu, GraphReplays, ConformanceSuite):
+class TestGraphRunnerOnCpu(GraphReplays, ConformanceSuite):
     """The graph runner's padded, persistent-buffer step, replayed eagerly on CPU."""
 
     backend = "cuda"

@@ -26,7 +26,6 @@ from corelib.testing import ConformanceSuite, chi_square_p_value
 from corelib_cuda import CudaSampler
 from corelib_cuda.flashinfer_ops import FlashInferDraw, self_test_in_subprocess
 from corelib_cuda.probe import import_flashinfer
-from cuda_support import SpecWithoutAGpu
 
 FAKE_ROOT = Path(__file__).parent / "fake_flashinfer"
 ENTRY_POINTS = ("sampling_from_logits", "top_p_sampling_from_probs", "top_k_mask_logits",
@@ -71,7 +70,7 @@ def test_the_stand_in_has_the_real_signatures(name):
         [(p.name, p.default, p.kind) for p in theirs.parameters.values()]
 
 
-class TestConformanceOnTheFlashInferPath(SpecWithoutAGpu, ConformanceSuite):
+class TestConformanceOnTheFlashInferPath(ConformanceSuite):
     backend = "cuda"
     draw_rows, draw_calls = 1000, 8
     verify_rows = 2000
