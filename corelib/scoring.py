@@ -56,10 +56,10 @@ class Scoring:
         float64 (for ``torch.autograd.gradcheck``), all others in float32 as ``sample`` does.
         Bad arguments raise ValueError (TypeError for what is not a tensor) naming them.
         """
-        if logits.requires_grad if isinstance(logits, torch.Tensor) else False:
-            if not self.differentiable_score:
-                return self.score_reference().score(logits, batch, token_ids, kept)
-        one_position = isinstance(logits, torch.Tensor) and logits.dim() == 2
+        tensor = isinstance(logits, torch.Tensor)
+        if tensor and logits.requires_grad and not self.differentiable_score:
+            return self.score_reference().score(logits, batch, token_ids, kept)
+        one_position = tensor and logits.dim() == 2
         logits, ids, kept = self.check_score_arguments(logits, batch, token_ids, kept)
         B, T, V = logits.shape
         s = self.score_step_state(batch, ids, differentiable=logits.requires_grad)
