@@ -153,7 +153,10 @@ class Scoring:
 
     def score_reference(self):
         """The reference backend on this sampler's device, for what this backend does not do
-        itself (a differentiable ``score``)."""
+        itself (a differentiable ``score``). It runs on this backend's batch, so the batch's
+        step states must be the core's (``speculative_state`` with ``dense_by_row``, the
+        ``SamplingBatch`` fields): a backend whose batch keeps another layout makes its own
+        ``score`` differentiable instead (the tpu backend does)."""
         from .sampler import Sampler
         reference = Sampler(self.device, self.generator)
         reference.stage_catalog = self.stage_catalog
