@@ -56,6 +56,9 @@ CORELIB_KEY = "corelib"
 # markers are the engine's reasoning config (one set per engine, as vLLM has it).
 THINKING_FIELDS = frozenset({"thinking_budget", "thinking_start_token_ids",
                              "thinking_end_token_ids", "thinking_forced_token_ids"})
+# corelib fields whose output vLLM's V1 runner has no channel for: the kept sets of
+# return_kept would be computed and dropped (a trainer next to vLLM calls score instead).
+NO_CHANNEL_FIELDS = frozenset({"return_kept"})
 _INT32_MAX = 2**31 - 1
 # corelib's boolean fields that extra_args may set.
 _BOOL_FIELDS = frozenset({"temperature_last"})
@@ -108,9 +111,10 @@ def thinking_markers(reasoning_config: Any,
 def extra_args_fields(vllm_params_type: type) -> frozenset[str]:
     """The ``corelib.SamplingParams`` fields ``extra_args`` may set: those that
     ``vllm_params_type`` (vLLM's ``SamplingParams``, a msgspec struct) does not have, except
-    the reasoning budget's (``THINKING_FIELDS``), which vLLM sets its own way."""
+    the reasoning budget's (``THINKING_FIELDS``), which vLLM sets its own way, and those whose
+    output vLLM cannot carry (``NO_CHANNEL_FIELDS``)."""
     return (frozenset(SamplingParams.model_fields) - frozenset(vllm_params_type.__struct_fields__)
-            - THINKING_FIELDS)
+            - THINKING_FIELDS - NO_CHANNEL_FIELDS)
 
 
 def corelib_params(params: Any, vocab_size: Optional[int] = None,
@@ -270,6 +274,10 @@ def _check_corelib_key(key: Any, where: str, allowed: frozenset[str]) -> None:
     if key in THINKING_FIELDS:
         raise ValueError(f"{where}: the reasoning budget is vLLM's thinking_token_budget, its "
                          f"markers the engine's reasoning config")
+    if key in NO_CHANNEL_FIELDS:
+        raise ValueError(f"{where}: vLLM's V1 runner has no output for kept sets; a trainer "
+                         f"next to vLLM recomputes the rollout's distribution with corelib's "
+                         f"Sampler.score (docs/vllm.md)")
     if key in SamplingParams.model_fields:
         raise ValueError(f"{where}: {key} is a field of vLLM's SamplingParams; set it there")
     raise ValueError(f"{where} is not a corelib sampling parameter (corelib reads "

@@ -63,3 +63,17 @@ def test_a_policy_gradient_flows_from_score_into_the_trainers_model(processed_ll
     assert grads and all(torch.isfinite(g).all() for g in grads)
     assert sum(float(g.abs().sum()) for g in grads) > 0
     hf_model.zero_grad()
+
+
+@pytest.mark.parametrize("extra", [{"corelib": {"return_kept": True}}, {"return_kept": True}])
+def test_return_kept_through_vllm_is_refused_naming_what_to_do(extra):
+    """vLLM's outputs have no place for kept sets: asking through extra_args is an error that
+    says so (under corelib's key), not a mask computed and dropped (at the top level, a key
+    corelib does not read is other code's, and changes nothing)."""
+    from corelib.integrations.vllm.params import corelib_params as mapped
+    params = vllm_params(extra_args=extra)
+    if "corelib" in extra:
+        with pytest.raises(ValueError, match="no output for kept sets.*score"):
+            mapped(params)
+    else:
+        assert not mapped(params).return_kept
