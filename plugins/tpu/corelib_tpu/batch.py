@@ -26,127 +26,29 @@ step graphs compute that many whenever a row asks for any).
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import torch
-from corelib.batch import SamplingBatch, StepState, _stage_key
+from corelib.batch import SamplingBatch, _stage_key
 from corelib.batch_selectors import _used_state
 from corelib import pipeline, selectors, thinking
 from corelib.bitmask import bitmask_width
-from corelib.noise import split_seed
 from corelib.params import ALL_LOGPROBS, SamplingParams
-from corelib.stages import StageError, StageInputs, StageSpec, describe_stage
+from corelib.stages import StageSpec
 
 from . import dry, xla
 from .buckets import Buckets
+from .device_rows import DeviceRows
+from .layout import (
+    _COL, _FILTER_ORDER, _GREEDY, _INT_FIELDS, _LOGPROBS_ON, _NEUTRAL_INTS, _POSITION,
+    _RANDOM_KEY, _ROUTE, _THINKING_BUDGET, FLOAT_COLUMNS, NEUTRAL_FLOATS, NOT_LIVE, ROUTES,
+    STATE_FIELDS, Variant, XlaStepState, _float_values, _int_values, choose_path, flags_for,
+)
 from .orders import FilterOrders
 
 NEG_INF = float("-inf")
 
-# The scalar table's columns: the stage table's per-row fields (corelib.pipeline), float32
-# and int32, then the columns of this plugin's own.
-_FLOAT_FIELDS = tuple(f for f in pipeline.stage_fields() if f.dtype == torch.float32)
-_INT_FIELDS = tuple(f for f in pipeline.stage_fields() if f.dtype == torch.int32)
-assert len(_FLOAT_FIELDS) + len(_INT_FIELDS) == len(pipeline.stage_fields()), \
-    "the TPU scalar table holds float32 and int32 stage fields only"
-#: Fields of the stages greedy rows skip (steps 10-13b): neutral in a greedy row, which keeps
-#: the graphs' invariants.
-_RANDOM_ONLY = frozenset(f.name for stage in pipeline.STAGES if stage.rows == pipeline.RANDOM_ROWS
-                         for f in stage.fields)
-FLOAT_COLUMNS = tuple(f.name for f in _FLOAT_FIELDS)
-NEUTRAL_FLOATS = tuple(float(f.neutral) for f in _FLOAT_FIELDS)
-INT_COLUMNS = tuple(f.name for f in _INT_FIELDS) + (
-    "seed_lo", "seed_hi", "child", "position", "seeded", "greedy", "random_key",
-    "thinking_budget", "route", "logprobs_on", "filter_order", "return_kept")
-_NEUTRAL_INTS = tuple(int(f.neutral) for f in _INT_FIELDS)
-_COL = {name: i for i, name in enumerate(FLOAT_COLUMNS + INT_COLUMNS)}
-_POSITION = INT_COLUMNS.index("position")
-_RANDOM_KEY = INT_COLUMNS.index("random_key")
-_THINKING_BUDGET = INT_COLUMNS.index("thinking_budget")
-_ROUTE = INT_COLUMNS.index("route")
-_LOGPROBS_ON = INT_COLUMNS.index("logprobs_on")
-_GREEDY = INT_COLUMNS.index("greedy")
-_FILTER_ORDER = INT_COLUMNS.index("filter_order")
-_RETURN_KEPT = INT_COLUMNS.index("return_kept")
-#: The stateful selectors' per-row state (``pipeline.state_fields``: mirostat's mu,
-#: adaptive-p's sums): float32 ``[C]`` device tensors, since ``append`` advances them from the
-#: step's distribution, which stays on the device.
-STATE_FIELDS = pipeline.state_fields()
-_INT32_MAX = 2**31 - 1
-
-#: The methods of steps 11-13, chosen on the host from the rows' parameters (only random rows
-#: count; greedy rows skip steps 10-13b): greedy = every row greedy (no filter, no draw; a
-#: graph of its own, ``Variant.random`` False); plain = no row uses min-p, top-k or top-p;
-#: min_p = some row uses min-p, none top-k or top-p; candidates = every top-k fits the
-#: candidate set and every top-p row has such a top-k (steps 11-13 from one small topk);
-#: nucleus = some row uses top-p without top-k (top-p by bisection over the vocabulary);
-#: exhaustive = some top-k exceeds the candidate set (top-k by bisection too).
-PATHS = ("greedy", "plain", "min_p", "candidates", "nucleus", "exhaustive")
-#: The paths of a random graph: its ``route`` column picks one inside the graph (an XLA
-#: conditional, ``xla.switch``), so one compiled graph serves them all. The candidate path
-#: comes first: a switch is nested conditionals, and the first branch is the shallowest.
-ROUTES = ("candidates", "plain", "min_p", "nucleus", "exhaustive")
-
-#: ``append`` marks rows (or slots) that do not advance with this id: their state is left as
-#: it is (a flagged row's -1 becomes this). -1 advances the position without counting a
-#: token (an out-of-range id among a device verify row's emitted tokens).
-NOT_LIVE = -2
-
-
-@dataclass(frozen=True)
-class Variant:
-    """What a step graph is compiled for besides its shapes (bucket, vocabulary, K).
-
-    random: some row samples (steps 10-14 traced; False: every row greedy, argmax only);
-    logprobs: some row asks for logprobs (step 15 traced); stages: the custom stages the graph
-    traces, in registration order (a stage a variant leaves out is not traced at all);
-    folded: the one random variant of ``sample`` and verify's one variant, where step 15 runs
-    inside a conditional on the step's ``logprobs_on`` column, so one graph per bucket (or per
-    (bucket, K)) serves every batch that samples, with or without logprobs; greedy_batches:
-    the graph also serves batches whose rows are all greedy (verify's), so the noise is made
-    inside a conditional on "some row is random" (elsewhere it fuses into the draw, with no
-    ``[B, V]`` buffer of its own). Everything else a random graph holds is chosen inside it: the path
-    of steps 11-13 by the ``route`` column (``ROUTES``), and steps 8a, 10a, 13a and 13b
-    each run only when some row uses them (``xla.cond``).
-    """
-
-    random: bool = True
-    logprobs: bool = False
-    stages: tuple[str, ...] = ()
-    folded: bool = False
-    greedy_batches: bool = False
-    #: some random row uses a stateful selector (step 14's group "select"): the graph also
-    #: returns the distribution after the filter group, which ``append`` advances the state from
-    selectors: bool = False
-    #: the filter orders besides the default one the graph traces (``FilterOrders``): row
-    #: ``filter_order`` k runs ``orders[k - 1]``, each in a conditional on its rows
-    orders: tuple[tuple[str, ...], ...] = ()
-
-
-@dataclass
-class XlaStepState(StepState):
-    """``StepState`` plus the plugin's dense tensors and its static graph choice.
-
-    Every tensor has ``num_rows`` = the bucket size (times K + 1 in ``verify``) as first
-    dimension; padding rows hold neutral values (or stale dense state that no live row reads).
-    ``dry_history``, ``dry_match`` and ``dry_since_breaker`` hold DRY's window (``dry``: int32
-    ``[B, H]``, int32 ``[B, H]``, int32 ``[B]``), not the core's layout. The reasoning budget's
-    tensors (step 8b) have the core's layout, with the marker width fixed at
-    ``max_thinking_marker_length``.
-    """
-
-    variant: Variant = Variant()
-    static_add: Optional[torch.Tensor] = None   # float32 [B, V]: 0, bias, or -inf
-    stop_mask: Optional[torch.Tensor] = None    # bool [B, V]: stop ids and eos of min-tokens rows
-    random_key: Optional[torch.Tensor] = None   # int32 [B]: unseeded rows' noise keys this step
-    live_rows: int = 0                          # rows before the padding
-    logprobs_asked: Optional[int] = None        # the batch's real N (num_logprobs is padded)
-    route: Optional[torch.Tensor] = None        # int32 [B]: the index in ROUTES, every row alike
-    logprobs_on: Optional[torch.Tensor] = None  # bool [B]: some row asks for logprobs (alike)
-
-
-class XlaSamplingBatch(SamplingBatch):
+class XlaSamplingBatch(DeviceRows, SamplingBatch):
     """A ``SamplingBatch`` whose per-step work is a fixed set of XLA graphs (module docstring).
 
     Created by ``TpuSampler.new_batch``; ``guard`` is the sampler's compile watch. ``stages``:
@@ -622,225 +524,6 @@ class XlaSamplingBatch(SamplingBatch):
         return ["recent", "dry_history", "dry_match", "dry_since", "thinking_match",
                 "thinking_count", *staged]
 
-    # ------------------------------------------------------------------ internals: rows
-    def _allocate(self) -> None:
-        C, V, dev = self.capacity, self.vocab_size, self.device
-        W, P, H = self.max_bad_words, self._prefix_width, self.dry_window
-        L = self.max_thinking_marker_length
-        self._floats = torch.tensor(NEUTRAL_FLOATS, dtype=torch.float32).repeat(C, 1)
-        self._ints = torch.zeros((C, len(INT_COLUMNS)), dtype=torch.int32)
-        self._ints[:, _THINKING_BUDGET] = thinking.NO_BUDGET
-        self._state = {
-            "static_add": torch.zeros((C, V), dtype=torch.float32, device=dev),
-            "prompt_mask": torch.zeros((C, V), dtype=torch.bool, device=dev),
-            "output_counts": torch.zeros((C, V), dtype=torch.int32, device=dev),
-            "stop_mask": torch.zeros((C, V), dtype=torch.bool, device=dev),
-            "bad_prefix": torch.full((C, W, P), -2, dtype=torch.long, device=dev),
-            "bad_last": torch.zeros((C, W), dtype=torch.long, device=dev),
-            "bad_valid": torch.zeros((C, W), dtype=torch.bool, device=dev),
-            "recent": torch.full((C, P), -1, dtype=torch.long, device=dev),
-            "dry_history": torch.full((C, H), dry.EMPTY, dtype=torch.int32, device=dev),
-            "dry_match": torch.zeros((C, H), dtype=torch.int32, device=dev),
-            "dry_since": torch.zeros(C, dtype=torch.int32, device=dev),
-            "dry_breakers": torch.full((C, self.max_dry_breakers), -1, dtype=torch.int32, device=dev),
-            "thinking_markers": torch.full((C, 3, L), -1, dtype=torch.long, device=dev),
-            "thinking_match": torch.zeros((C, 3, L), dtype=torch.bool, device=dev),
-            "thinking_count": torch.full((C,), thinking.NOT_THINKING, dtype=torch.int32, device=dev),
-            **{f.name: torch.full((C,), float(f.neutral), dtype=torch.float32, device=dev)
-               for f in STATE_FIELDS},
-        }
-        with self.guard.watch("allocating a batch"):
-            xla.launch(list(self._state.values()))
-
-    def _allocate_stages(self, specs: Sequence[StageSpec]) -> None:
-        """The switch, argument and state tensors of custom stages, at full capacity."""
-        C = self.capacity
-        for spec in specs:
-            for name, (dtype, value, shape) in _stage_tensors(spec, self.vocab_size).items():
-                self._state[name] = torch.full((C, *shape), value, dtype=dtype, device=self.device)
-        with self.guard.watch("allocating a custom stage's state"):
-            xla.launch(list(self._state.values()))
-
-    def _spec(self, name: str) -> StageSpec:
-        specs = self.stage_specs()
-        if name not in specs:
-            known = ", ".join(sorted(specs)) or "none"
-            raise ValueError(f"stages names unknown stage {name!r} (known stages: {known})")
-        return specs[name][0]
-
-    @property
-    def _prefix_width(self) -> int:
-        return max(1, self.max_bad_word_length - 1)
-
-    def _check_fits(self, request_id: str, params: SamplingParams) -> None:
-        if self.num_rows + params.n > self.capacity:
-            raise ValueError(
-                f"request {request_id!r}: n={params.n} does not fit: this batch holds at most "
-                f"{self.capacity} rows (the sampler's largest bucket), it has {self.num_rows}")
-        multi = [w for w in params.bad_words if len(w) > 1]
-        if len(multi) > self.max_bad_words:
-            raise ValueError(
-                f"request {request_id!r}: bad_words holds {len(multi)} words of two or more "
-                f"tokens; the tpu backend was created with max_bad_words={self.max_bad_words}")
-        longest = max((len(w) for w in multi), default=0)
-        if longest > self.max_bad_word_length:
-            raise ValueError(
-                f"request {request_id!r}: bad_words holds a word of {longest} tokens; the tpu "
-                f"backend was created with max_bad_word_length={self.max_bad_word_length}")
-        breakers = len(set(params.dry_sequence_breakers))
-        if params.uses_dry and breakers > self.max_dry_breakers:
-            raise ValueError(
-                f"request {request_id!r}: dry_sequence_breakers holds {breakers} token ids; the "
-                f"tpu backend was created with max_dry_breakers={self.max_dry_breakers}")
-        if params.uses_thinking_budget:
-            L = self.max_thinking_marker_length
-            for name, marker in (("thinking_start_token_ids", params.thinking_start_token_ids),
-                                 ("thinking_end_token_ids", params.thinking_end_token_ids),
-                                 ("thinking_forced_token_ids", params.forced_thinking_ids)):
-                if len(marker) > L:
-                    raise ValueError(
-                        f"request {request_id!r}: {name} holds {len(marker)} tokens; the tpu "
-                        f"backend was created with max_thinking_marker_length={L}")
-        if params.logprobs is not None:
-            asked = self.vocab_size if params.logprobs == ALL_LOGPROBS else params.logprobs
-            if asked > self.max_logprobs:
-                every = " (-1 asks for every token of the vocabulary)" if params.logprobs == ALL_LOGPROBS else ""
-                raise ValueError(
-                    f"request {request_id!r}: logprobs={params.logprobs} asks for {asked} top "
-                    f"logprobs{every}; the tpu backend was created with max_logprobs="
-                    f"{self.max_logprobs} (its graphs have fixed shapes: create it with "
-                    f"TpuSampler(max_logprobs=...) to allow more)")
-        if self.fixed_stages is not None:
-            for name in params.stage_args:
-                if name not in self.fixed_stages:
-                    raise ValueError(
-                        f"request {request_id!r}: stage_args names stage {name!r}, which this "
-                        f"sampler's graphs do not trace (created with stages={self.fixed_stages})")
-
-    def _request_rows(self, params: SamplingParams, prompt: list[int]) -> dict[str, torch.Tensor]:
-        """Host ``[1, ...]`` rows shared by a request's children: additive row, prompt mask,
-        stop mask, bad-word tables, DRY's breakers, the reasoning budget's markers."""
-        V, W, P = self.vocab_size, self.max_bad_words, self._prefix_width
-        add = torch.zeros(V, dtype=torch.float32)
-        if params.allowed_token_ids is not None:
-            add.fill_(NEG_INF)
-            add[params.allowed_token_ids] = 0.0
-        for word in params.bad_words:
-            if len(word) == 1:
-                add[word[0]] = NEG_INF
-        for token, bias in params.logit_bias.items():
-            add[token] += bias                     # -inf stays -inf: masks win over bias
-        prompt_mask = torch.zeros(V, dtype=torch.bool)
-        prompt_mask[prompt] = True
-        stop = torch.zeros(V, dtype=torch.bool)
-        if params.min_tokens > 0:
-            stop[list(params.stop_token_ids)] = True
-            if self.eos_token_id is not None:
-                stop[self.eos_token_id] = True
-        prefix = torch.full((W, P), -2, dtype=torch.long)
-        last = torch.zeros(W, dtype=torch.long)
-        valid = torch.zeros(W, dtype=torch.bool)
-        for i, word in enumerate(w for w in params.bad_words if len(w) > 1):
-            prefix[i, P - (len(word) - 1):] = torch.tensor(word[:-1], dtype=torch.long)
-            last[i], valid[i] = word[-1], True
-        breakers = torch.full((self.max_dry_breakers,), -1, dtype=torch.int32)
-        if params.uses_dry:
-            stops = sorted(set(params.dry_sequence_breakers))
-            breakers[: len(stops)] = torch.tensor(stops, dtype=torch.int32)
-        L = self.max_thinking_marker_length
-        markers = torch.full((3, L), -1, dtype=torch.long)
-        if params.uses_thinking_budget:
-            markers = thinking.marker_table(params.thinking_start_token_ids,
-                                            params.thinking_end_token_ids,
-                                            params.forced_thinking_ids, L)
-        rows = dict(static_add=add, prompt_mask=prompt_mask, stop_mask=stop, bad_prefix=prefix,
-                    bad_last=last, bad_valid=valid, dry_breakers=breakers, thinking_markers=markers)
-        return {name: t[None] for name, t in rows.items()}
-
-    def _child_rows(self, params: SamplingParams, prompt: list[int], outputs: list[int],
-                    stages: dict) -> dict[str, torch.Tensor]:
-        """Host ``[1, ...]`` rows of one child: output counts, recent-token window, DRY's
-        window, the reasoning budget's matches and count (``corelib.thinking.replay`` of its
-        history), and every allocated custom stage's switch, arguments and state."""
-        V, P, H = self.vocab_size, self._prefix_width, self.dry_window
-        counts = torch.bincount(torch.tensor(outputs, dtype=torch.long), minlength=V).to(torch.int32)
-        recent = torch.full((P,), -1, dtype=torch.long)
-        tail = outputs[-P:]
-        if tail:
-            recent[P - len(tail):] = torch.tensor(tail, dtype=torch.long)
-        tokens = prompt + outputs if params.uses_dry else []
-        history, match, since = dry.initial_window(tokens, params.dry_sequence_breakers, H)
-        L = self.max_thinking_marker_length
-        think_match = torch.zeros((3, L), dtype=torch.bool)
-        think_count = thinking.NOT_THINKING
-        if params.uses_thinking_budget:
-            bits, think_count = thinking.replay(prompt + outputs, params.thinking_start_token_ids,
-                                                params.thinking_end_token_ids,
-                                                params.forced_thinking_ids)
-            think_match = thinking.bits_tensor(bits, L)
-        rows = dict(output_counts=counts, recent=recent, dry_history=history, dry_match=match,
-                    dry_since=torch.tensor(min(since, _INT32_MAX), dtype=torch.int32),
-                    thinking_match=think_match,
-                    thinking_count=torch.tensor(min(think_count, _INT32_MAX), dtype=torch.int32))
-        rows.update(self._stage_rows(prompt, outputs, stages))
-        return {name: t[None] for name, t in rows.items()}
-
-    def _stage_rows(self, prompt: list[int], outputs: list[int], stages: dict) -> dict[str, torch.Tensor]:
-        """Every allocated custom stage's row: the request's switch, arguments and initial
-        state (``StageState.init``) where it uses the stage, neutral values elsewhere."""
-        rows: dict[str, torch.Tensor] = {}
-        for name in self._allocated_stages():
-            spec = self._spec(name)
-            neutral = _stage_tensors(spec, self.vocab_size)
-            used = stages.get(name)
-            for key, (dtype, value, shape) in neutral.items():
-                rows[key] = torch.full(shape, value, dtype=dtype)
-            if used is None:
-                continue
-            _, args = used
-            rows[_stage_key(name, "active")] = torch.tensor(True)
-            for field in spec.arg_fields():
-                key = _stage_key(name, "arg", field)
-                rows[key] = torch.tensor(getattr(args, field), dtype=rows[key].dtype)
-            for state in spec.state:
-                key = _stage_key(name, "state", state.name)
-                rows[key] = _initial_state(spec, state, prompt, outputs, args, self.vocab_size, rows[key])
-        return rows
-
-    def _allocated_stages(self) -> list[str]:
-        prefix, suffix = "stage:", ":active"
-        return [key[len(prefix):-len(suffix)] for key in self._state
-                if key.startswith(prefix) and key.endswith(suffix)]
-
-    def _neutral_row(self) -> dict[str, torch.Tensor]:
-        rows = self._request_rows(SamplingParams(), [])
-        rows.update(self._child_rows(SamplingParams(), [], [], {}))
-        rows.update({f.name: torch.tensor([float(f.neutral)]) for f in STATE_FIELDS})
-        return rows
-
-    def _order_index(self, params: SamplingParams) -> int:
-        """A row's ``filter_order``: its order's place among the sampler's traced orders
-        (``FilterOrders``; one it does not trace yet is added), 0 for the default order."""
-        return self.orders.index(params.filter_order)
-
-    def _write_device_row(self, row: int, values: dict[str, torch.Tensor]) -> None:
-        """Write one row of every dense tensor (one graph: the row number is data)."""
-        index = torch.tensor([row], dtype=torch.long).to(self.device)
-        for name, tensor in self._state.items():
-            tensor.index_copy_(0, index, values[name].to(self.device))
-        with self.guard.watch("writing a row (add)"):
-            xla.launch(list(self._state.values()))
-
-    def _move_device_rows(self, src: list[int], dst: list[int]) -> None:
-        """Copy dense rows ``src`` to rows ``dst`` at once (one graph per pair count: the row
-        numbers are data): all are read before any is written."""
-        index = torch.tensor(src + dst, dtype=torch.long).to(self.device)
-        m = len(src)
-        for tensor in self._state.values():
-            tensor.index_copy_(0, index[m:], tensor.index_select(0, index[:m]))
-        with self.guard.watch(f"moving rows (remove, swap_rows: {m} at once)"):
-            xla.launch(list(self._state.values()))
-
     def _constant(self, key, shape, value, dtype, make=None) -> torch.Tensor:
         """A device tensor made once per batch and reused (an input of each graph, never an
         upload per step)."""
@@ -864,89 +547,11 @@ class XlaSamplingBatch(SamplingBatch):
         return self._asked[0]
 
 
-def choose_path(row_params: Sequence[SamplingParams], candidates: int,
-                vocab_size: int = 2**31 - 1) -> str:
-    """The static graph variant for these rows (``PATHS``). Greedy rows skip steps 10-13, so
-    only random rows decide; a top-k of at least the vocabulary keeps everything (off)."""
-    random = [p for p in row_params if not p.is_greedy]
-    if not random:
-        return "greedy"
-    top_k = [_top_k(p, vocab_size) for p in random]
-    filtering = [(p, k) for p, k in zip(random, top_k) if k > 0 or p.top_p < 1.0]
-    if not filtering:
-        return "min_p" if any(p.min_p > 0 for p in random) else "plain"
-    if any(k > candidates for _, k in filtering):
-        return "exhaustive"
-    if all(p.top_p >= 1.0 or k > 0 for p, k in filtering):
-        return "candidates"
-    return "nucleus"
-
-
-def _top_k(params: SamplingParams, vocab_size: int) -> int:
-    """The top-k a row runs with: 0 (off) for greedy rows and for k >= the vocabulary."""
-    k = params.effective_top_k
-    return 0 if params.is_greedy or k >= vocab_size else k
-
-
-def flags_for(variant: Variant, asked: Optional[int], padded_logprobs: int) -> dict:
-    """The core template's stage flags for a static variant: every stage the variant traces
-    runs (neutral values make it an identity for rows that do not use it; a random graph holds
-    every filter, each inside a conditional that runs it only when some row uses it, see
-    ``TpuSampler``). ``any_bias`` is
-    False because the bias is part of the additive row of step 3; ``any_bitmask`` and
-    ``any_dry`` are True because the mask is always an input (all -1 without one) and DRY is
-    in every graph (multiplier 0 = off); so is the reasoning budget (``any_thinking``: budget
-    -1 = off), whose step 8b is one pass over the logits, and the kept sets (``any_kept``:
-    computed in a conditional on the rows' ``return_kept``, so asking for them compiles
-    nothing new). ``any_greedy`` is True only when
-    every row is greedy: otherwise greedy rows, whose filter parameters are neutral, get their
-    argmax from the draw (``TpuSampler.draw``). The stateful selectors (``any_selector``) and
-    the filter orders besides the default one (``filter_orders``: (k, names) for each of the
-    variant's ``orders``) are the variant's."""
-    random = variant.random
-    stages = {switch.flag: stage.rows == pipeline.ALL_ROWS or random
-              for stage, switch in pipeline.switches()}
-    return dict(
-        stages, any_bias=False,
-        any_greedy=not random, all_greedy=not random, any_random=random, any_seeded=random,
-        any_unseeded=random, any_thinking=True, any_kept=True,
-        num_logprobs=None if asked is None else padded_logprobs,
-        any_selector=random and variant.selectors,
-        filter_orders=tuple(enumerate(variant.orders, start=1)) if random else (),
-    )
-
-
 def _per_slot(tensor: torch.Tensor, slots: int) -> torch.Tensor:
     """``[B, ...]`` -> ``[B * slots, ...]``, each row repeated for its slots, as a broadcast
     and a reshape (which XLA fuses into the readers instead of copying)."""
     B = tensor.shape[0]
     return tensor[:, None].expand(B, slots, *tensor.shape[1:]).reshape(B * slots, *tensor.shape[1:])
-
-
-def _stage_tensors(spec: StageSpec, vocab_size: int) -> dict[str, tuple[torch.dtype, object, tuple]]:
-    """A custom stage's per-row tensors: name -> (dtype, neutral value, per-row shape)."""
-    tensors = {_stage_key(spec.name, "active"): (torch.bool, False, ())}
-    for field, (dtype, default) in spec.arg_fields().items():
-        tensors[_stage_key(spec.name, "arg", field)] = (dtype, default, ())
-    for state in spec.state:
-        shape = tuple(state.shape(vocab_size))
-        tensors[_stage_key(spec.name, "state", state.name)] = (state.dtype, 0, shape)
-    return tensors
-
-
-def _initial_state(spec: StageSpec, state, prompt: list[int], outputs: list[int], args,
-                   vocab_size: int, like: torch.Tensor) -> torch.Tensor:
-    """``state.init`` for one row, checked like the core checks it (``StageError`` naming the
-    stage on failure or a wrong shape)."""
-    try:
-        value = torch.as_tensor(state.init(list(prompt), list(outputs), args, vocab_size))
-    except Exception as exc:
-        raise StageError(f"{describe_stage(spec)}: state {state.name!r} init failed: "
-                         f"{type(exc).__name__}: {exc}") from exc
-    if tuple(value.shape) != tuple(like.shape):
-        raise StageError(f"{describe_stage(spec)}: state {state.name!r} init returned shape "
-                         f"{list(value.shape)}, expected {list(like.shape)}")
-    return value.to(like.dtype)
 
 
 class _HostView:
@@ -960,31 +565,6 @@ class _HostView:
 
 def _host_checked_bitmask(batch: SamplingBatch, mask: torch.Tensor, slots: Optional[int]) -> torch.Tensor:
     return SamplingBatch.check_token_bitmask(_HostView(batch), mask, slots)
-
-
-def _stage_value(field: pipeline.Field, params: SamplingParams, vocab_size: int):
-    """A row's value of a stage field: neutral where a greedy row skips the stage; top_k as
-    the routes read it (``_top_k``)."""
-    if field.name == "top_k":
-        return _top_k(params, vocab_size)
-    if params.is_greedy and field.name in _RANDOM_ONLY:
-        return field.neutral
-    return field.value(params)
-
-
-def _float_values(params: SamplingParams, vocab_size: int) -> list[float]:
-    return [_stage_value(f, params, vocab_size) for f in _FLOAT_FIELDS]
-
-
-def _int_values(params: SamplingParams, child: int, position: int, vocab_size: int) -> list[int]:
-    seed_lo, seed_hi = split_seed(params.seed) if params.seed is not None else (0, 0)
-    budget = (thinking.NO_BUDGET if params.thinking_budget is None
-              else min(params.thinking_budget, _INT32_MAX))
-    return [*(_stage_value(f, params, vocab_size) for f in _INT_FIELDS),
-            seed_lo, seed_hi, child, position, int(params.seed is not None),
-            int(params.is_greedy), 0, budget, 0, 0,   # random_key, route and logprobs_on: per step
-            0,                                       # filter_order: the batch's (_order_index)
-            int(params.return_kept)]
 
 
 def _positive(name: str, value: int) -> int:

@@ -40,7 +40,8 @@ from corelib.verification import (
 )
 
 from . import xla
-from .batch import PATHS, Variant, XlaSamplingBatch
+from .batch import XlaSamplingBatch
+from .layout import PATHS, Variant
 from .buckets import Buckets
 from .drafts import device_drafts
 from .orders import FilterOrders

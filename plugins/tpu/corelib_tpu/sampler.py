@@ -27,7 +27,8 @@ from corelib.sampler import INVALID_TOKEN, NEG_INF, RAW_MODES, Drafts, Logprobs,
 from corelib import noise, pipeline
 
 from . import bitmask, dry, filters, thresholds, xla
-from .batch import ROUTES, Variant, XlaSamplingBatch, XlaStepState, flags_for
+from .batch import XlaSamplingBatch
+from .layout import ROUTES, Variant, XlaStepState, flags_for
 from .drafts import leading_count
 from .graph import GraphRunner, WarmupReport
 from .xla import RecompilationError

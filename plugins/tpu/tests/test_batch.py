@@ -10,7 +10,7 @@ import torch
 from corelib import SamplingParams
 from corelib.sampler import Sampler
 
-from corelib_tpu.batch import _POSITION, choose_path
+from corelib_tpu.layout import _POSITION, choose_path
 from corelib_tpu.sampler import TpuSampler
 
 from tpu_support import needs_xla, xla_device

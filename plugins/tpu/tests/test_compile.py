@@ -23,7 +23,7 @@ from corelib import SamplingParams
 from corelib.bitmask import pack_bitmask
 from corelib.sampler import Sampler
 
-from corelib_tpu.batch import PATHS, Variant
+from corelib_tpu.layout import PATHS, Variant
 from corelib_tpu.graph import _pack, _pack_verify
 from corelib_tpu.sampler import RecompilationError, TpuSampler
 
@@ -359,7 +359,7 @@ def test_no_vocabulary_wide_sort_but_tail_free_and_only_two_small_scatters():
 BITMASK_HLO = """
 import torch, torch_xla
 from corelib.sampler import Sampler
-from corelib_tpu.batch import Variant
+from corelib_tpu.layout import Variant
 from corelib_tpu.graph import _pack
 from corelib_tpu.sampler import TpuSampler
 from corelib_tpu import xla

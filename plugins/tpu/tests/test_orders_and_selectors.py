@@ -11,7 +11,7 @@ import torch
 from corelib import SamplingParams
 from corelib.sampler import Sampler
 
-from corelib_tpu.batch import Variant
+from corelib_tpu.layout import Variant
 from corelib_tpu.orders import FilterOrders
 from corelib_tpu.sampler import RecompilationError, TpuSampler
 
