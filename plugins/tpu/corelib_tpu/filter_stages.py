@@ -1,0 +1,276 @@
+"""The TPU backend's filter group (steps 10-13b) and step 14's selectors, traced: each stage
+in an XLA conditional that runs it only when some row uses it (``xla.cond``), the paths of
+steps 11-13 chosen inside the graph by the rows' ``route`` (``ROUTES``), and the per-request
+filter orders each in a conditional on its rows. Mixed into ``TpuSampler`` (``sampler``).
+Shapes: ``B`` rows of the bucket, ``V`` vocabulary.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from types import SimpleNamespace
+
+import torch
+from corelib import noise, pipeline
+from corelib.sampler import Sampler
+
+from . import filters, thresholds, xla
+from .layout import ROUTES, XlaStepState
+
+# Steps this backend runs inside a later stage's conditional, while the stage table puts
+# nothing between them (a stage added there runs in its place, and these then run alone).
+_FILTERS = [stage.name for stage in pipeline.stages_in("filter")]
+MIN_P_IN_ROUTE = _FILTERS.index("min_p") + 1 == _FILTERS.index("top_k_top_p")
+TYPICAL_P_IN_XTC = _FILTERS.index("typical_p") + 1 == _FILTERS.index("xtc")
+
+
+def _reference(method: str, field: str):
+    """A conditional's branch running the core's stage ``method`` (one that reads the single
+    per-row field ``field``) on its operands (x, the field's ``[B]`` tensor)."""
+    def run(x: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        return getattr(Sampler, method)(None, x, SimpleNamespace(**{field: value}))
+    return run
+
+
+def _dynatemp_state(temperature, d, exponent, greedy) -> SimpleNamespace:
+    """What the core's ``apply_temperature`` reads for a dynamic temperature."""
+    return SimpleNamespace(temperature=temperature, dynatemp_range=d, dynatemp_exponent=exponent,
+                           greedy=greedy, any_dynatemp=True)
+
+
+#: The filter group's per-row fields, with the values that turn each filter off.
+_FILTER_NEUTRAL = {f.name: f.neutral for stage in pipeline.stages_in("filter") for f in stage.fields}
+
+
+def _rows_only(s: XlaStepState, rows: torch.Tensor) -> XlaStepState:
+    """``s`` with the filter group's fields neutral outside ``rows`` (bool ``[B]``): [B]
+    selects only, no pass over the logits."""
+    return dataclasses.replace(s, **{name: torch.where(rows, getattr(s, name), neutral)
+                                     for name, neutral in _FILTER_NEUTRAL.items()})
+
+
+def _unchanged(x: torch.Tensor, *rest: torch.Tensor) -> torch.Tensor:
+    """The branch of a conditional stage that no row uses: its logits as they are."""
+    return x
+
+
+class FilterStages:
+    """Steps 10-14 of ``TpuSampler`` (which provides the graph runner and the other stages)."""
+
+    def apply_temperature(self, x: torch.Tensor, s: XlaStepState) -> torch.Tensor:
+        """Step 10: ``x / temperature`` per row (greedy rows divide by 1), as in the core; the
+        dynamic temperature (``dynatemp_range`` float32 ``[B]``, 0 = static; the core's
+        ``dynamic_temperature``, entropy and kept count over the row) runs in a conditional
+        only when some row uses it, from the same ``x``. Not in place."""
+        t = torch.where(s.greedy, torch.ones_like(s.temperature), s.temperature)
+        static = x / t[:, None]
+        if not s.any_dynatemp:
+            return static
+
+        def dynamic(static, x, temperature, d, exponent, greedy):
+            return Sampler.apply_temperature(self, x, _dynatemp_state(temperature, d, exponent, greedy))
+        return xla.cond(((s.dynatemp_range > 0) & ~s.greedy).any(), dynamic, _unchanged,
+                        [static, x, s.temperature, s.dynatemp_range, s.dynatemp_exponent, s.greedy],
+                        "dynatemp")
+
+    def apply_smoothing(self, x: torch.Tensor, s: XlaStepState) -> torch.Tensor:
+        """Step 10b, quadratic smoothing (the core's ``apply_smoothing``: smoothing_factor,
+        smoothing_curve float32 ``[B]``, factor 0 = off), in a conditional that runs only when
+        some row uses it. Not in place."""
+        def run(x, factor, curve):
+            return Sampler.apply_smoothing(self, x, SimpleNamespace(smoothing_factor=factor,
+                                                                    smoothing_curve=curve))
+        return xla.cond((s.smoothing_factor > 0).any(), run, _unchanged,
+                        [x, s.smoothing_factor, s.smoothing_curve], "smoothing")
+
+    def apply_top_a(self, x: torch.Tensor, s: XlaStepState) -> torch.Tensor:
+        """Step 11a (the core's ``apply_top_a``: top_a float32 ``[B]``, 0 = off), in a
+        conditional that runs only when some row uses it. Not in place."""
+        return xla.cond((s.top_a > 0).any(), _reference("apply_top_a", "top_a"), _unchanged,
+                        [x, s.top_a], "top_a")
+
+    def apply_epsilon(self, x: torch.Tensor, s: XlaStepState) -> torch.Tensor:
+        """Step 11b (the core's ``apply_epsilon``: epsilon_cutoff float32 ``[B]``, 0 = off), in
+        a conditional that runs only when some row uses it. Not in place."""
+        return xla.cond((s.epsilon_cutoff > 0).any(), _reference("apply_epsilon", "epsilon_cutoff"),
+                        _unchanged, [x, s.epsilon_cutoff], "epsilon")
+
+    def apply_eta(self, x: torch.Tensor, s: XlaStepState) -> torch.Tensor:
+        """Step 11c (the core's ``apply_eta``: eta_cutoff float32 ``[B]``, 0 = off), in a
+        conditional that runs only when some row uses it. Not in place."""
+        return xla.cond((s.eta_cutoff > 0).any(), _reference("apply_eta", "eta_cutoff"),
+                        _unchanged, [x, s.eta_cutoff], "eta")
+
+    def apply_tfs(self, x: torch.Tensor, s: XlaStepState) -> torch.Tensor:
+        """Step 13c, tail-free (the core's ``apply_tfs``: tfs float32 ``[B]``, 1 = off), in a
+        conditional that runs only when some row uses it. The one filter that sorts the
+        vocabulary and sums in float64, as the reference does: its second differences need
+        every kept probability in order. Not in place."""
+        return xla.cond((s.tfs < 1).any(), _reference("apply_tfs", "tfs"), _unchanged,
+                        [x, s.tfs], "tfs")
+
+    def apply_p_less(self, x: torch.Tensor, s: XlaStepState) -> torch.Tensor:
+        """Step 13d, p-less (the core's ``apply_p_less``: p_less int32 ``[B]``, 0 = off, 1
+        plain, 2 norm), in a conditional that runs only when some row uses it. Not in place."""
+        return xla.cond((s.p_less != pipeline.P_LESS_OFF).any(), _reference("apply_p_less", "p_less"),
+                        _unchanged, [x, s.p_less], "p_less")
+
+    def apply_mirostat(self, x: torch.Tensor, s: XlaStepState) -> torch.Tensor:
+        """Step 14, mirostat v2 (the core's ``apply_mirostat``: mirostat_tau float32 ``[B]``, 0
+        = off; mirostat_mu float32 ``[B]``, the batch's state), in a conditional that runs
+        only when some row uses it. Not in place."""
+        def run(x, tau, mu):
+            return Sampler.apply_mirostat(self, x, SimpleNamespace(mirostat_tau=tau, mirostat_mu=mu))
+        return xla.cond((s.mirostat_tau > 0).any(), run, _unchanged,
+                        [x, s.mirostat_tau, s.mirostat_mu], "mirostat")
+
+    def apply_adaptive_p(self, x: torch.Tensor, s: XlaStepState) -> torch.Tensor:
+        """Step 14, adaptive-p (the core's ``apply_adaptive_p``: adaptive_p_target float32
+        ``[B]``, < 0 = off; adaptive_p_weighted and adaptive_p_total float32 ``[B]``, the
+        batch's state), in a conditional that runs only when some row uses it. Not in place."""
+        def run(x, target, weighted, total):
+            return Sampler.apply_adaptive_p(self, x, SimpleNamespace(
+                adaptive_p_target=target, adaptive_p_weighted=weighted, adaptive_p_total=total))
+        return xla.cond((s.adaptive_p_target >= 0).any(), run, _unchanged,
+                        [x, s.adaptive_p_target, s.adaptive_p_weighted, s.adaptive_p_total],
+                        "adaptive_p")
+
+    def run_orders(self, x: torch.Tensor, s: XlaStepState) -> torch.Tensor:
+        """The filter group when the graph traces orders besides the default one
+        (``s.filter_orders``, the sampler's ``FilterOrders``): the default order over the
+        batch with every other row's filter fields neutral (``_rows_only``), then each traced
+        order in one conditional on "some row runs it", which runs the order's filters over
+        the batch with the fields of rows outside it neutral (each filter's own conditional
+        then runs only when a row of that order uses it) and keeps the result for its rows.
+        An order no row runs costs its predicate. x float32 ``[B, V]``; not in place."""
+        order = s.filter_order
+        out = self.run_group("filter", x, _rows_only(s, order == 0))
+        coin = self.row_uniforms(s, noise.STREAM_XTC) < s.xtc_probability
+        fields = [getattr(s, name) for name in _FILTER_NEUTRAL]
+        for index, names in s.filter_orders:
+            rows = order == index
+
+            def run(out, x, rows, greedy, coin, *values, names=names):
+                on = SimpleNamespace(greedy=greedy, xtc_coin=coin, **{
+                    name: torch.where(rows, value, neutral)
+                    for (name, neutral), value in zip(_FILTER_NEUTRAL.items(), values)})
+                y = x
+                for name in names:
+                    y = self._order_stage(name, y, on)
+                return torch.where(rows[:, None], y, out)
+            out = xla.cond(rows.any(), run, _unchanged, [out, x, rows, s.greedy, coin, *fields],
+                           ("filter order", names, self.top_k_candidates))
+        return out
+
+    def _order_stage(self, name: str, x: torch.Tensor, s) -> torch.Tensor:
+        """The filter ``sampler_order`` calls ``name`` alone, in a conditional on its rows
+        (``s``: the filter fields, ``greedy`` and ``xtc_coin``, the step's XTC coin per row):
+        top-k and top-p each by themselves (by the candidate set or bisection), min-p,
+        typical-p and XTC outside the routes and conditionals they share in the default
+        order, temperature only where some row's is not 1. Not in place."""
+        if name == "temperature":
+            on = ((s.temperature != 1) | (s.dynatemp_range > 0)) & ~s.greedy
+
+            def run(x, temperature, d, exponent, greedy):
+                return Sampler.apply_temperature(self, x, _dynatemp_state(temperature, d, exponent, greedy))
+            return xla.cond(on.any(), run, _unchanged,
+                            [x, s.temperature, s.dynatemp_range, s.dynatemp_exponent, s.greedy],
+                            "temperature in an order")
+        if name == "min_p":
+            return xla.cond((s.min_p > 0).any(), thresholds.min_p_filter, _unchanged,
+                            [x, s.min_p], "min_p")
+        if name == "top_k":
+            candidates = self.top_k_candidates
+
+            def top_k(x, k):
+                return xla.cond((k > candidates).any(), thresholds.top_k_by_bisection,
+                                lambda x, k: thresholds.top_k_by_candidates(x, k, candidates),
+                                [x, k], ("top_k alone", candidates))
+            return xla.cond((s.top_k > 0).any(), top_k, _unchanged, [x, s.top_k],
+                            ("top_k in an order", candidates))
+        if name == "top_p":
+            return xla.cond((s.top_p < 1).any(), thresholds.top_p_by_bisection, _unchanged,
+                            [x, s.top_p], "top_p alone")
+        if name == "typical_p":
+            return xla.cond((s.typical_p < 1).any(), filters.typical_p_by_bisection, _unchanged,
+                            [x, s.typical_p], "typical_p")
+        if name == "xtc":
+            coin = s.xtc_coin & (s.xtc_probability > 0)       # the coin outside its rows: off
+            return xla.cond(coin.any(), filters.xtc_filter, _unchanged,
+                            [x, s.xtc_threshold, coin], "xtc")
+        stage, _ = pipeline.named_switch(name)
+        return self.stage_method(stage)(x, s)
+
+    def apply_top_n_sigma(self, x: torch.Tensor, s: XlaStepState) -> torch.Tensor:
+        """Step 10a (``filters.top_n_sigma_filter``): top_n_sigma float32 ``[B]``, 0 = off;
+        runs only when some row uses it. Not in place."""
+        return xla.cond((s.top_n_sigma > 0).any(), filters.top_n_sigma_filter, _unchanged,
+                        [x, s.top_n_sigma], "top_n_sigma")
+
+    def apply_min_p(self, x: torch.Tensor, s: XlaStepState) -> torch.Tensor:
+        """Step 11 runs in the route of steps 11-13 (``apply_top_k_top_p``: every route but
+        plain applies ``thresholds.min_p_filter``, or the candidate path its equivalent), so
+        a batch without min-p pays neither a pass nor a conditional for it: ``x`` as it is.
+        While the stage table puts a stage between min-p and top-k (``MIN_P_IN_ROUTE``
+        False), min-p runs here, in a conditional of its own, and the route without it."""
+        if MIN_P_IN_ROUTE:
+            return x
+        return xla.cond((s.min_p > 0).any(), thresholds.min_p_filter, _unchanged,
+                        [x, s.min_p], "min_p")
+
+    def apply_top_k_top_p(self, x: torch.Tensor, s: XlaStepState) -> torch.Tensor:
+        """Steps 11-13 without a sort, by the step's route (``ROUTES``, one branch of an
+        ``xla.switch``): none (plain), min-p alone, from the candidate set alone (steps 11-13
+        together), or min-p, then top-k from the candidates and top-p by bisection (nucleus),
+        or top-k and top-p both by bisection (exhaustive) (``thresholds``). min_p float32
+        ``[B]`` (0 = off), top_k int32 ``[B]`` (0 = off), top_p float32 ``[B]`` (1 = off),
+        route int32 ``[B]`` (the batch's, in every row). Not in place."""
+        candidates = self.top_k_candidates
+
+        def from_candidates(x, top_k, top_p, min_p):
+            return thresholds.top_k_top_p_candidates(x, top_k, top_p, min_p, candidates)
+
+        def min_p_only(x, top_k, top_p, min_p):
+            return thresholds.min_p_filter(x, min_p)
+
+        def nucleus(x, top_k, top_p, min_p):
+            x = thresholds.top_k_by_candidates(thresholds.min_p_filter(x, min_p), top_k, candidates)
+            return thresholds.top_p_by_bisection(x, top_p)
+
+        def exhaustive(x, top_k, top_p, min_p):
+            x = thresholds.top_k_by_bisection(thresholds.min_p_filter(x, min_p), top_k)
+            return thresholds.top_p_by_bisection(x, top_p)
+
+        routes = {"plain": _unchanged, "min_p": min_p_only, "candidates": from_candidates,
+                  "nucleus": nucleus, "exhaustive": exhaustive}
+        min_p = s.min_p if MIN_P_IN_ROUTE else torch.zeros_like(s.min_p)    # 0 = off
+        return xla.switch(s.route[0], [routes[name] for name in ROUTES],
+                          [x, s.top_k, s.top_p, min_p], ("top_k_top_p", candidates))
+
+    def apply_typical_p(self, x: torch.Tensor, s: XlaStepState) -> torch.Tensor:
+        """Step 13a runs in step 13b's conditional (``apply_xtc``), nothing running between
+        them: a batch that uses neither takes one conditional for both. ``x`` as it is.
+        While the stage table puts a stage between them (``TYPICAL_P_IN_XTC`` False), 13a
+        runs here, in a conditional of its own, and 13b's without it."""
+        if TYPICAL_P_IN_XTC:
+            return x
+        return xla.cond((s.typical_p < 1).any(), filters.typical_p_by_bisection, _unchanged,
+                        [x, s.typical_p], "typical_p")
+
+    def apply_xtc(self, x: torch.Tensor, s: XlaStepState) -> torch.Tensor:
+        """Steps 13a and 13b in one conditional that runs when some row uses typical-p or
+        some row's XTC coin came up, each inside it in its own: 13a by bisection over the
+        scores, no sort (``filters.typical_p_by_bisection``: typical_p float32 ``[B]``, 1 =
+        off), then 13b (``filters.xtc_filter``), the coin from the XTC stream of
+        ``row_uniforms`` (xtc_probability float32 ``[B]``, 0 = off; xtc_threshold float32
+        ``[B]``). Not in place."""
+        coin = self.row_uniforms(s, noise.STREAM_XTC) < s.xtc_probability
+
+        def typical_then_xtc(x, typical_p, threshold, coin):
+            x = xla.cond((typical_p < 1).any(), filters.typical_p_by_bisection, _unchanged,
+                         [x, typical_p], "typical_p")
+            return xla.cond(coin.any(), filters.xtc_filter, _unchanged, [x, threshold, coin], "xtc")
+
+        typical_p = s.typical_p if TYPICAL_P_IN_XTC else torch.ones_like(s.typical_p)  # 1 = off
+        return xla.cond((typical_p < 1).any() | coin.any(), typical_then_xtc, _unchanged,
+                        [x, typical_p, s.xtc_threshold, coin], "typical_p, xtc")
