@@ -189,14 +189,15 @@ def padded_arguments(layout: DraftLayout, logits, batch, draft_token_ids, draft_
     return layout.logits(logits), layout.draft_token_ids(ids), layout.draft_probs(probs), layout.bitmask(mask)
 
 
-def tensor_argument(name: str, value) -> torch.Tensor:
-    """``verify``'s argument ``name`` as a tensor (TypeError naming it when it cannot be one)."""
+def tensor_argument(name: str, value, call: str = "verify") -> torch.Tensor:
+    """The argument ``name`` of ``call`` (``verify``, ``score``) as a tensor (TypeError naming
+    it when it cannot be one)."""
     if isinstance(value, torch.Tensor):
         return value
     try:
         return torch.as_tensor(value)
     except (RuntimeError, TypeError, ValueError) as exc:
-        raise TypeError(f"verify: {name} must be a tensor, got {type(value).__name__}: {exc}") from None
+        raise TypeError(f"{call}: {name} must be a tensor, got {type(value).__name__}: {exc}") from None
 
 
 def _check_flat_ids(ids: torch.Tensor, vocab_size: int, layout: DraftLayout, batch) -> None:

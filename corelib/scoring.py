@@ -20,6 +20,7 @@ import torch
 from . import pipeline
 from .batch import SamplingBatch, StepState, padded_ids_problem
 from .bitmask import bitmask_width, unpack_bitmask
+from .drafts import tensor_argument
 from .logit_stages import NEG_INF
 from .outputs import ScoreOutput
 
@@ -196,7 +197,7 @@ class Scoring:
                              f"(score takes one row per batch row, not per request)")
         if T < 1:
             raise ValueError("score: logits need at least one position ([rows, T, vocab], T >= 1)")
-        ids = token_ids if isinstance(token_ids, torch.Tensor) else _as_tensor("token_ids", token_ids)
+        ids = tensor_argument("token_ids", token_ids, "score")
         if ids.dtype.is_floating_point or ids.dtype == torch.bool or ids.is_complex():
             raise ValueError(f"score: token_ids must hold integer ids, got dtype {ids.dtype}")
         want = (B,) if one else (B, T)
@@ -216,7 +217,7 @@ class Scoring:
                                  f"padding; -1 may only pad the end of a row")
         ids = ids.to(self.device, torch.long)
         if kept is not None:
-            kept = kept if isinstance(kept, torch.Tensor) else _as_tensor("kept", kept)
+            kept = tensor_argument("kept", kept, "score")
             W = bitmask_width(V)
             want = (B, W) if one else (B, T, W)
             if kept.dtype != torch.int32 or tuple(kept.shape) != want:
@@ -225,13 +226,6 @@ class Scoring:
                                  f"{list(kept.shape)}")
             kept = kept.reshape(B, T, W).to(self.device)
         return logits, ids, kept
-
-
-def _as_tensor(name: str, value) -> torch.Tensor:
-    try:
-        return torch.as_tensor(value)
-    except (RuntimeError, TypeError, ValueError) as exc:
-        raise TypeError(f"score: {name} must be a tensor, got {type(value).__name__}: {exc}") from None
 
 
 def _each(out: ScoreOutput, change) -> ScoreOutput:
