@@ -30,6 +30,16 @@ with the same parameters, so it should agree up to sampling noise.
 
 One torch thread (``--threads``), not pinned to a core (``VLLM_CPU_OMP_THREADS_BIND=nobind``
 unless set), the same for both engines.
+
+With ``--base REV`` the script answers "did a change make corelib slower inside vLLM?": the
+core and the cpu plugin of git revision REV are extracted with ``git archive`` into a temporary
+folder, and the benchmark runs ``--rounds`` times for each tree, in separate interpreters (two
+versions of one package cannot share a process), taking turns and swapping which goes first
+each round. Each run measures corelib against vLLM's sampler in its own process, so what is
+compared is that ratio, base against this checkout, per workload (medians over the rounds):
+
+    .venv-vllm/bin/python benchmarks/vllm_throughput.py --vocab 32000 --base 7c6cfaf --rounds 3 \
+        --repeats 3 --seeding seeded
 """
 
 from __future__ import annotations
@@ -38,6 +48,7 @@ import argparse
 import csv
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -187,6 +198,71 @@ def repeated_bigrams(prompt: list[int], output: list[int]) -> float:
     return hits / max(len(output), 1)
 
 
+# The environment variable that points a child run at another revision's extracted tree.
+TREE_VARIABLE = "CORELIB_BENCH_TREE"
+
+
+def extract_revision(revision: str, folder: Path) -> Path:
+    """``corelib`` and the cpu plugin's ``corelib_cpu`` of ``revision``, importable from
+    ``folder``."""
+    folder.mkdir(parents=True, exist_ok=True)
+    archive = subprocess.run(["git", "-C", str(ROOT), "archive", revision, "corelib",
+                              "plugins/cpu/corelib_cpu"], capture_output=True, check=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(folder)], input=archive, check=True)
+    (folder / "plugins" / "cpu" / "corelib_cpu").rename(folder / "corelib_cpu")
+    return folder
+
+
+def _without_options(argv: list[str], options: tuple[str, ...]) -> list[str]:
+    """``argv`` less the given options and their values (``--x V`` or ``--x=V``)."""
+    kept, skip = [], False
+    for token in argv:
+        if skip:
+            skip = False
+        elif token in options:
+            skip = True
+        elif not token.startswith(tuple(option + "=" for option in options)):
+            kept.append(token)
+    return kept
+
+
+def compare_with_base(args: argparse.Namespace, child_argv: list[str]) -> int:
+    """Runs this script for the base tree and this checkout in turns (see the module
+    docstring) and prints corelib's ratio to vLLM for each, per workload."""
+    with tempfile.TemporaryDirectory() as folder:
+        tree = extract_revision(args.base, Path(folder) / "tree")
+        runs = {"base": [], "now": []}
+        for round_ in range(args.rounds):
+            order = ("base", "now") if round_ % 2 == 0 else ("now", "base")
+            for side in order:
+                out = Path(folder) / f"{side}-{round_}.csv"
+                env = dict(os.environ)
+                env.pop(TREE_VARIABLE, None)
+                if side == "base":
+                    env[TREE_VARIABLE] = str(tree)
+                done = subprocess.run([sys.executable, __file__, *child_argv, "--csv", str(out)],
+                                      env=env, capture_output=True, text=True)
+                if done.returncode != 0:
+                    print(done.stdout + done.stderr, file=sys.stderr)
+                    return done.returncode
+                with open(out) as f:
+                    runs[side].append([r for r in csv.DictReader(f) if r["sampler"] != "vllm"])
+        print(f"corelib-cpu / vLLM inside vLLM's CPU engine (vocab {args.vocab}, {args.requests} "
+              f"requests x {args.tokens} tokens), base {args.base} against this checkout, medians "
+              f"of {args.rounds} rounds of {args.repeats} repeats each")
+        print("| workload | seeding | base: step ratio | now: step ratio | now / base | "
+              "base: sampler ms | now: sampler ms |")
+        print("|---|---|---|---|---|---|---|")
+        for i, row in enumerate(runs["now"][0]):
+            def median_of(side, key):
+                return statistics.median(float(run[i][key]) for run in runs[side])
+            base_ratio, now_ratio = median_of("base", "ratio"), median_of("now", "ratio")
+            print(f"| {row['workload']} | {row['seeding']} | {base_ratio:.2f} | {now_ratio:.2f} | "
+                  f"{now_ratio / base_ratio:.2f} | {median_of('base', 'sampler_ms'):.3f} | "
+                  f"{median_of('now', 'sampler_ms'):.3f} |")
+    return 0
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--requests", type=int, default=32)
@@ -200,9 +276,21 @@ def main(argv=None) -> int:
     parser.add_argument("--workloads", nargs="+", default=None,
                         help="a subset of the workloads (default: all)")
     parser.add_argument("--csv", type=Path)
+    parser.add_argument("--base", help="a git revision to compare corelib's ratio with (see above)")
+    parser.add_argument("--rounds", type=int, default=3, help="with --base: runs of each tree")
     args = parser.parse_args(argv)
+    if args.base:
+        return compare_with_base(args, _without_options(sys.argv[1:] if argv is None else argv,
+                                                        ("--base", "--rounds", "--csv")))
+    tree = os.environ.get(TREE_VARIABLE)
+    if tree:
+        sys.path.insert(0, tree)
 
     _setup_environment()
+    import corelib
+    import corelib_cpu
+    if tree and not all(Path(m.__file__).is_relative_to(tree) for m in (corelib, corelib_cpu)):
+        raise RuntimeError(f"{TREE_VARIABLE}={tree}, but corelib was imported from {corelib.__file__}")
     import torch
     from harness import load_average, medians
     load_at_start = load_average()
