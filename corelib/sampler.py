@@ -64,6 +64,16 @@ class Sampler(Verification, Scoring, LogitStages, FilterStages):
     def __repr__(self) -> str:
         return f"{type(self).__name__}(name={self.name!r}, device={str(self.device)!r})"
 
+    def score_reference(self):
+        """The reference backend on this sampler's device, for what this backend does not do
+        itself (a differentiable ``score``). It runs on this backend's batch, so the batch's
+        step states must be the core's (``speculative_state`` with ``dense_by_row``, the
+        ``SamplingBatch`` fields): a backend whose batch keeps another layout makes its own
+        ``score`` differentiable instead (the tpu backend does)."""
+        reference = Sampler(self.device, self.generator)
+        reference.stage_catalog = self.stage_catalog
+        return reference
+
     # ------------------------------------------------------------------ public API
     def new_batch(self, vocab_size: int, eos_token_id: Optional[int] = None,
                   logprobs_mode: str = "raw") -> SamplingBatch:

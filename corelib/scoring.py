@@ -152,17 +152,6 @@ class Scoring:
         s = batch.speculative_state(ids[:, :-1], dense_by_row=by_row)
         return dataclasses.replace(s, num_logprobs=0, logprobs_mode="raw", any_kept=False)
 
-    def score_reference(self):
-        """The reference backend on this sampler's device, for what this backend does not do
-        itself (a differentiable ``score``). It runs on this backend's batch, so the batch's
-        step states must be the core's (``speculative_state`` with ``dense_by_row``, the
-        ``SamplingBatch`` fields): a backend whose batch keeps another layout makes its own
-        ``score`` differentiable instead (the tpu backend does)."""
-        from .sampler import Sampler
-        reference = Sampler(self.device, self.generator)
-        reference.stage_catalog = self.stage_catalog
-        return reference
-
     def empty_score_output(self, T: int, dtype: torch.dtype) -> ScoreOutput:
         values = torch.empty((0, T), dtype=dtype, device=self.device)
         return ScoreOutput(values, values.clone(), torch.empty((0, T), dtype=torch.bool, device=self.device),

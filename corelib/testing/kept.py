@@ -13,6 +13,7 @@ import torch
 
 from ..bitmask import pack_bitmask, unpack_bitmask
 from ..params import SamplingParams
+from .cases import STAGE_CASES
 from .rules import PROMPT, violation
 
 NEG_INF = float("-inf")
@@ -23,7 +24,6 @@ def kept_requests(vocab_size: int) -> list[tuple]:
     """One seeded request per stage of the table (its example) and per combination of the
     suite, every one asking for its kept set; then a greedy row, a row forced by the reasoning
     budget, and a row that does not ask."""
-    from .conformance import STAGE_CASES
     requests = [(f"k-{name}", SamplingParams(**{"seed": 100 + i, **params, "return_kept": True, "logprobs": -1}), PROMPT, None)
                 for i, (name, params) in enumerate(sorted(STAGE_CASES.items()))]
     requests += [
