@@ -9,7 +9,8 @@ alike. The pieces:
   thread's CPU time, which leaves out the time other processes hold the core, and counts no
   other thread's work, so it only means something with one torch thread);
 - ``timed`` / ``timed_call``: one call in milliseconds; ``samples``: warm-up then repeats of
-  one call; ``interleaved``: several calls taking turns, each repeat a round;
+  one call; ``interleaved``: several calls taking turns, each repeat a round; ``CacheFlush``:
+  evicts the cache before a timed call, as a model's forward pass would;
 - ``Summary``: median, minimum, maximum and spread of a list of milliseconds;
 - ``load_vllm`` / ``vllm_metadata``: vLLM's own ``Sampler`` and the ``SamplingMetadata`` its
   input batch builds for a batch of requests with one configuration;
@@ -103,18 +104,37 @@ def samples(fn: Callable[[], object], repeats: int, warmup: int = 1,
 
 
 def interleaved(calls: Mapping[str, Callable[[], object]], repeats: int, warmup: int = 1,
-                clock: Callable[[], float] = time.perf_counter) -> dict[str, list[float]]:
+                clock: Callable[[], float] = time.perf_counter,
+                before: Optional[Callable[[], object]] = None) -> dict[str, list[float]]:
     """Milliseconds of each named call over ``repeats`` rounds, the calls taking turns in each
     round (in the mapping's order) so they share the machine's load; ``warmup`` untimed rounds
-    first (workspace buffers, plans, lazy imports)."""
+    first (workspace buffers, plans, lazy imports). ``before``: run untimed before every call
+    (a ``CacheFlush``, say)."""
     for _ in range(warmup):
         for fn in calls.values():
             fn()
     times: dict[str, list[float]] = {name: [] for name in calls}
     for _ in range(repeats):
         for name, fn in calls.items():
+            if before is not None:
+                before()
             times[name].append(timed(fn, clock=clock))
     return times
+
+
+class CacheFlush:
+    """Called before a timed call, evicts what earlier calls left in the core's cache, as a
+    model's forward pass does between two sampling steps: it writes then reads a buffer of
+    ``mib`` MiB (default 16, four times a 4 MiB L2). Untimed; costs about a millisecond."""
+
+    def __init__(self, mib: int = 16):
+        if mib < 1:
+            raise ValueError(f"mib must be >= 1, got {mib!r}")
+        self.buffer = torch.empty(mib * (1 << 20) // 4, dtype=torch.float32)
+
+    def __call__(self) -> None:
+        self.buffer.fill_(1.0)
+        float(self.buffer.sum())
 
 
 def medians(times: Mapping[str, Sequence[float]]) -> dict[str, float]:
