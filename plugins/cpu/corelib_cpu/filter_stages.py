@@ -42,7 +42,8 @@ from . import kernels
 from .block import Block, Candidates, Cut, pick_rows, runs, take_rows
 from .filters import top_n_sigma_thresholds, typical_rows_, xtc_rows_
 from .rowops import first_argmax
-from .select import kth_largest, mask_below, top_k_candidates, top_p_candidates, top_p_candidates_fast
+from .select import (kth_largest, mask_below, min_p_drops, min_p_of_candidates, top_k_candidates, top_p_candidates,
+                     top_p_candidates_fast)
 
 
 class _Rows:
@@ -132,7 +133,11 @@ class FilterStages:
 
     def apply_min_p(self, x: Block, s: StepState) -> Block:
         """Step 11 on the rows with min_p > 0: tokens whose probability is < min_p * the
-        row's largest are cut (a :class:`~corelib_cpu.block.Cut`; x is masked when a later stage reads it)."""
+        row's largest are cut (a :class:`~corelib_cpu.block.Cut`; x is masked when a later stage reads it).
+        Blocks whose min-p rows are all top-k rows (``BlockPlan.min_p_on_candidates``) cut
+        them in ``top_k_rows`` instead, on the candidates."""
+        if x.plan.min_p_on_candidates:        # step 12 judges it on its candidates
+            return x
         rows = x.plan.min_p_rows
         sub, index = take_rows(x.x, rows, x.plan)
         probs = torch.softmax(sub, dim=-1, out=self.workspace.take("min_p_probs", tuple(sub.shape)))
@@ -380,11 +385,14 @@ class FilterStages:
         temperature = pick_rows(bp.temperature, rows, bp) if divide else None
         maxima = blk.maxima() if sub is blk.x else None
         values, ids, complete = top_k_candidates(sub, k, width, temperature, maxima)
+        min_p = pick_rows(bp.min_p, rows, bp) if bp.min_p_on_candidates else None
         if not bool(complete.all()):
             spill = (~complete).nonzero().flatten()
             spilled = index[spill]
             x = blk.own()
             whole = x[spilled] if temperature is None else x[spilled] / temperature[spill]
+            if min_p is not None:              # step 11 first, on the whole rows
+                whole = whole.masked_fill(min_p_drops(whole, min_p[spill]), NEG_INF)
             x[spilled] = mask_below(whole, kth_largest(values[spill], k[spill]))
             blk.changed()
             for row in spilled.tolist():       # x now holds their min-p cut and more
@@ -394,7 +402,30 @@ class FilterStages:
             if keep.numel() == 0:
                 return
             values, ids, index = values[keep], ids[keep], index[keep]
+            min_p = None if min_p is None else min_p[keep]
+        if min_p is not None:
+            values = self.min_p_candidate_rows(blk, index, values, ids, min_p)
         blk.cand = Candidates(index.tolist(), index, values, ids)
+
+    def min_p_candidate_rows(self, blk: Block, index: torch.Tensor, values: torch.Tensor,
+                             ids: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+        """Step 11 on top-k candidate rows (``BlockPlan.min_p_on_candidates``): values
+        float32 [m, W] (step 10's logits of the candidates, descending, -inf below the k-th),
+        ids int64 [m, W], index int64 [m] their block rows, min_p float32 [m] (0 keeps all).
+        Returns the values with min-p's dropped tokens at -inf (a new tensor).
+
+        Settled by the candidates' logits alone where no candidate lies near the threshold
+        (``select.min_p_of_candidates``); the other rows take the reference's softmax of the
+        whole row (x divided by its temperature) at the candidates."""
+        values, settled = min_p_of_candidates(values, min_p)
+        if not bool(settled.all()):
+            bp = blk.plan
+            for j in (~settled).nonzero()[:, 0].tolist():
+                row = int(index[j])
+                whole = blk.x[row:row + 1] / bp.temperature[row:row + 1]
+                drops = min_p_drops(whole, min_p[j:j + 1]).gather(1, ids[j:j + 1])
+                values[j:j + 1] = values[j:j + 1].masked_fill(drops, NEG_INF)
+        return values
 
     def top_p_candidate_rows(self, cand: Candidates, top_p: torch.Tensor, V: int) -> None:
         """Step 13 on candidate rows (top_p float32 [n] per block row; 1 keeps all).

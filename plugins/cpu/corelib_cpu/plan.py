@@ -55,11 +55,16 @@ class BlockPlan:
     all_greedy: bool = False
     any_seeded: bool = False
     any_unseeded: bool = False
-    #: Every random row is a top-k row without min-p or top-n-sigma: no whole random row is
-    #: filtered before step 12, so the temperature divides the candidates only (the division
-    #: is monotone, so the top k of x / T are the top k of x divided) and steps 10-13 never
-    #: write x itself.
+    #: Every random row is a top-k row without top-n-sigma (or another stage that reads
+    #: whole rows before step 12), and its min-p, if any, is at least ``MIN_P_ON_CANDIDATES``:
+    #: no whole random row is filtered before step 12, so the temperature divides the
+    #: candidates only (the division is monotone, so the top k of x / T are the top k of x
+    #: divided) and steps 10-13 never write x itself.
     candidates_only: bool = False
+    #: candidates_only with min-p rows: step 11 runs inside step 12, on the candidates
+    #: (``select.min_p_of_candidates``). Min-p keeps an upper set of the logits, as top-k
+    #: does, so min-p then top-k keeps the top-k candidates that pass min-p's rule.
+    min_p_on_candidates: bool = False
     #: A stage this backend does not override runs on whole rows before step 12 (the
     #: reference on a dense view, ``CpuSampler.stage_method``): the temperature must then
     #: divide x itself, never the candidates only.
@@ -79,13 +84,16 @@ class BlockPlan:
         self.random_unseeded = [i for i in random if not self.seeded[i]]
         self.any_seeded = any(self.seeded)
         self.any_unseeded = any(not self.seeded[i] for i in random)
-        top_k, whole = set(self.top_k_rows), set(self.min_p_rows) | set(self.top_n_sigma_rows)
-        whole |= set(self.dynatemp_rows)
+        top_k, whole = set(self.top_k_rows), set(self.top_n_sigma_rows) | set(self.dynatemp_rows)
+        for row in self.min_p_rows:      # read whole unless step 12 can judge it on candidates
+            if row not in top_k or float(self.min_p[row]) < MIN_P_ON_CANDIDATES:
+                whole.add(row)
         for name in BEFORE_TOP_K:              # read whole rows before step 12
             whole |= set(self.stage_rows.get(name, ()))
         default = set(random).difference(*self.order_rows.values())
         self.candidates_only = (bool(default) and not self.whole_rows_first
                                 and all(i in top_k and i not in whole for i in default))
+        self.min_p_on_candidates = self.candidates_only and bool(self.min_p_rows)
         self.temperature_below_one = self.temperature_on and bool((self.temperature < 1.0).any())
 
     @property
@@ -218,6 +226,10 @@ _WRITING_FLAGS = tuple(flag for group in ("mask", "adjust")
                        for _, flags in pipeline.flagged_stages_in(group) for flag in flags)
 
 
+#: The smallest min-p judged on top-k candidates (``BlockPlan.min_p_on_candidates``): at the
+#: threshold a token's probability is then min_p / (at most V) >= 1e-20 / 2**31, far from
+#: float32's subnormals, so the reference's rounding moves its log by a few 1e-6 only.
+MIN_P_ON_CANDIDATES = 1e-20
 #: The filters whose rows a plan lists in ``BlockPlan.stage_rows``: name -> (its switch's
 #: flag, the field that turns it on, which values of that field do).
 STAGE_ROWS = {

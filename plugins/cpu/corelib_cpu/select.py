@@ -64,6 +64,41 @@ def top_k_candidates(x: torch.Tensor, k: torch.Tensor, width: int,
     return values.masked_fill(values < kth, NEG_INF), ids, complete[:, 0]
 
 
+# Min-p on candidates: a candidate whose log-distance below the row's largest logit differs
+# from -ln(min_p) by more than this is judged by that distance alone. The reference's float32
+# rounding (x - max, exp, the normalisation, min_p * max p) moves that distance by under 4e-6
+# (distances up to 46, min_p >= 1e-20: ``plan.MIN_P_ON_CANDIDATES``).
+_MIN_P_MARGIN = 2.0 ** -13
+
+
+def min_p_of_candidates(values: torch.Tensor, min_p: torch.Tensor):
+    """Step 11 on candidate rows from their logits alone. values float32 [n, W]: step 10's
+    logits of each row's largest tokens, descending (-inf = dropped; the row's largest
+    first), min_p float32 [n] (0 keeps all, else at least ``plan.MIN_P_ON_CANDIDATES``).
+    Returns ``(values, settled bool [n])``: a new tensor with the tokens min-p drops at -inf,
+    and whether each row is the reference's for sure.
+
+    The reference keeps p >= min_p * max p, which in exact arithmetic is x - max >= ln(min_p):
+    no sum over the row is needed. Rows where some finite candidate lies within
+    ``_MIN_P_MARGIN`` of that threshold, or whose largest logit is not finite, are not
+    settled (the caller takes the reference's softmax for them). Tokens outside the
+    candidates are below the k-th largest, dropped by step 12 whatever min-p says."""
+    top = values[:, :1].double()
+    log_min_p = torch.where(min_p > 0, min_p, 1.0).double().log()[:, None]
+    distance = values.double() - top - log_min_p
+    finite = values > NEG_INF
+    settled = ((distance.abs() > _MIN_P_MARGIN) | ~finite).all(dim=-1) & torch.isfinite(top[:, 0])
+    drop = (distance < 0) & (min_p > 0)[:, None]
+    return values.masked_fill(drop, NEG_INF), settled
+
+
+def min_p_drops(x: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """bool [n, V]: the tokens the reference's step 11 drops from whole rows x float32 [n, V]
+    (min_p float32 [n]): probability below min_p * the row's largest, by torch's softmax."""
+    probs = torch.softmax(x, dim=-1)
+    return probs < min_p[:, None] * probs.amax(dim=-1, keepdim=True)
+
+
 def kth_largest(values: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     """float32 [n, 1]: the k-th largest of each row of descending ``values`` [n, W]."""
     return values.gather(1, (k - 1)[:, None])

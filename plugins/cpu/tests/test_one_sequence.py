@@ -1,0 +1,93 @@
+"""The B = 1 routes of the cpu backend against the reference: filters judged on the few
+candidates an earlier cut left (min-p inside top-k), with the reference's kept sets and
+seeded tokens on rows built to reach every branch (ties, near-threshold tokens, dropped
+tokens, spills past the candidate columns)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from corelib import Sampler, SamplingParams
+
+from corelib_cpu.sampler import CpuSampler
+from corelib_cpu.select import min_p_of_candidates
+
+NEG_INF = float("-inf")
+REFERENCE = Sampler("cpu")
+
+
+def rows_of_every_kind(V: int, seed: int) -> torch.Tensor:
+    """float32 [6, V]: language-model-like, flat, rounded to bfloat16 (ties), rounded to
+    integers (many ties), a third of the tokens dropped, and a row with a token on min-p
+    0.05's threshold (after a temperature of 1)."""
+    g = torch.Generator().manual_seed(seed)
+    ranks = torch.arange(1, V + 1, dtype=torch.float32)
+    peaked = (-1.1 * torch.log(ranks) + 0.3 * torch.randn(V, generator=g))[torch.randperm(V, generator=g)]
+    flat = torch.randn(V, generator=g) * 2.0
+    dropped = torch.randn(V, generator=g) * 3.0
+    dropped[: V // 3] = NEG_INF
+    edge = torch.randn(V, generator=g)
+    edge[7] = float(edge.max()) + 1.0
+    edge[11] = edge[7] + math.log(0.05)          # x - max == ln(min_p), to float32 rounding
+    return torch.stack([peaked, flat, peaked.bfloat16().float(), torch.round(flat), dropped, edge])
+
+
+def one_request(sampler, V: int, params: SamplingParams):
+    batch = sampler.new_batch(V)
+    batch.add("r", params)
+    return batch
+
+
+CHAINS = [
+    dict(top_k=40, top_p=0.95, min_p=0.05, temperature=0.8),
+    dict(top_k=5, min_p=0.3, temperature=2.3),
+    dict(top_k=300, min_p=0.01),
+    dict(top_k=1, min_p=0.5, temperature=0.3),
+    dict(top_k=40, min_p=1.0),
+    dict(top_k=64, min_p=1e-20, top_p=0.5),
+    dict(top_k=50, min_p=1e-30, temperature=0.7),      # below the candidates' floor: whole rows
+]
+
+
+@pytest.mark.parametrize("V", [1000, 32000])
+@pytest.mark.parametrize("chain", CHAINS, ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items()))
+def test_min_p_inside_top_k_keeps_the_references_set_and_tokens(chain, V):
+    logits = rows_of_every_kind(V, seed=V)
+    for r in range(logits.shape[0]):
+        row = logits[r:r + 1]
+        params = SamplingParams(**chain, seed=1000 + r)
+        cpu = CpuSampler()
+        mine, ref = one_request(cpu, V, params), one_request(REFERENCE, V, params)
+        got, want = cpu.processed_logits(row, mine), REFERENCE.processed_logits(row, ref)
+        kept = torch.isfinite(want)
+        assert torch.equal(torch.isfinite(got), kept), f"row {r}: kept sets differ"
+        assert torch.equal(got[kept], want[kept]), f"row {r}: kept logits differ"
+        for step in range(3):                       # seeded tokens over a few positions
+            a, b = cpu.step(row, mine), REFERENCE.step(row, ref)
+            assert torch.equal(a.token_ids, b.token_ids), f"row {r} step {step}: seeded tokens differ"
+
+
+def test_the_plan_judges_min_p_on_candidates_only_above_its_floor():
+    V = 1000
+    cpu = CpuSampler()
+    row = rows_of_every_kind(V, 0)[:1]
+    for min_p, expected in ((0.05, True), (1e-30, False)):
+        batch = one_request(cpu, V, SamplingParams(top_k=40, min_p=min_p, temperature=0.8))
+        cpu.sample(row, batch)
+        plan = batch.cached_plan((1, cpu.block_elements // V, 1), lambda: None)
+        assert plan.blocks[0].min_p_on_candidates is expected
+    # a min-p row without top-k reads whole rows
+    batch = one_request(cpu, V, SamplingParams(min_p=0.05))
+    cpu.sample(row, batch)
+    assert not batch.cached_plan((1, cpu.block_elements // V, 1), lambda: None).blocks[0].min_p_on_candidates
+
+
+def test_candidates_near_min_ps_threshold_are_left_to_the_reference():
+    values = torch.tensor([[2.0, 2.0 + math.log(0.05), 0.0, NEG_INF],
+                           [2.0, 1.0, -1.5, NEG_INF],
+                           [float("nan"), 1.0, 0.0, -1.0]])
+    out, settled = min_p_of_candidates(values, torch.tensor([0.05, 0.05, 0.05]))
+    assert settled.tolist() == [False, True, False]
+    assert torch.isfinite(out[1]).tolist() == [True, True, False, False]   # -1.5 - 2 < ln 0.05
