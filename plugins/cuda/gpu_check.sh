@@ -87,7 +87,27 @@ fi
 # The bundle when FlashInfer is missing, or always in a dry run (to check the bundle itself).
 if compgen -G "$WHEELS/flashinfer/*.whl" >/dev/null && { [ "$DRY" = 1 ] || ! "$PY" -c "import flashinfer" 2>/dev/null; }; then
   echo "FlashInfer bundle: $(cd "$WHEELS/flashinfer" && ls *.whl | tr '\n' ' ')" | tee -a "$OUTDIR/install.log"
-  cut "$lim" "$PY" -m pip install -q --no-index --no-deps --no-compile --target "$SITE" "$WHEELS"/flashinfer/*.whl \
+  bundle=("$WHEELS"/flashinfer/*.whl)
+  if [ "$DRY" = 1 ]; then
+    # The bundle's compiled wheels are the GPU image's Python's: a dry run under another Python
+    # installs the bundle's pure wheels and imports the same versions of the others from its
+    # own environment (gpu_wheels.sh checked the bundle against those versions).
+    mapfile -t bundle < <("$PY" - "${bundle[@]}" <<'PY' 2>>"$OUTDIR/install.log"
+import sys
+try:
+    from packaging import tags, utils
+except ImportError:
+    from pip._vendor.packaging import tags, utils
+here = set(tags.sys_tags())
+for path in sys.argv[1:]:
+    if here & set(utils.parse_wheel_filename(path.rsplit("/", 1)[-1])[3]):
+        print(path)
+    else:
+        print(f"dry run: {path.rsplit('/', 1)[-1]} is another Python's; its version comes from this environment", file=sys.stderr)
+PY
+)
+  fi
+  cut "$lim" "$PY" -m pip install -q --no-index --no-deps --no-compile --target "$SITE" "${bundle[@]}" \
     >>"$OUTDIR/install.log" 2>&1 || setup_rc=3
 fi
 # No --upgrade: the folder is new, and --upgrade would replace the bundle's bin/ (its ninja).
