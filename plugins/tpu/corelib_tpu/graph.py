@@ -2,13 +2,12 @@
 
 ``GraphRunner`` holds everything of ``TpuSampler`` that is about graphs rather than stages:
 
-- the arguments' checks, and their padding to the batch's bucket (rows) and the graph's K
-  (``verify``'s slots), each through a small padding graph of its own that is skipped when
-  the caller's tensors already have the step's shapes;
-- ``sample``, ``verify`` and ``processed_logits``: the core's template (``Sampler.sample``,
-  ``Sampler.verify_state``) run on the padded tensors, its results packed into one int32
-  tensor, launched as one graph with ``xla.launch`` on exactly its outputs and read back in
-  one device-to-host transfer, unpacked on the host to CPU tensors of the live rows;
+- ``sample``, ``verify``, ``score`` and ``processed_logits``: the arguments checked and padded
+  to the batch's bucket and the graph's K (``Padding``, ``corelib_tpu.padding``), the core's
+  template (``Sampler.sample``, ``Sampler.verify_state``, ``Sampler.score_state``) run on
+  them, its results packed into one int32 tensor, launched as one graph with ``xla.launch``
+  on exactly its outputs and read back in one device-to-host transfer, unpacked on the host
+  to CPU tensors of the live rows (``corelib_tpu.transfer``);
 - ``warmup``: every graph serving can need for a vocabulary, compiled on a scratch batch
   (each static ``Variant`` of the step per bucket, verify per (bucket, K), the padding graphs),
   then the compile guard armed (``xla.CompileGuard``).
@@ -28,28 +27,19 @@ import torch
 from corelib.batch import SamplingBatch
 from corelib.bitmask import bitmask_width
 from corelib.drafts import DraftLayout, padded_arguments
-from corelib.params import SamplingParams
-from corelib.outputs import Logprobs, SamplerOutput, ScoreOutput, VerifyOutput, slot_logprobs
+from corelib.outputs import SamplerOutput, ScoreOutput, VerifyOutput, slot_logprobs
 from corelib.sampler import Sampler
-from corelib.verification import (
-    VERIFY_METHODS,
-    _check_draft_ids,
-    checked_draft_ids,
-    checked_draft_probs,
-    verify_logits_shape,
-)
+from corelib.verification import VERIFY_METHODS
 
-from . import xla
+from . import transfer, xla
 from .batch import XlaSamplingBatch
-from .layout import PATHS, Variant
 from .buckets import Buckets
 from .drafts import device_drafts
+from .layout import PATHS, Variant
 from .orders import FilterOrders
+from .padding import Padding
 
 __all__ = ["GraphRunner", "WarmupReport"]
-
-#: Parameters of warm-up's scratch rows (graphs depend on shapes, not parameters).
-_WARM_PARAMS = SamplingParams(temperature=0.0)
 
 
 @dataclasses.dataclass
@@ -69,7 +59,7 @@ class WarmupReport:
     step_graphs: dict = dataclasses.field(default_factory=dict)
 
 
-class GraphRunner(Sampler):
+class GraphRunner(Padding, Sampler):
     """``Sampler`` whose steps run as fixed XLA graphs per bucket (module docstring).
 
     device: an XLA device (None: the first one) or a plain torch device, where the same code
@@ -117,17 +107,17 @@ class GraphRunner(Sampler):
         if n == 0:
             if token_bitmask is not None:
                 batch.check_token_bitmask(token_bitmask)
-            return _empty_output()
+            return transfer.empty_output()
         bucket = batch.bucket(n)
         xla.launch([logits])          # a caller's pending graph is the caller's own
         mask = batch.padded_bitmask(token_bitmask, bucket)
         with self.guard.watch(f"sample (bucket {bucket}, {batch.variant()})"):
             x = self._padded(logits, batch, bucket, per_request)
             out = super().sample(x, batch, mask)       # keeps out.selector_source for append
-            packed = _pack(out)
-            xla.launch(_outputs(packed, out))
-            host, kept = _fetch(packed, out.kept, batch)         # the one transfer of the step
-        result = _unpack(host[:n], batch._asked_logprobs(), out.logprobs is not None)
+            packed = transfer.pack(out)
+            xla.launch(transfer.outputs(packed, out))
+            host, kept = transfer.fetch(packed, out.kept, batch)         # the one transfer of the step
+        result = transfer.unpack(host[:n], batch._asked_logprobs(), out.logprobs is not None)
         result.kept = None if kept is None else kept[:n]
         return result
 
@@ -170,7 +160,7 @@ class GraphRunner(Sampler):
         if n == 0:
             if token_bitmask is not None:
                 batch.check_token_bitmask(token_bitmask, S)
-            return _empty_verify_output(S)
+            return transfer.empty_verify_output(S)
         if K == 0:
             return self._verify_without_drafts(logits, batch, token_bitmask)
         graph_k = self._graph_k(K)
@@ -182,11 +172,11 @@ class GraphRunner(Sampler):
         with self.guard.watch(f"verify (bucket {bucket}, K {graph_k}, "
                               f"draft_probs {given})"):
             out = self._verify_padded(x, batch, draft_ids, q, mask, method)
-            packed = _pack_verify(out)
-            xla.launch(_outputs(packed, out))
+            packed = transfer.pack_verify(out)
+            xla.launch(transfer.outputs(packed, out))
             batch.keep_selector_source(out.selector_source, slots=graph_k + 1)
-            host, kept = _fetch(packed, out.kept, batch)         # the one transfer of the step
-        result = _unpack_verify(host[:n], K + 1, graph_k + 1, batch._asked_logprobs(),
+            host, kept = transfer.fetch(packed, out.kept, batch)         # the one transfer of the step
+        result = transfer.unpack_verify(host[:n], K + 1, graph_k + 1, batch._asked_logprobs(),
                                 out.logprobs is not None)
         result.kept = None if kept is None else kept.view(-1, graph_k + 1, kept.shape[-1])[:n, :K + 1]
         return result
@@ -222,7 +212,7 @@ class GraphRunner(Sampler):
         rows, T, V = x.shape
         if n == 0:
             out = self.empty_score_output(T, torch.float32)
-            return _each_score(out, lambda t: t.cpu()[:, 0] if one else t.cpu())
+            return transfer.each_score(out, lambda t: t.cpu()[:, 0] if one else t.cpu())
         bucket = batch.bucket(n)
         ids = token_ids if isinstance(token_ids, torch.Tensor) else torch.as_tensor(token_ids)
         ids = ids.reshape(rows, T)
@@ -238,12 +228,12 @@ class GraphRunner(Sampler):
         given = ", kept" if words is not None else ""
         with self.guard.watch(f"score (bucket {bucket}, T {T}{given})"):
             out = self._score_padded(x, batch, ids, words)
-            packed = _pack_score(out)
-            xla.launch(_outputs(packed, out))
+            packed = transfer.pack_score(out)
+            xla.launch(transfer.outputs(packed, out))
             batch.keep_selector_source(out.selector_source, slots=T)
             host = packed.cpu()                                  # the one transfer of the call
-        result = _unpack_score(host[:n * T], n, T)
-        return _each_score(result, lambda t: t[:, 0]) if one else result
+        result = transfer.unpack_score(host[:n * T], n, T)
+        return transfer.each_score(result, lambda t: t[:, 0]) if one else result
 
     def _score_padded(self, x: torch.Tensor, batch: XlaSamplingBatch, ids: torch.Tensor,
                       kept: Optional[torch.Tensor]) -> ScoreOutput:
@@ -329,7 +319,7 @@ class GraphRunner(Sampler):
                 with self._forcing(variant):
                     with counted("sample", bucket):
                         out = Sampler.sample(self, x, scratch)
-                        xla.launch(_outputs(_pack(out), out))
+                        xla.launch(transfer.outputs(transfer.pack(out), out))
                     if processed_logits:
                         xla.launch([Sampler.processed_logits(self, x, scratch)])
             for K in spec_k:
@@ -341,7 +331,7 @@ class GraphRunner(Sampler):
                 for (probs, method), chosen in [(j, v) for v in variants if v.random for j in judged]:
                     with counted("verify", bucket, K), self._forcing(chosen):
                         out = self._verify_padded(xs, scratch, ids, probs, mask, method)
-                        xla.launch(_outputs(_pack_verify(out), out))
+                        xla.launch(transfer.outputs(transfer.pack_verify(out), out))
             for T in score_t:
                 xs = self._zeros((bucket, T, V), torch.float32)
                 ids = torch.full((bucket, T), -1, dtype=torch.long).to(self.device)
@@ -350,7 +340,7 @@ class GraphRunner(Sampler):
                     for given in (None, words):
                         with counted("score", bucket, T), self._forcing(chosen):
                             out = self._score_padded(xs, scratch, ids, given)
-                            xla.launch(_outputs(_pack_score(out), out))
+                            xla.launch(transfer.outputs(transfer.pack_score(out), out))
         self._warm_padding(vocab_size, logprobs_mode, logits_dtypes, per_request_logits,
                            unpadded_verify, device_bitmask, spec_k)
         if self.device.type == "xla":
@@ -401,149 +391,6 @@ class GraphRunner(Sampler):
         kept = None if out.kept is None else out.kept[:, None]
         return VerifyOutput(emitted, out.valid.to(torch.long), out.valid, logprobs, kept=kept)
 
-    def _padded_verify_inputs(self, logits, batch: XlaSamplingBatch, ids: torch.Tensor,
-                              probs: Optional[torch.Tensor], token_bitmask, bucket: int,
-                              graph_k: int) -> tuple:
-        """verify's arguments with ``bucket`` rows and ``graph_k`` drafts on the device: logits
-        float32 ``[bucket (K+1), V]``, draft ids int64 ``[bucket, K]``, draft probabilities
-        float32 ``[bucket, K, V]`` (or None), token bitmask int32 ``[bucket (K+1), W]``. Each
-        device input that does not fit already goes through its own one-op padding graph."""
-        rows, S, V = logits.shape
-        what = f"({rows} rows, K {S - 1})"
-        x = self._padded_slots(logits, batch, bucket, graph_k + 1)
-        draft_ids = xla.fit_block(ids, (bucket, graph_k), -1, torch.long, self.device, self.guard,
-                                  f"padding draft_token_ids {what}")
-        q = None
-        if probs is not None:
-            q = xla.fit_block(probs, (bucket, graph_k, V), 0.0, torch.float32, self.device,
-                              self.guard, f"padding draft_probs {what}")
-        mask = batch.padded_bitmask(token_bitmask, bucket, S, graph_slots=graph_k + 1)
-        return x, draft_ids, q, mask
-
-    def _graph_k(self, K: int) -> int:
-        """The configured K whose graph serves K drafts per row (the smallest >= K; K itself
-        when none is configured)."""
-        if not self.speculative_k:
-            return K
-        for k in self.speculative_k:
-            if k >= K:
-                return k
-        raise ValueError(f"verify: K={K} draft slots, but this sampler compiles verification "
-                         f"for speculative_k={self.speculative_k}; create it with "
-                         f"TpuSampler(speculative_k=(..., {K}))")
-
-    def _check_verify_logits(self, logits: torch.Tensor, batch: XlaSamplingBatch) -> tuple[int, int, int]:
-        """The core's logits checks for ``verify``, also accepting rows padded to the bucket.
-        Returns (live rows, K + 1, V)."""
-        rows, S, V = verify_logits_shape(logits)
-        n = batch.num_rows
-        if rows != n and not (n and rows == batch.bucket(n)):
-            raise ValueError(f"verify: logits have {rows} rows; the batch has {n} rows "
-                             f"(verify takes one row per batch row, not per request, or rows "
-                             f"padded to batch.bucket())")
-        batch.check_logits(logits[:n, 0])
-        return n, S, V
-
-    def _check_drafts_arguments(self, rows: int, K: int, V: int, batch: XlaSamplingBatch,
-                                draft_token_ids, draft_probs) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-        """The core's checks of the draft arguments (``Sampler.check_drafts``) without moving
-        anything to the device. Returns (ids, probs) as tensors."""
-        ids = checked_draft_ids(draft_token_ids, rows, K)
-        if ids.device.type == "cpu" and batch.num_rows and K:
-            _check_draft_ids(ids[:batch.num_rows], V, batch)
-        probs = None if draft_probs is None else checked_draft_probs(draft_probs, rows, K, V)
-        return ids, probs
-
-    def _padded_slots(self, logits: torch.Tensor, batch: XlaSamplingBatch, bucket: int,
-                      slots: int) -> torch.Tensor:
-        """float32 ``[bucket, slots, V]``: verify's logits with their rows padded to the bucket
-        and their slots to ``slots`` (the graph's K + 1; extra slots repeat the last, and
-        nothing reads them); the caller's tensor itself when it already is that."""
-        rows, S, V = logits.shape
-        if rows == bucket and S == slots and logits.dtype == torch.float32:
-            return logits if xla.is_xla(logits.device) else logits.clone()
-        sources = batch.row_sources(bucket, per_request=False).tolist()
-        index = torch.tensor([r * S + min(j, S - 1) for r in sources for j in range(slots)],
-                             dtype=torch.long)
-        with self.guard.watch(f"padding verify logits ({rows} rows, {S} slots, {logits.dtype})"):
-            x = self._pad(logits.reshape(rows * S, V), index).reshape(bucket, slots, V)
-            xla.launch([x])
-        return x
-
-    # ------------------------------------------------------------------ checks and padding
-    def _check_batch(self, batch: SamplingBatch) -> None:
-        if batch.device.type != self.device.type:
-            raise ValueError(f"batch lives on {batch.device}, but sampler {self.name!r} runs on "
-                             f"{self.device}")
-        if not isinstance(batch, XlaSamplingBatch):
-            raise TypeError(f"sampler {self.name!r} needs a batch from its new_batch(), got "
-                            f"{type(batch).__name__}")
-
-    def _check(self, logits: torch.Tensor, batch: SamplingBatch) -> bool:
-        """Validate; True when ``logits`` hold one row per request (to expand to rows)."""
-        self._check_batch(batch)
-        n = batch.num_rows
-        padded = (isinstance(logits, torch.Tensor) and logits.dim() == 2 and n > 0
-                  and logits.shape[0] == batch.bucket(n) and logits.shape[0] not in (n, batch.num_requests))
-        batch.check_logits(logits[:n] if padded else logits)
-        return not padded and logits.shape[0] != n
-
-    def _padded(self, logits: torch.Tensor, batch: XlaSamplingBatch, bucket: int,
-                per_request: bool) -> torch.Tensor:
-        """float32 ``[bucket, V]``: the caller's logits as they are when already padded float32
-        rows (XLA: no copy, no graph), else through the padding graph."""
-        if logits.shape[0] == bucket and not per_request and logits.dtype == torch.float32:
-            return logits if xla.is_xla(logits.device) else logits.clone()
-        x = self._pad(logits, batch.row_sources(bucket, per_request))
-        xla.launch([x])
-        return x
-
-    def _pad(self, logits: torch.Tensor, sources: torch.Tensor) -> torch.Tensor:
-        """Rows ``sources`` (int64 host ``[bucket]``) of ``logits`` as float32: the padding
-        graph, one per (logits rows, dtype, bucket)."""
-        return logits.index_select(0, sources.to(logits.device)).to(torch.float32)
-
-    def _warm_padding(self, V: int, logprobs_mode: str, logits_dtypes: Sequence[torch.dtype],
-                      per_request_logits: bool, unpadded_verify: bool, device_bitmask: bool,
-                      spec_k: Sequence[int]) -> None:
-        """The padding graphs of ``warmup``, through the very code that pads in serving, on a
-        scratch batch that grows one row at a time (graphs depend on the row count only)."""
-        scratch = self.new_batch(V, logprobs_mode=logprobs_mode)
-        W = bitmask_width(V)
-        for rows in range(1, self.buckets.largest + 1):
-            scratch.add(f"warm-{rows}", _WARM_PARAMS)
-            bucket = scratch.bucket(rows)
-            for dtype in logits_dtypes:
-                if rows != bucket or dtype != torch.float32:
-                    self._padded(self._zeros((rows, V), dtype), scratch, bucket, per_request=False)
-                if per_request_logits and rows == bucket:     # fewer requests than rows
-                    smallest = max((b for b in self.buckets if b < bucket), default=0) + 1
-                    for requests in range(1, smallest):
-                        xla.launch([self._pad(self._zeros((requests, V), dtype),
-                                              torch.zeros(bucket, dtype=torch.long))])
-            if rows == bucket:
-                continue
-            if device_bitmask:
-                scratch.padded_bitmask(self._device_words((rows, W)), bucket)
-            for K in spec_k if (unpadded_verify or device_bitmask) else ():
-                S = K + 1
-                if device_bitmask:
-                    scratch.padded_bitmask(self._device_words((rows, S, W)), bucket, S)
-                if not unpadded_verify:
-                    continue
-                for dtype in logits_dtypes:
-                    self._padded_slots(self._zeros((rows, S, V), dtype), scratch, bucket, S)
-                ids = torch.full((rows, K), -1, dtype=torch.long).to(self.device)
-                q = self._zeros((rows, K, V), torch.float32)
-                self._padded_verify_inputs(self._zeros((rows, S, V), torch.float32), scratch, ids,
-                                           q, None, bucket, K)
-
-    def _device_words(self, shape) -> torch.Tensor:
-        return torch.full(shape, -1, dtype=torch.int32).to(self.device)
-
-    def _zeros(self, shape, dtype) -> torch.Tensor:
-        return torch.zeros(shape, dtype=dtype).to(self.device)
-
     @contextmanager
     def _forcing(self, variant: Variant):
         """Warm-up only: run the template with a given static variant."""
@@ -552,115 +399,6 @@ class GraphRunner(Sampler):
             yield
         finally:
             self._forced = None
-
-
-def _outputs(packed: torch.Tensor, out) -> list[torch.Tensor]:
-    """What a step graph computes: the packed results, the kept sets (int32 ``[B, W]``, or
-    ``[B, K + 1, W]``; zeros unless a row asks, ``TpuSampler.kept_set``: an output of every
-    step graph, so that asking compiles nothing new), and the distribution after the filter
-    group where rows use a stateful selector (it stays on the device for ``append``)."""
-    extra = [t for t in (getattr(out, "kept", None), out.selector_source) if t is not None]
-    return [packed, *extra]
-
-
-def _fetch(packed: torch.Tensor, kept: Optional[torch.Tensor],
-           batch: XlaSamplingBatch) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """The step's results on the host in one transfer: the packed tensor, and the kept sets
-    when some row asks for them (``batch.asks_kept``; otherwise they stay on the device and
-    None is returned)."""
-    if kept is None or not batch.asks_kept():
-        return packed.cpu(), None
-    host, words = xla.fetch([packed, kept])
-    return host, words
-
-
-def _pack(out: SamplerOutput) -> torch.Tensor:
-    """int32 ``[B, 2]`` (token, valid), or ``[B, 3 + 2 (N+1)]`` with (rank, logprob ids,
-    logprob values as their float32 bits): everything the host needs in one tensor."""
-    cols = [out.token_ids[:, None].to(torch.int32), out.valid[:, None].to(torch.int32)]
-    if out.logprobs is not None:
-        lp = out.logprobs
-        cols += [lp.ranks[:, None].to(torch.int32), lp.token_ids.to(torch.int32),
-                 xla.bitcast(lp.logprobs, torch.int32)]
-    return torch.cat(cols, dim=1)
-
-
-def _unpack(host: torch.Tensor, asked: Optional[int], has_logprobs: bool) -> SamplerOutput:
-    """The inverse of ``_pack`` on the host, keeping the batch's real N + 1 logprob columns."""
-    token_ids, valid = host[:, 0].to(torch.long), host[:, 1].to(torch.bool)
-    logprobs = None
-    if has_logprobs and asked is not None:
-        width = (host.shape[1] - 3) // 2
-        take = asked + 1
-        ids = host[:, 3:3 + take].to(torch.long)
-        values = host[:, 3 + width:3 + width + take].contiguous().view(torch.float32)
-        logprobs = Logprobs(ids, values, host[:, 2].to(torch.long))
-    return SamplerOutput(token_ids, valid, logprobs)
-
-
-def _pack_verify(out: VerifyOutput) -> torch.Tensor:
-    """int32 ``[B, S + 2]`` (emitted tokens, their count, valid), or ``[B, 2 S + 2 + 2 S (N+1)]``
-    with the slots' ranks, logprob ids and logprob bits: one tensor, one transfer."""
-    B, S = out.token_ids.shape
-    cols = [out.token_ids.to(torch.int32), out.num_emitted[:, None].to(torch.int32),
-            out.valid[:, None].to(torch.int32)]
-    if out.logprobs is not None:
-        lp = out.logprobs
-        cols += [lp.ranks.to(torch.int32), lp.token_ids.reshape(B, -1).to(torch.int32),
-                 xla.bitcast(lp.logprobs.reshape(B, -1), torch.int32)]
-    return torch.cat(cols, dim=1)
-
-
-def _unpack_verify(host: torch.Tensor, slots: int, graph_slots: int, asked: Optional[int],
-                   has_logprobs: bool) -> VerifyOutput:
-    """The inverse of ``_pack_verify`` on the host, cut to the caller's ``slots`` and the
-    batch's real N + 1 logprob columns."""
-    S = graph_slots
-    emitted = host[:, :slots].to(torch.long)
-    num_emitted, valid = host[:, S].to(torch.long), host[:, S + 1].to(torch.bool)
-    logprobs = None
-    if has_logprobs and asked is not None:
-        n = host.shape[0]
-        width = (host.shape[1] - 2 - 2 * S) // (2 * S)
-        take = asked + 1
-        ranks = host[:, S + 2:2 * S + 2]
-        ids = host[:, 2 * S + 2:2 * S + 2 + S * width].reshape(n, S, width)
-        bits = host[:, 2 * S + 2 + S * width:].reshape(n, S, width)
-        logprobs = Logprobs(ids[:, :slots, :take].to(torch.long),
-                            bits[:, :slots, :take].contiguous().view(torch.float32),
-                            ranks[:, :slots].to(torch.long))
-    return VerifyOutput(emitted, num_emitted, valid, logprobs)
-
-
-def _pack_score(out: ScoreOutput) -> torch.Tensor:
-    """int32 ``[B T, 5]``: (logprob bits, raw logprob bits, kept_token, rank, valid), one
-    tensor for one transfer."""
-    return torch.stack([xla.bitcast(out.logprobs.to(torch.float32), torch.int32),
-                        xla.bitcast(out.raw_logprobs.to(torch.float32), torch.int32),
-                        out.kept_token.to(torch.int32), out.ranks.to(torch.int32),
-                        out.valid.to(torch.int32)], dim=1)
-
-
-def _unpack_score(host: torch.Tensor, rows: int, T: int) -> ScoreOutput:
-    """The inverse of ``_pack_score`` on the host, as ``[rows, T]`` tensors."""
-    host = host.reshape(rows, T, 5)
-    return ScoreOutput(host[..., 0].contiguous().view(torch.float32),
-                       host[..., 1].contiguous().view(torch.float32), host[..., 2].to(torch.bool),
-                       host[..., 3].to(torch.long), host[..., 4].to(torch.bool))
-
-
-def _each_score(out: ScoreOutput, f) -> ScoreOutput:
-    return ScoreOutput(f(out.logprobs), f(out.raw_logprobs), f(out.kept_token), f(out.ranks),
-                       f(out.valid))
-
-
-def _empty_output() -> SamplerOutput:
-    return SamplerOutput(torch.empty(0, dtype=torch.long), torch.empty(0, dtype=torch.bool), None)
-
-
-def _empty_verify_output(slots: int) -> VerifyOutput:
-    return VerifyOutput(torch.empty((0, slots), dtype=torch.long), torch.empty(0, dtype=torch.long),
-                        torch.empty(0, dtype=torch.bool), None)
 
 
 def _positive_ints(name: str, values: Iterable[int]) -> tuple[int, ...]:

@@ -24,7 +24,7 @@ from corelib.bitmask import pack_bitmask
 from corelib.sampler import Sampler
 
 from corelib_tpu.layout import PATHS, Variant
-from corelib_tpu.graph import _pack, _pack_verify
+from corelib_tpu.transfer import pack as _pack, pack_verify as _pack_verify
 from corelib_tpu.sampler import RecompilationError, TpuSampler
 
 from tpu_support import compile_count, needs_xla, xla_device
@@ -360,7 +360,7 @@ BITMASK_HLO = """
 import torch, torch_xla
 from corelib.sampler import Sampler
 from corelib_tpu.layout import Variant
-from corelib_tpu.graph import _pack
+from corelib_tpu.transfer import pack as _pack
 from corelib_tpu.sampler import TpuSampler
 from corelib_tpu import xla
 sampler = TpuSampler(torch_xla.device(), buckets=(8,), dry_window=16)
