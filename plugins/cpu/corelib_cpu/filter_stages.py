@@ -33,6 +33,8 @@ Shapes: ``n`` rows of a block, ``V`` vocabulary.
 
 from __future__ import annotations
 
+import math
+
 import torch
 from corelib import StepState, pipeline, selectors
 from corelib.noise import STREAM_XTC
@@ -41,8 +43,8 @@ from corelib.sampler import NEG_INF, dynamic_divisor, tail_free_length
 from . import kernels
 from .block import Block, Candidates, Cut, pick_rows, runs, take_rows
 from .filters import top_n_sigma_thresholds, typical_rows_, xtc_rows_
-from .rowops import first_argmax
-from .select import (kth_largest, mask_below, min_p_drops, min_p_of_candidates, top_k_candidates, top_p_candidates,
+from .rowops import GROUP, first_argmax
+from .select import (MIN_P_MARGIN, kth_largest, mask_below, min_p_drops, min_p_of_candidates, top_k_candidates, top_p_candidates,
                      top_p_candidates_fast)
 
 
@@ -136,6 +138,8 @@ class FilterStages:
         row's largest are cut (a :class:`~corelib_cpu.block.Cut`; x is masked when a later stage reads it).
         Blocks whose min-p rows are all top-k rows (``BlockPlan.min_p_on_candidates``) cut
         them in ``top_k_rows`` instead, on the candidates."""
+        if x.plan.min_p_makes_candidates:
+            return self.min_p_candidates(x, s)
         if x.plan.min_p_on_candidates:        # step 12 judges it on its candidates
             return x
         rows = x.plan.min_p_rows
@@ -146,6 +150,47 @@ class FilterStages:
         x.set_cut(rows, probs, cut)
         later = set(x.plan.top_k_rows) | set(x.plan.top_p_rows)
         x.apply_cuts([row for row in rows if row in later])
+        return x
+
+    #: Most tokens a min-p row's candidates hold (``min_p_candidates``); a row with more
+    #: takes the whole-row cut.
+    MIN_P_CANDIDATES = 2048
+
+    def min_p_candidates(self, x: Block, s: StepState) -> Block:
+        """Step 11 in a one-row block whose row has no top-k (``BlockPlan.min_p_makes_candidates``;
+        steps 10 and 11 on the candidates only): the tokens whose logit reaches max + T (ln
+        min_p - twice the settling margin) are the only ones min-p can keep (x / T is within a
+        few 1e-7 of exact), found through the group maxima (``kernels.collect_above``); sorted
+        and divided by T they become the row's candidates, min-p's rule applied to them
+        (``select.min_p_of_candidates``, the reference's softmax where a candidate lies near
+        the threshold). A row with more than ``MIN_P_CANDIDATES`` such tokens (or a NaN) is
+        divided in full and cut as a whole row, as without this route."""
+        bp = x.plan
+        row = bp.min_p_rows[0]
+        maxima = x.maxima()[row]
+        top = float(maxima.amax() if x.top is None else x.top[row, 0])
+        t = float(bp.temperature[row, 0])
+        level = math.log(float(bp.min_p[row])) - 2 * MIN_P_MARGIN
+        found = None
+        if math.isfinite(top):
+            import numpy as np            # present: this route runs with numba only
+            # rounded down to a float32 (the kernel compares in float32)
+            threshold = float(np.nextafter(np.float32(top + t * level), np.float32(NEG_INF)))
+            found = kernels.collect_above(x.x[row], maxima, GROUP, threshold, self.MIN_P_CANDIDATES)
+        if found is None:                      # whole rows, as without candidates
+            xx = x.own()
+            xx[row:row + 1].div_(bp.temperature[row:row + 1])
+            x.changed()
+            sub = xx[row:row + 1]
+            probs = torch.softmax(sub, dim=-1, out=self.workspace.take("min_p_probs", tuple(sub.shape)))
+            x.set_cut([row], probs, bp.min_p[row:row + 1, None] * probs.amax(dim=-1, keepdim=True))
+            return x
+        values, order = torch.sort(found[0], descending=True)
+        ids = found[1][order][None]
+        values = (values / bp.temperature[row])[None]
+        index = bp.index([row])
+        values = self.min_p_candidate_rows(x, index, values, ids, bp.min_p[row:row + 1])
+        x.cand = Candidates([row], index, values, ids)
         return x
 
     def apply_top_k_top_p(self, x: Block, s: StepState) -> Block:

@@ -66,7 +66,8 @@ def describe() -> str:
     reason = _torch_only()
     if reason is not None:
         return f"kernels: pure torch ({reason})"
-    return ("kernels: numba (seeded noise, small-vocabulary draw, top-k/top-p of candidates, "
+    return ("kernels: numba (seeded noise, small-vocabulary draw, top values of a few rows, "
+            "min-p candidates, top-k/top-p of candidates, "
             "quadratic smoothing, tail-free, kept-set packing, nucleus histogram)")
 
 
@@ -322,7 +323,85 @@ def _compile():
                     c += 1
         return c
 
-    return dict(bucket_mass=bucket_mass, band_indices=band_indices,
+    @numba.njit(cache=True, nogil=True)
+    def collect_above(row, maxima, group, threshold, values, ids):  # pragma: no cover
+        V, G, cap = row.shape[0], maxima.shape[0], values.shape[0]
+        k = 0
+        for g in range(G):
+            if maxima[g] != maxima[g]:
+                return -1
+            if maxima[g] < threshold:     # no token of the group reaches it
+                continue
+            for j in range(g * group, min(g * group + group, V)):
+                if row[j] >= threshold:
+                    if k == cap:
+                        return -1
+                    values[k] = row[j]
+                    ids[k] = j
+                    k += 1
+        return k
+
+    @numba.njit(cache=True, nogil=True)
+    def candidate_min_p(values, min_p, margin, out, settled):  # pragma: no cover - compiled
+        n, W = values.shape
+        for r in range(n):
+            top = np.float64(values[r, 0])
+            ok = top == top and top != np.inf and top != -np.inf
+            level = np.log(np.float64(min_p[r])) if min_p[r] > 0 else 0.0
+            for j in range(W):
+                v = values[r, j]
+                out[r, j] = v
+                if v == -np.inf:
+                    continue
+                distance = np.float64(v) - top - level
+                if not abs(distance) > margin:          # NaN too
+                    ok = False
+                if min_p[r] > 0 and distance < 0:
+                    out[r, j] = -np.inf
+            settled[r] = ok
+
+    @numba.njit(cache=True, nogil=True)
+    def top_group_values(x, maxima, group, values, ids, floor):  # pragma: no cover - compiled
+        n, V = x.shape
+        G, W = maxima.shape[1], values.shape[1]
+        picked = np.empty(W, dtype=np.int64)
+        pool = np.empty(W * group, dtype=np.float32)
+        where = np.empty(W * group, dtype=np.int64)
+        for r in range(n):
+            m = maxima[r]
+            for g in range(G):
+                if m[g] != m[g]:          # NaN: torch.topk ranks it first; torch's path
+                    return False
+            # the W-th largest group maximum: every value of the row's W largest reaches it
+            fl = np.partition(m.copy(), G - W)[G - W]
+            c = 0
+            for g in range(G):            # groups above it, then ties with it up to W
+                if m[g] > fl:
+                    picked[c] = g
+                    c += 1
+            for g in range(G):
+                if c == W:
+                    break
+                if m[g] == fl:
+                    picked[c] = g
+                    c += 1
+            k = 0
+            for i in range(W):            # the picked groups' values that reach fl
+                start = picked[i] * group
+                for j in range(start, min(start + group, V)):
+                    if x[r, j] >= fl:
+                        pool[k] = x[r, j]
+                        where[k] = j
+                        k += 1
+            order = np.argsort(pool[:k])  # ascending; ties in any order (allowed)
+            for i in range(W):
+                values[r, i] = pool[order[k - 1 - i]]
+                ids[r, i] = where[order[k - 1 - i]]
+            floor[r] = fl
+        return True
+
+    return dict(bucket_mass=bucket_mass, band_indices=band_indices, top_group_values=top_group_values,
+                candidate_min_p=candidate_min_p, collect_above=collect_above,
                 whole_rows=whole_rows, per_row_ids=per_row_ids, inverse_cdf=inverse_cdf,
                 mixed_keys=mixed_keys, positive_ids=positive_ids,
                 candidate_top_k=candidate_top_k, candidate_top_p=candidate_top_p, smooth=smooth,
@@ -391,6 +470,64 @@ def inverse_cdf(weights: torch.Tensor, u: torch.Tensor) -> Optional[tuple[torch.
     kernels["inverse_cdf"](weights.contiguous().numpy(), u.reshape(-1).contiguous().numpy(),
                            ids.numpy(), ok.numpy())
     return ids, ok
+
+
+def top_group_values(x: torch.Tensor, maxima: torch.Tensor, width: int, group: int):
+    """``rowops.top_values``' group search by the compiled kernel, in one call where torch
+    makes about eight: (values float32 ``[n, width]`` descending, ids int64 ``[n, width]``,
+    floor float32 ``[n]``) from x float32 ``[n, V]``, its group maxima float32 ``[n, G]``
+    (G > width) and the group size. The values are the row's ``width`` largest (torch.topk's:
+    they all reach the ``width``-th largest group maximum, the floor, so they lie in the
+    groups picked); among equal values the ids may come in another order, as the torch path
+    allows. None where the compiled path does not run or a row holds a NaN."""
+    kernels = _compiled()
+    if kernels is None or not x.is_contiguous() or width >= maxima.shape[1]:
+        return None
+    import torch
+    n = x.shape[0]
+    values, ids = torch.empty((n, width)), torch.empty((n, width), dtype=torch.long)
+    floor = torch.empty(n)
+    if not kernels["top_group_values"](x.numpy(), maxima.contiguous().numpy(), group, values.numpy(),
+                                       ids.numpy(), floor.numpy()):
+        return None
+    return values, ids, floor
+
+
+def collect_above(row: torch.Tensor, maxima: torch.Tensor, group: int, threshold: float, cap: int):
+    """The tokens of one row that reach ``threshold``, found through its group maxima (only
+    groups whose maximum reaches it are read): (values float32 ``[m]``, ids int64 ``[m]``,
+    ascending ids) from row float32 ``[V]`` and maxima float32 ``[G]`` (groups of ``group``
+    tokens). None where the compiled path does not run, more than ``cap`` tokens reach the
+    threshold, or a maximum is NaN."""
+    kernels = _compiled()
+    if kernels is None or not row.is_contiguous():
+        return None
+    import numpy as np
+    import torch
+    values, ids = torch.empty(cap), torch.empty(cap, dtype=torch.long)
+    count = kernels["collect_above"](row.numpy(), maxima.contiguous().numpy(), group, np.float32(threshold),
+                                     values.numpy(), ids.numpy())
+    if count < 0:
+        return None
+    return values[:count], ids[:count]
+
+
+def min_p_of_candidates(values: torch.Tensor, min_p: torch.Tensor, margin: float):
+    """``select.min_p_of_candidates`` by the compiled kernel, one call where torch makes
+    about twelve: (values with min-p's dropped tokens at -inf, settled bool ``[n]``) from the
+    descending candidates float32 ``[n, W]`` and min_p float32 ``[n]``. The same float64
+    distances; where numpy's log and torch's may differ in the last bit of a float64, the
+    distance is inside ``margin``, so that row is unsettled on both paths. None where the
+    compiled path does not run."""
+    kernels = _compiled()
+    if kernels is None:
+        return None
+    import torch
+    n, W = values.shape
+    out, settled = torch.empty((n, W)), torch.empty(n, dtype=torch.bool)
+    kernels["candidate_min_p"](values.contiguous().numpy(), min_p.contiguous().numpy(), float(margin),
+                               out.numpy(), settled.numpy())
+    return out, settled
 
 
 def top_k_of_candidates(values: torch.Tensor, k: torch.Tensor, temperature: Optional[torch.Tensor],

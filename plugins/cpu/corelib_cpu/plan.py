@@ -55,8 +55,9 @@ class BlockPlan:
     all_greedy: bool = False
     any_seeded: bool = False
     any_unseeded: bool = False
-    #: Every random row is a top-k row without top-n-sigma (or another stage that reads
-    #: whole rows before step 12), and its min-p, if any, is at least ``MIN_P_ON_CANDIDATES``:
+    #: Every random row is a top-k row (or the min-p row of ``min_p_makes_candidates``) without
+    #: top-n-sigma (or another stage that reads whole rows before step 12), and its min-p, if
+    #: any, is at least ``MIN_P_ON_CANDIDATES``:
     #: no whole random row is filtered before step 12, so the temperature divides the
     #: candidates only (the division is monotone, so the top k of x / T are the top k of x
     #: divided) and steps 10-13 never write x itself.
@@ -65,6 +66,10 @@ class BlockPlan:
     #: (``select.min_p_of_candidates``). Min-p keeps an upper set of the logits, as top-k
     #: does, so min-p then top-k keeps the top-k candidates that pass min-p's rule.
     min_p_on_candidates: bool = False
+    #: min_p_on_candidates in a one-row block without top-k: step 11 makes the candidates,
+    #: the tokens near the top that can pass its rule (``FilterStages.min_p_candidates``;
+    #: numba's ``kernels.collect_above``), so later stages read those only.
+    min_p_makes_candidates: bool = False
     #: A stage this backend does not override runs on whole rows before step 12 (the
     #: reference on a dense view, ``CpuSampler.stage_method``): the temperature must then
     #: divide x itself, never the candidates only.
@@ -85,15 +90,20 @@ class BlockPlan:
         self.any_seeded = any(self.seeded)
         self.any_unseeded = any(not self.seeded[i] for i in random)
         top_k, whole = set(self.top_k_rows), set(self.top_n_sigma_rows) | set(self.dynatemp_rows)
-        for row in self.min_p_rows:      # read whole unless step 12 can judge it on candidates
-            if row not in top_k or float(self.min_p[row]) < MIN_P_ON_CANDIDATES:
+        # a one-row block whose min-p row has no top-k: step 11 makes its candidates
+        makes = (self.r1 - self.r0 == 1 and not top_k and bool(self.min_p_rows)
+                 and kernels.wanted())
+        candidate_rows = top_k | (set(self.min_p_rows) if makes else set())
+        for row in self.min_p_rows:      # read whole unless judged on candidates
+            if row not in candidate_rows or float(self.min_p[row]) < MIN_P_ON_CANDIDATES:
                 whole.add(row)
         for name in BEFORE_TOP_K:              # read whole rows before step 12
             whole |= set(self.stage_rows.get(name, ()))
         default = set(random).difference(*self.order_rows.values())
         self.candidates_only = (bool(default) and not self.whole_rows_first
-                                and all(i in top_k and i not in whole for i in default))
+                                and all(i in candidate_rows and i not in whole for i in default))
         self.min_p_on_candidates = self.candidates_only and bool(self.min_p_rows)
+        self.min_p_makes_candidates = self.min_p_on_candidates and makes
         self.temperature_below_one = self.temperature_on and bool((self.temperature < 1.0).any())
 
     @property

@@ -13,8 +13,14 @@ from typing import Optional
 
 import torch
 
+from . import kernels
+
 #: Tokens per group: large groups make the per-group maxima cheap, small ones the gather.
 GROUP = 128
+#: Up to this many rows, ``top_values`` runs its group search in one compiled call (where
+#: numba is): at B = 1 the torch path's eight operator calls are most of the step; with more
+#: rows torch's calls serve them all at once.
+KERNEL_ROWS = 2
 #: Up to this many elements, ``first_argmax`` is torch.argmax itself.
 ARGMAX_ELEMENTS = 1 << 16
 _COLUMNS = torch.arange(GROUP)
@@ -38,18 +44,27 @@ def group_columns(groups: torch.Tensor, V: int, group: int = GROUP) -> torch.Ten
     return cols.reshape(groups.shape[0], -1).clamp_(max=V - 1)
 
 
-def top_values(x: torch.Tensor, width: int, maxima: Optional[torch.Tensor] = None):
+def top_values(x: torch.Tensor, width: int, maxima: Optional[torch.Tensor] = None,
+               compiled: bool = False):
     """The ``width`` largest values of each row of x float32 [n, V], descending, with their
     ids (int64 [n, width]) and ``floor`` float32 [n]: no token outside the groups searched
     exceeds it (a tie with ``floor`` may lie outside; -inf when every group was searched).
     ``maxima``: x's :func:`group_maxima`, when the caller has them.
 
-    The values are torch.topk's; among equal values the ids may come in another order."""
+    The values are torch.topk's; among equal values the ids may come in another order.
+    ``compiled``: blocks of at most ``KERNEL_ROWS`` rows search in one compiled call, whose
+    ids among equal values (which of them, at the last place) differ from this torch path's:
+    only for callers to whom they are alike (the candidates of top-k, which race and cut by
+    value), never for the top-N log-probabilities, whose ids must not depend on the block."""
     n, V = x.shape
     if -(-V // GROUP) <= width or V < 4 * GROUP:           # as few groups as values wanted
         values, ids = torch.topk(x, min(width, V), dim=-1)
         return values, ids, torch.full((n,), float("-inf"))
     maxima = group_maxima(x) if maxima is None else maxima
+    if compiled and n <= KERNEL_ROWS:
+        found = kernels.top_group_values(x, maxima, width, GROUP)
+        if found is not None:
+            return found
     group_top, groups = torch.topk(maxima, width, dim=-1)                  # (n, width)
     cols = group_columns(groups, V)
     picked = x.gather(1, cols)

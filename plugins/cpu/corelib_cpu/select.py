@@ -50,7 +50,7 @@ def top_k_candidates(x: torch.Tensor, k: torch.Tensor, width: int,
     with the k-th value may lie beyond the W columns or the groups searched (the caller then
     masks the row in full with :func:`mask_below`). Does not modify x."""
     V = x.shape[-1]
-    values, ids, floor = top_values(x, width, maxima)                   # (n, W), descending
+    values, ids, floor = top_values(x, width, maxima, compiled=True)    # (n, W), descending
     compiled = kernels.top_k_of_candidates(values, k, temperature, floor, width >= V)
     if compiled is not None:                                # the same bits, in one call
         return compiled[0], ids, compiled[1]
@@ -68,7 +68,7 @@ def top_k_candidates(x: torch.Tensor, k: torch.Tensor, width: int,
 # from -ln(min_p) by more than this is judged by that distance alone. The reference's float32
 # rounding (x - max, exp, the normalisation, min_p * max p) moves that distance by under 4e-6
 # (distances up to 46, min_p >= 1e-20: ``plan.MIN_P_ON_CANDIDATES``).
-_MIN_P_MARGIN = 2.0 ** -13
+MIN_P_MARGIN = 2.0 ** -13
 
 
 def min_p_of_candidates(values: torch.Tensor, min_p: torch.Tensor):
@@ -80,14 +80,17 @@ def min_p_of_candidates(values: torch.Tensor, min_p: torch.Tensor):
 
     The reference keeps p >= min_p * max p, which in exact arithmetic is x - max >= ln(min_p):
     no sum over the row is needed. Rows where some finite candidate lies within
-    ``_MIN_P_MARGIN`` of that threshold, or whose largest logit is not finite, are not
+    ``MIN_P_MARGIN`` of that threshold, or whose largest logit is not finite, are not
     settled (the caller takes the reference's softmax for them). Tokens outside the
     candidates are below the k-th largest, dropped by step 12 whatever min-p says."""
+    compiled = kernels.min_p_of_candidates(values, min_p, MIN_P_MARGIN)
+    if compiled is not None:                                # the same decisions, one call
+        return compiled
     top = values[:, :1].double()
     log_min_p = torch.where(min_p > 0, min_p, 1.0).double().log()[:, None]
     distance = values.double() - top - log_min_p
     finite = values > NEG_INF
-    settled = ((distance.abs() > _MIN_P_MARGIN) | ~finite).all(dim=-1) & torch.isfinite(top[:, 0])
+    settled = ((distance.abs() > MIN_P_MARGIN) | ~finite).all(dim=-1) & torch.isfinite(top[:, 0])
     drop = (distance < 0) & (min_p > 0)[:, None]
     return values.masked_fill(drop, NEG_INF), settled
 

@@ -234,8 +234,8 @@ def test_info_names_the_path():
     if importlib.util.find_spec("numba") is None:
         assert described == "kernels: pure torch (numba not installed)"
     else:
-        assert described == ("kernels: numba (seeded noise, small-vocabulary draw, top-k/top-p of "
-                             "candidates, quadratic smoothing, tail-free, kept-set packing, nucleus histogram)")
+        assert described == ("kernels: numba (seeded noise, small-vocabulary draw, top values of a few "
+                             "rows, min-p candidates, top-k/top-p of candidates, quadratic smoothing, tail-free, kept-set packing, nucleus histogram)")
 
 
 @needs_numba
@@ -275,3 +275,55 @@ def test_nucleus_histogram_kernels_give_the_torch_paths_thresholds(monkeypatch):
         kernels.reset()
     assert torch.equal(compiled[0].view(torch.int32), plain[0].view(torch.int32))
     assert torch.equal(compiled[1], plain[1])
+
+
+@needs_numba
+@pytest.mark.parametrize("V", [1000, 32000, 128256])
+def test_top_group_values_are_torch_topks_values(V):
+    """The compiled group search of ``rowops.top_values`` (rows <= KERNEL_ROWS): torch.topk's
+    values, ids that hold them (distinct), the torch path's floor; rows of ties, of dropped
+    tokens, of one value throughout, and a short last group."""
+    from corelib_cpu import rowops
+    g = torch.Generator().manual_seed(V)
+    for case in range(20):
+        x = torch.randn((1 + case % 2, V), generator=g) * (0.3, 3.0)[case % 2]
+        if case % 3 == 0:
+            x = torch.round(x)
+        if case % 5 == 0:
+            x[:, : V // 3] = float("-inf")
+        if case % 7 == 0:
+            x[:] = 1.0
+        W = (1, 8, 48, 58)[case % 4]
+        maxima = rowops.group_maxima(x)
+        if W >= maxima.shape[1]:               # top_values takes torch.topk itself there
+            assert kernels.top_group_values(x, maxima, W, rowops.GROUP) is None
+            continue
+        got = kernels.top_group_values(x, maxima, W, rowops.GROUP)
+        assert got is not None
+        values, ids, floor = got
+        want = torch.topk(x, W, dim=-1).values
+        assert torch.equal(values, want), case
+        assert torch.equal(x.gather(1, ids), values), case
+        assert all(len(set(row)) == W for row in ids.tolist()), case
+        assert torch.equal(floor, torch.topk(maxima, W, dim=-1).values[:, -1]), case
+    x[0, 5] = float("nan")                     # torch.topk ranks NaN first: the torch path
+    assert kernels.top_group_values(x, rowops.group_maxima(x), 8, rowops.GROUP) is None
+
+
+@needs_numba
+def test_candidate_min_p_settles_the_same_rows_on_both_paths(monkeypatch):
+    import math
+    from corelib_cpu.select import min_p_of_candidates
+    g = torch.Generator().manual_seed(3)
+    values = torch.sort(torch.randn((64, 48), generator=g) * 3.0, dim=-1, descending=True).values
+    values[::5, 30:] = float("-inf")
+    values[3, 9] = values[3, 0] + math.log(0.05)          # on the threshold: unsettled
+    values[4, 0] = float("nan")
+    min_p = torch.rand(64, generator=g) * 0.5
+    min_p[::7] = 0.0
+    min_p[3] = 0.05
+    compiled, plain = _both_paths(monkeypatch, lambda: min_p_of_candidates(values, min_p))
+    assert torch.equal(compiled[1], plain[1])
+    assert not bool(compiled[1][3]) and not bool(compiled[1][4])
+    settled = compiled[1]
+    assert torch.equal(compiled[0][settled], plain[0][settled])

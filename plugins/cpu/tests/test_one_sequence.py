@@ -11,6 +11,7 @@ import pytest
 import torch
 from corelib import Sampler, SamplingParams
 
+from corelib_cpu import kernels
 from corelib_cpu.sampler import CpuSampler
 from corelib_cpu.select import min_p_of_candidates
 
@@ -48,6 +49,14 @@ CHAINS = [
     dict(top_k=40, min_p=1.0),
     dict(top_k=64, min_p=1e-20, top_p=0.5),
     dict(top_k=50, min_p=1e-30, temperature=0.7),      # below the candidates' floor: whole rows
+    # min-p without top-k makes the candidates (one-row blocks, numba)
+    dict(min_p=0.05),
+    dict(min_p=0.3, temperature=2.3, top_p=0.8),
+    dict(min_p=0.01, temperature=0.5),
+    dict(min_p=1.0),
+    dict(min_p=0.05, typical_p=0.9, temperature=0.9),
+    dict(min_p=0.1, xtc_probability=1.0, xtc_threshold=0.05),
+    dict(min_p=1e-20, temperature=1.5),                # too many candidates: the whole row
 ]
 
 
@@ -78,10 +87,35 @@ def test_the_plan_judges_min_p_on_candidates_only_above_its_floor():
         cpu.sample(row, batch)
         plan = batch.cached_plan((1, cpu.block_elements // V, 1), lambda: None)
         assert plan.blocks[0].min_p_on_candidates is expected
-    # a min-p row without top-k reads whole rows
+    # a min-p row without top-k makes the candidates in a one-row block (with numba), and
+    # reads whole rows in a block of several
     batch = one_request(cpu, V, SamplingParams(min_p=0.05))
     cpu.sample(row, batch)
-    assert not batch.cached_plan((1, cpu.block_elements // V, 1), lambda: None).blocks[0].min_p_on_candidates
+    block = batch.cached_plan((1, cpu.block_elements // V, 1), lambda: None).blocks[0]
+    assert block.min_p_makes_candidates is kernels.wanted()
+    batch.add("other", SamplingParams(min_p=0.05))
+    cpu.sample(row.expand(2, V), batch)
+    block = batch.cached_plan((2, cpu.block_elements // V, 1), lambda: None).blocks[0]
+    assert not block.min_p_on_candidates and not block.min_p_makes_candidates
+
+
+@pytest.mark.parametrize("mode", ["raw", "processed"])
+def test_min_p_candidates_give_the_references_logprobs(mode):
+    V = 32000
+    logits = rows_of_every_kind(V, seed=5)
+    for r in range(logits.shape[0]):
+        params = SamplingParams(min_p=0.05, temperature=0.7, logprobs=5, seed=r)
+        outs = []
+        for sampler in (CpuSampler(), REFERENCE):
+            batch = sampler.new_batch(V, logprobs_mode=mode)
+            batch.add("r", params)
+            outs.append(sampler.sample(logits[r:r + 1], batch))
+        got, want = outs
+        assert torch.equal(got.token_ids, want.token_ids), r
+        assert torch.equal(got.logprobs.ranks, want.logprobs.ranks), r
+        # the same values; among tied ones (-inf past the kept set) the ids may differ
+        assert torch.allclose(got.logprobs.logprobs, want.logprobs.logprobs, atol=1e-5), r
+        assert got.logprobs.token_ids[0, 0] == want.logprobs.token_ids[0, 0], r
 
 
 def test_candidates_near_min_ps_threshold_are_left_to_the_reference():
