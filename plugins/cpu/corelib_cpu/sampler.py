@@ -36,7 +36,9 @@ tokens. Shapes: ``B`` rows, ``V`` vocabulary, ``n`` rows of a block.
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import threading
 from typing import Callable, Optional
 
 import torch
@@ -85,11 +87,19 @@ class CpuSampler(LogitStages, FilterStages, DrawStage, Verification, LogprobStag
         self._offsets: dict[int, torch.Tensor] = {}
         self._stage_methods: dict[str, Callable] = {}
 
+    #: Steps of at most this many logits (B = 1 at V = 151936, B = 2 at 128256) run on one
+    #: torch thread, whatever the caller set (``one_thread``): their operator calls are too
+    #: small to split, and on a machine whose cores are busy each parallel region waits for
+    #: every thread (measured: 0.3 ms steps became 12-48 ms with 2 threads on 2 busy vCPUs).
+    #: 0 leaves the caller's threads on every step.
+    ONE_THREAD_ELEMENTS = 1 << 18
+
     def sample_state(self, logits: torch.Tensor, batch: SamplingBatch, s: StepState) -> SamplerOutput:
         """Steps 1-15: the core template (``Sampler.sample_state``) on each block of rows."""
-        outputs = []
-        for bs in self.block_states(logits, batch, s):
-            outputs.append(Sampler.sample_state(self, logits, batch, bs))
+        with one_thread(s.num_rows * s.vocab_size <= self.ONE_THREAD_ELEMENTS):
+            outputs = []
+            for bs in self.block_states(logits, batch, s):
+                outputs.append(Sampler.sample_state(self, logits, batch, bs))
         return outputs[0] if len(outputs) == 1 else join_samples(outputs)
 
     def verify_state(self, logits: torch.Tensor, batch: SamplingBatch, s: StepState,
@@ -258,6 +268,33 @@ class CpuSampler(LogitStages, FilterStages, DrawStage, Verification, LogprobStag
         if isinstance(batch, CpuBatch):
             return batch.cached_plan((s.num_rows, rows_per_block, slots), build)
         return build()
+
+
+_THREADS = threading.Lock()
+_THREADS_HELD = [0, 0]             # steps inside one_thread now, the threads to restore
+
+
+@contextlib.contextmanager
+def one_thread(small: bool):
+    """Runs its body on one torch intra-op thread when ``small`` (and the caller set more),
+    restoring the caller's count after. Steps of several Python threads share it: the first
+    to enter saves the count, the last to leave restores it (torch's count is the process's)."""
+    # the same calls whichever branch (a step's Python work must not depend on its size)
+    if (torch.get_num_threads() == 1 and not _THREADS_HELD[0]) or not small:
+        yield
+        return
+    with _THREADS:
+        if _THREADS_HELD[0] == 0:
+            _THREADS_HELD[1] = torch.get_num_threads()
+            torch.set_num_threads(1)
+        _THREADS_HELD[0] += 1
+    try:
+        yield
+    finally:
+        with _THREADS:
+            _THREADS_HELD[0] -= 1
+            if _THREADS_HELD[0] == 0:
+                torch.set_num_threads(_THREADS_HELD[1])
 
 
 def dense_top_k(x: torch.Tensor, s: StepState) -> torch.Tensor:

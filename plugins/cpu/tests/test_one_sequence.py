@@ -125,3 +125,24 @@ def test_candidates_near_min_ps_threshold_are_left_to_the_reference():
     out, settled = min_p_of_candidates(values, torch.tensor([0.05, 0.05, 0.05]))
     assert settled.tolist() == [False, True, False]
     assert torch.isfinite(out[1]).tolist() == [True, True, False, False]   # -1.5 - 2 < ln 0.05
+
+
+def test_small_steps_run_on_one_thread_and_restore_the_callers_count():
+    V = 1000
+    seen = []
+    cpu = CpuSampler()
+    original = cpu.draw
+    cpu.draw = lambda *a: (seen.append(torch.get_num_threads()), original(*a))[1]
+    batch = one_request(cpu, V, SamplingParams(top_k=40, seed=3))
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        want = REFERENCE.sample(rows_of_every_kind(V, 1)[:1], one_request(REFERENCE, V, SamplingParams(top_k=40, seed=3)))
+        got = cpu.sample(rows_of_every_kind(V, 1)[:1], batch)
+        assert seen == [1] and torch.get_num_threads() == 2
+        assert torch.equal(got.token_ids, want.token_ids)
+        cpu.ONE_THREAD_ELEMENTS = 0                # the caller's threads on every step
+        cpu.sample(rows_of_every_kind(V, 1)[:1], batch)
+        assert seen == [1, 2]
+    finally:
+        torch.set_num_threads(before)
