@@ -14,8 +14,8 @@ per-round ratios:
 - ``tpu``: ``TpuSampler.sample`` on logits already on the XLA device (all stages, padding to
   the bucket, one transfer of the results);
 - ``sort``: a straightforward traced sampler: temperature, a full sort, top-k by rank,
-  softmax + cumsum for top-p, scatter back to vocabulary order, the contract's Gumbel draw
-  (``torch.argmax``), one transfer of the ids;
+  softmax + cumsum for top-p, scatter back to vocabulary order (``harness.sort_based_filter``),
+  the contract's Gumbel draw (``torch.argmax``), one transfer of the ids;
 - ``light``: the lighter fixed reference the backend's lead was first measured against: the
   same sort-based filter, then ``argmax`` over the logits plus noise computed once before the
   timing (no hash, no logarithms in the timed graph), one transfer of the ids;
@@ -49,7 +49,9 @@ import torch
 
 from corelib import SamplingParams
 
-NEG_INF = float("-inf")
+import harness
+from harness import sort_based_filter
+
 
 CONFIGS = {
     # name: (parameters, logits scale: 3 = peaked like an LLM's, 0.01 = nearly flat)
@@ -58,21 +60,6 @@ CONFIGS = {
     "temperature 0.8 + min-p 0.05": (dict(temperature=0.8, min_p=0.05), 3.0),
     "greedy": (dict(temperature=0.0), 3.0),
 }
-
-
-def sort_based_filter(x, temperature, top_k, top_p):
-    """Steps 10-13 the straightforward traced way: float32 ``[B, V]`` logits with the dropped
-    tokens at -inf, through a full sort and a scatter back to vocabulary order."""
-    V = x.shape[-1]
-    greedy = temperature == 0
-    x = x / torch.where(greedy, 1.0, temperature)[:, None]
-    ordered, order = torch.sort(x, dim=-1, descending=True)
-    ranks = torch.arange(V, device=x.device)[None, :]
-    ordered = ordered.masked_fill((top_k[:, None] > 0) & (ranks >= top_k[:, None]), NEG_INF)
-    probs = torch.softmax(ordered, dim=-1)
-    mass_before = torch.cumsum(probs, dim=-1) - probs
-    ordered = ordered.masked_fill(mass_before >= top_p[:, None], NEG_INF)
-    return torch.full_like(x, NEG_INF).scatter(1, order, ordered)
 
 
 def gumbel_draw(x, keys, greedy):
@@ -129,19 +116,6 @@ def sort_based_verify(logits, temperature, top_k, top_p, keys, uniforms, drafts,
 def compile_count() -> int:
     from corelib_tpu.xla import compile_count as count
     return count()
-
-
-def timed(fn):
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
-
-
-def cpu_timed(fn):
-    """(wall s, CPU s of this process: every XLA:CPU thread, none of the other jobs)."""
-    wall, cpu = time.perf_counter(), time.process_time()
-    fn()
-    return time.perf_counter() - wall, time.process_time() - cpu
 
 
 CPU_SCRIPT = """
@@ -226,19 +200,27 @@ VERIFY_CONFIGS = {
 
 def interleaved(fns: dict, reps: int) -> dict:
     """{label: [first call s, graphs it compiled, median wall s, [per-round wall s],
-    [per-round CPU s]]}, rounds interleaved."""
+    [per-round CPU s]]}: the first call of each (compilation included) timed alone, then one
+    untimed warm round and ``reps`` interleaved rounds (``harness.interleaved``), each call's
+    process CPU time (every XLA:CPU thread, none of the other jobs) recorded beside its wall
+    time."""
     out = {}
     for label, fn in fns.items():
         before = compile_count()
-        out[label] = [timed(fn), compile_count() - before, None, [], []]
-    for fn in fns.values():            # a second warm call: caches and allocations settle
-        fn()
-    for _ in range(reps):
-        for label, fn in fns.items():
-            wall, cpu = cpu_timed(fn)
-            out[label][3].append(wall)
-            out[label][4].append(cpu)
-    for label in out:
+        out[label] = [harness.timed(fn) / 1e3, compile_count() - before, None, [], []]
+    cpu: dict = {label: [] for label in fns}
+
+    def with_cpu(label, fn):
+        def call():
+            start = time.process_time()
+            fn()
+            cpu[label].append(time.process_time() - start)
+        return call
+    wall = harness.interleaved({label: with_cpu(label, fn) for label, fn in fns.items()}, reps,
+                               warmup=1)
+    for label in fns:
+        out[label][3] = [ms / 1e3 for ms in wall[label]]
+        out[label][4] = cpu[label][1:]                     # the warm round's left out
         out[label][2] = statistics.median(out[label][3])
     return out
 
@@ -369,23 +351,16 @@ def _ablations():
             return x
 
     class NoFilterConds(TpuSampler):
-        def apply_top_n_sigma(self, x, s):
-            return x
-
-        def apply_min_p(self, x, s):
-            return x
-
-        def apply_typical_p(self, x, s):
-            return x
-
-        def apply_xtc(self, x, s):
+        # the conditionals of the filters few batches use (``FilterStages.run_group``'s runs)
+        def _few_rows_run(self, x, before, s, run):
             return x
 
     return {
         "production": TpuSampler,
         "no draw noise (argmax only)": NoNoise,
         "no DRY conditional": NoDry,
-        "no filter conditionals (10a; 13a with 13b)": NoFilterConds,
+        "no conditionals of the filters few batches use": NoFilterConds,
+        "no kept-set conditional": without(any_kept=False),
         "no step 8b": without(any_thinking=False),
         "no bitmask": without(any_bitmask=False),
         "no penalties (7-8)": without(any_penalties=False),
