@@ -291,8 +291,8 @@ def kept_report(llama_cpp, V: int, rows: int) -> list[str]:
                 equal += ours == theirs
                 equal_order += ours_order == theirs
                 if ours != ours_order:
-                    reasons.add("order: the contract divides by T first and cuts min-p before top-k and top-p, "
-                                "llama.cpp applies T last")
+                    reasons.add("order: the contract divides by T before the filters (and cuts min-p before "
+                                "top-k and top-p), llama.cpp's chain applies T last")
                 if ours_order != theirs:
                     reasons.add(why(row[0], ours_order, theirs))
             llama.close()

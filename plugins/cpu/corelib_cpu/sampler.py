@@ -96,10 +96,15 @@ class CpuSampler(LogitStages, FilterStages, DrawStage, Verification, LogprobStag
 
     def sample_state(self, logits: torch.Tensor, batch: SamplingBatch, s: StepState) -> SamplerOutput:
         """Steps 1-15: the core template (``Sampler.sample_state``) on each block of rows."""
-        with one_thread(s.num_rows * s.vocab_size <= self.ONE_THREAD_ELEMENTS):
-            outputs = []
-            for bs in self.block_states(logits, batch, s):
-                outputs.append(Sampler.sample_state(self, logits, batch, bs))
+        if more_threads_than_one(s.num_rows * s.vocab_size <= self.ONE_THREAD_ELEMENTS):
+            with one_thread():
+                return self.sample_blocks(logits, batch, s)
+        return self.sample_blocks(logits, batch, s)
+
+    def sample_blocks(self, logits: torch.Tensor, batch: SamplingBatch, s: StepState) -> SamplerOutput:
+        outputs = []
+        for bs in self.block_states(logits, batch, s):
+            outputs.append(Sampler.sample_state(self, logits, batch, bs))
         return outputs[0] if len(outputs) == 1 else join_samples(outputs)
 
     def verify_state(self, logits: torch.Tensor, batch: SamplingBatch, s: StepState,
@@ -274,15 +279,19 @@ _THREADS = threading.Lock()
 _THREADS_HELD = [0, 0]             # steps inside one_thread now, the threads to restore
 
 
-@contextlib.contextmanager
-def one_thread(small: bool):
-    """Runs its body on one torch intra-op thread when ``small`` (and the caller set more),
-    restoring the caller's count after. Steps of several Python threads share it: the first
-    to enter saves the count, the last to leave restores it (torch's count is the process's)."""
+def more_threads_than_one(small: bool) -> bool:
+    """Whether a step of this size (``small``: at most ``ONE_THREAD_ELEMENTS`` logits) should
+    run inside ``one_thread``: the caller runs torch on more than one thread, or another
+    step holds it at one. One cheap call on the common path (one thread already)."""
     # the same calls whichever branch (a step's Python work must not depend on its size)
-    if (torch.get_num_threads() == 1 and not _THREADS_HELD[0]) or not small:
-        yield
-        return
+    return (torch.get_num_threads() > 1 or _THREADS_HELD[0] > 0) and small
+
+
+@contextlib.contextmanager
+def one_thread():
+    """Runs its body on one torch intra-op thread, restoring the caller's count after. Steps
+    of several Python threads share it: the first to enter saves the count, the last to
+    leave restores it (torch's count is the process's)."""
     with _THREADS:
         if _THREADS_HELD[0] == 0:
             _THREADS_HELD[1] = torch.get_num_threads()
