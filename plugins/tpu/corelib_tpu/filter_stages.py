@@ -54,22 +54,125 @@ def _unchanged(x: torch.Tensor, *rest: torch.Tensor) -> torch.Tensor:
     return x
 
 
+#: The filters few batches use, each run here in a conditional on its rows, with a predicate
+#: (bool ``[B]``) that holds wherever that conditional's does; None for a filter that runs
+#: inside another stage's route here (min-p in steps 11-13's). A run of them next to each
+#: other in the table shares one outer conditional on "some row uses one of them"
+#: (``FilterStages.run_group``).
+_FEW_ROWS = {
+    "top_n_sigma": lambda s: s.top_n_sigma > 0,
+    "smoothing": lambda s: s.smoothing_factor > 0,
+    "min_p": None if MIN_P_IN_ROUTE else (lambda s: s.min_p > 0),
+    "top_a": lambda s: s.top_a > 0,
+    "epsilon": lambda s: s.epsilon_cutoff > 0,
+    "eta": lambda s: s.eta_cutoff > 0,
+    "typical_p": lambda s: s.typical_p < 1,
+    "tfs": lambda s: s.tfs < 1,
+    "p_less": lambda s: s.p_less != pipeline.P_LESS_OFF,
+    "xtc": lambda s: s.xtc_probability > 0,
+}
+
+
+def _dynatemp_rows(s: XlaStepState) -> torch.Tensor:
+    """bool ``[B]``: the rows whose step 10 is the dynamic temperature."""
+    return (s.dynatemp_range > 0) & ~s.greedy
+
+
+#: The dynamic temperature's entry in a run of ``_FEW_ROWS`` (after step 10's division).
+_DYNATEMP_RUN = "dynamic temperature"
+_FEW_ROWS[_DYNATEMP_RUN] = _dynatemp_rows
+
+
+def _name(item) -> str:
+    """The ``_FEW_ROWS`` name of an entry of a run: a stage, or ``_DYNATEMP_RUN``."""
+    return item if isinstance(item, str) else item.name
+
+
 class FilterStages:
     """Steps 10-14 of ``TpuSampler`` (which provides the graph runner and the other stages)."""
+
+    def run_group(self, group: str, x: torch.Tensor, s: XlaStepState) -> torch.Tensor:
+        """The core's ``run_group``, the same stages in the same order, except that each run
+        of two or more consecutive filters of ``_FEW_ROWS`` (the dynamic temperature counting
+        as one, after step 10's division) goes into one conditional on "some row uses one of
+        them", inside which each still runs in its own. Why: a conditional whose branch
+        passes ``[B, V]`` logits through is not free in the HLO (its operand is materialised,
+        and XLA:CPU copies it into the conditional's result buffer: a write and a read of
+        ``[B, V]``), so a batch that uses none of these filters pays one such pass instead of
+        one per filter. x float32 ``[B, V]``; not in place."""
+        if group != "filter":
+            return Sampler.run_group(self, group, x, s)
+        run: list = []
+        before = x
+        for stage, flags in pipeline.flagged_stages_in(group):
+            if not any(getattr(s, flag) for flag in flags):
+                continue
+            if stage.name in _FEW_ROWS:
+                run.append(stage)
+                continue
+            x = self._few_rows_run(x, before, s, run)
+            run = []
+            if stage.name == "temperature" and s.any_dynatemp:
+                before, x = x, self._static_temperature(x, s)
+                run.append(_DYNATEMP_RUN)
+                continue
+            x = self.stage_method(stage)(x, s)
+        return self._few_rows_run(x, before, s, run)
+
+    def _few_rows_run(self, x: torch.Tensor, before: torch.Tensor, s: XlaStepState,
+                      run: list) -> torch.Tensor:
+        """``run``'s stages in order (``_DYNATEMP_RUN`` for the dynamic temperature), in one
+        conditional when two or more of them have one of their own; ``before``: the logits
+        before step 10, which the dynamic temperature reads. The branch takes the state's
+        ``[B]`` tensors as operands (a traced branch reads nothing else) and runs the stages
+        on a copy of ``s`` holding them."""
+        tests = [_FEW_ROWS[_name(item)] for item in run if _FEW_ROWS[_name(item)] is not None]
+        if len(tests) < 2:
+            return self._run_in_turn(x, before, s, run)
+        used = tests[0](s)
+        for test in tests[1:]:
+            used = used | test(s)
+        rows = {f.name: getattr(s, f.name) for f in dataclasses.fields(s)
+                if isinstance(getattr(s, f.name), torch.Tensor) and getattr(s, f.name).dim() == 1}
+        names = tuple(rows)
+
+        def every(x, before, *values):
+            return self._run_in_turn(x, before, dataclasses.replace(s, **dict(zip(names, values))), run)
+        key = ("filters of few rows", type(self), tuple(_name(item) for item in run), names,
+               self.top_k_candidates)
+        return xla.cond(used.any(), every, _unchanged, [x, before, *rows.values()], key)
+
+    def _run_in_turn(self, x: torch.Tensor, before: torch.Tensor, s: XlaStepState,
+                     run: list) -> torch.Tensor:
+        """``run``'s stages one after the other, each with its own conditional."""
+        for item in run:
+            if item == _DYNATEMP_RUN:
+                x = self._dynamic_temperature(x, before, s)
+            else:
+                x = self.stage_method(item)(x, s)
+        return x
 
     def apply_temperature(self, x: torch.Tensor, s: XlaStepState) -> torch.Tensor:
         """Step 10: ``x / temperature`` per row (greedy rows divide by 1), as in the core; the
         dynamic temperature (``dynatemp_range`` float32 ``[B]``, 0 = static; the core's
         ``dynamic_temperature``, entropy and kept count over the row) runs in a conditional
-        only when some row uses it, from the same ``x``. Not in place."""
-        t = torch.where(s.greedy, torch.ones_like(s.temperature), s.temperature)
-        static = x / t[:, None]
-        if not s.any_dynatemp:
-            return static
+        only when some row uses it, from the same ``x`` (``run_group`` puts that conditional
+        inside the one of the filters after it). Not in place."""
+        static = self._static_temperature(x, s)
+        return self._dynamic_temperature(static, x, s) if s.any_dynatemp else static
 
+    @staticmethod
+    def _static_temperature(x: torch.Tensor, s: XlaStepState) -> torch.Tensor:
+        t = torch.where(s.greedy, torch.ones_like(s.temperature), s.temperature)
+        return x / t[:, None]
+
+    def _dynamic_temperature(self, static: torch.Tensor, x: torch.Tensor,
+                             s: XlaStepState) -> torch.Tensor:
+        """The dynamic temperature's conditional: rows with ``dynatemp_range`` > 0 from x
+        (before step 10), the others' ``static`` (x divided by their temperature)."""
         def dynamic(static, x, temperature, d, exponent, greedy):
             return Sampler.apply_temperature(self, x, _dynatemp_state(temperature, d, exponent, greedy))
-        return xla.cond(((s.dynatemp_range > 0) & ~s.greedy).any(), dynamic, _unchanged,
+        return xla.cond(_dynatemp_rows(s).any(), dynamic, _unchanged,
                         [static, x, s.temperature, s.dynatemp_range, s.dynatemp_exponent, s.greedy],
                         "dynatemp")
 

@@ -226,14 +226,28 @@ class TpuSampler(FilterStages, GraphRunner):
         """Step 8a, DRY, over each row's window of the last ``dry_window`` tokens (``dry``):
         penalties from the window's repeat lengths (O(B H)), then one scatter-min of the
         ``B H`` penalised logits into x (``dry.apply``). dry_multiplier float32 ``[B]``, 0 =
-        off; runs only when some row uses it (``xla.cond``). Not in place."""
-        def run(x, history, match, since, multiplier, base, allowed_length, window):
-            tokens, penalty = dry.penalties(history, match, since, multiplier, base,
-                                            allowed_length, window)
-            return dry.apply(x, tokens, penalty)
-        return xla.cond((s.dry_multiplier > 0).any(), run, _unchanged,
-                        [x, s.dry_history, s.dry_match, s.dry_since_breaker, s.dry_multiplier,
-                         s.dry_base, s.dry_allowed_length, s.dry_range], "dry")
+        off. The penalties are computed in a conditional on "some row uses DRY" that returns
+        them (int64 and float32 ``[B, H]``; ids 0 and penalties 0 when none does, which the
+        scatter-min leaves as they are), and the scatter runs outside it: a conditional that
+        took and returned x would have XLA:CPU copy ``[B, V]`` into its result at every step.
+        (XLA:CPU may make this conditional a select of its two cheap branches: O(B H) work.)
+        Under autograd (``score``'s gradients) the scatter runs only when a row uses DRY:
+        amin's backward splits a gradient among equal values. Not in place."""
+        def run(history, match, since, multiplier, base, allowed_length, window):
+            return dry.penalties(history, match, since, multiplier, base, allowed_length, window)
+
+        def none(history, *rest):
+            return (torch.zeros(history.shape, dtype=torch.int64, device=history.device),
+                    torch.zeros(history.shape, dtype=torch.float32, device=history.device))
+
+        used = (s.dry_multiplier > 0).any()
+        operands = [s.dry_history, s.dry_match, s.dry_since_breaker, s.dry_multiplier,
+                    s.dry_base, s.dry_allowed_length, s.dry_range]
+        if x.requires_grad:
+            return xla.cond(used, lambda x, *rest: dry.apply(x, *run(*rest)), _unchanged,
+                            [x, *operands], "dry")
+        tokens, penalty = xla.cond(used, run, none, operands, "dry penalties")
+        return dry.apply(x, tokens, penalty)
 
     def apply_thinking_budget(self, x: torch.Tensor, forced: torch.Tensor) -> torch.Tensor:
         """Step 8b as in the core (a forced row, ``forced`` int64 ``[B]`` >= 0, keeps only its
@@ -280,6 +294,11 @@ class TpuSampler(FilterStages, GraphRunner):
         compiles nothing. Not in place."""
         def kept(final, token_ids, valid, asks, greedy):
             vocab = xla.iota(final.shape[-1], torch.int64, final.device)
+            # An identity gather (rows by a cached iota, which XLA cannot fold): a branch of
+            # elementwise ops only is turned into a select by XLA's conditional simplifier,
+            # which then packs the kept bits at every step, asked for or not.
+            rows = xla.iota(final.shape[0], torch.int64, final.device)[0]
+            token_ids = token_ids.index_select(0, rows)
             keep = torch.where(greedy[:, None], vocab == token_ids[:, None], final > NEG_INF)
             return bitmask.pack_words(keep & (valid & asks)[:, None])
 

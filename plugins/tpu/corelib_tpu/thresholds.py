@@ -31,6 +31,8 @@ _SIGN_FLIP = 0x7FFFFFFF
 #: 0x3F800001 < 2**30 bit patterns.
 KEY_BISECTION_STEPS = 32
 PROB_BISECTION_STEPS = 30
+#: float32 holds every integer below this exactly (counts summed as float32 stay exact).
+_FLOAT_EXACT = 2**24
 #: order_keys(-inf): keys below it are NaN bit patterns, where every compare is false.
 _NEG_INF_KEY = 0xFF800000 ^ _SIGN_FLIP ^ -(1 << 32)
 
@@ -193,12 +195,20 @@ def min_p_filter(x: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
 
 def narrow_rows(x: torch.Tensor, k: int, greedy: torch.Tensor) -> torch.Tensor:
     """bool ``[B]``: rows of x float32 ``[B, V]`` free of NaN and +inf that keep at most ``k``
-    tokens (x > -inf), or are greedy (bool ``[B]``). Two sums over x, in float32: exact for
-    counts below 2**24, and fused into the reductions (torch sums int32 into int64, which
-    XLA:CPU materialises as an s64 ``[B, V]`` copy before reducing)."""
-    bad = (torch.isnan(x) | (x == float("inf"))).to(torch.float32).sum(dim=-1)
-    kept = (x > NEG_INF).to(torch.float32).sum(dim=-1)
-    return (bad == 0) & (greedy | (kept <= k))
+    tokens (x > -inf), or are greedy (bool ``[B]``).
+
+    One float32 sum over x of 1 per kept token and ``2**24`` per NaN or +inf: a row without
+    those sums to its kept count, exactly (counts below ``2**24``), and a row with one sums to
+    at least ``2**24`` (adding non-negative floats never rounds a partial sum down), so
+    ``sum <= k`` answers both questions in one reduction. Two sums (a count of each) took
+    XLA:CPU two passes over ``[B, V]``; float32, not int: torch sums int32 into int64, which
+    XLA:CPU materialises as an s64 ``[B, V]`` copy before reducing."""
+    bad = torch.isnan(x) | (x == float("inf"))
+    if x.shape[-1] >= _FLOAT_EXACT or k >= _FLOAT_EXACT:        # a count could round
+        free = bad.to(torch.float32).sum(dim=-1) == 0
+        return free & (greedy | ((x > NEG_INF).to(torch.float32).sum(dim=-1) <= k))
+    code = torch.where(bad, float(_FLOAT_EXACT), (x > NEG_INF).to(torch.float32)).sum(dim=-1)
+    return (code < _FLOAT_EXACT) & (greedy | (code <= k))
 
 
 def softmax_rows(x: torch.Tensor) -> torch.Tensor:

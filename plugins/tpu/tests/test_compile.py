@@ -405,3 +405,39 @@ def test_bitmask_is_unpacked_inside_a_fusion(tmp_path):
             if dims in ("8,32,32", "8,1024") or dims == "8,1000" and dtype not in ("f32", "s8"):
                 materialised.append(line.strip()[:160])
     assert not materialised, materialised
+
+
+RANDOM_STEP_HLO = """
+import torch, torch_xla
+from corelib.sampler import Sampler
+from corelib_tpu.transfer import outputs, pack
+from corelib_tpu.sampler import TpuSampler
+from corelib_tpu import xla
+sampler = TpuSampler(torch_xla.device(), buckets=(8,), dry_window=16)
+batch = sampler.new_batch(1000)
+with sampler._forcing(sampler.variants(batch)[2]):
+    out = Sampler.sample(sampler, torch.zeros((8, 1000)).to(torch_xla.device()), batch)
+    xla.launch(outputs(pack(out), out))
+out.token_ids.cpu()
+"""
+
+
+def test_a_random_step_passes_its_logits_through_few_conditionals(tmp_path):
+    """In the optimised HLO of the folded random step (XLA's own dump), the conditionals of
+    the top level: the filters few batches use share one conditional before the route of
+    steps 11-13 (the dynamic temperature in it) and one after it, so the conditionals that
+    return ``[B, V]`` logits (each a copy of them when not taken) are those two and the
+    route (DRY's returns its penalties, ``[B, H]``, or XLA makes it a select of them: either
+    way no logits); and the kept sets are a conditional of their own, not a select that XLA's
+    conditional simplifier made of elementwise branches (which packs the bits at every
+    step)."""
+    env = dict(os.environ, XLA_FLAGS=f"--xla_dump_to={tmp_path} --xla_dump_hlo_as_text",
+               PJRT_DEVICE="CPU")
+    subprocess.run([sys.executable, "-c", RANDOM_STEP_HLO], env=env, check=True, capture_output=True)
+    dumps = sorted(Path(tmp_path).glob("*after_optimizations.txt"), key=lambda p: p.stat().st_size)
+    text = dumps[-1].read_text()                                   # the step graph: the largest
+    entry = text[text.index("\nENTRY "):]
+    entry = entry[:entry.index("\n}")]
+    results = re.findall(r"= \(([^)]*)\) conditional\(", entry)
+    assert results.count("f32[8,1000]{1,0}") == 3, results
+    assert "s32[8,32]{1,0}" in results, results                              # the kept sets
