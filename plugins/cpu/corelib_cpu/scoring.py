@@ -27,6 +27,7 @@ from corelib.sampler import NEG_INF
 from . import kernels
 from .batch import CpuBatch
 from .bitmask import apply_bitmask_rows
+from .joins import join_scores
 from .block import Block, Candidates, runs
 from .state import rows_state
 
@@ -153,13 +154,3 @@ def candidate_words(cand: Candidates, at: list, W: int) -> torch.Tensor:
     bits = torch.where(values > NEG_INF, torch.bitwise_left_shift(torch.ones_like(ids), ids & 31), 0)
     words = torch.zeros((len(at), W), dtype=torch.long).scatter_add_(1, ids >> 5, bits)
     return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
-
-
-def join_scores(outputs: list) -> ScoreOutput:
-    """The blocks' score outputs as one, in row order (flat ``[B T]``; ``selector_source``
-    joined as ``sampler.join_sources`` joins the samples')."""
-    from .sampler import join_sources
-    fields = ("logprobs", "raw_logprobs", "kept_token", "ranks", "valid")
-    out = ScoreOutput(*(torch.cat([getattr(o, name) for o in outputs]) for name in fields))
-    out.selector_source = join_sources(outputs, lambda o: o.valid.shape[0])
-    return out
