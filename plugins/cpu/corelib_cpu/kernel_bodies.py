@@ -1,0 +1,339 @@
+"""The numba bodies of the cpu backend's compiled kernels (see ``kernels``, which chooses
+between them and torch and wraps each for its caller). Every body gives exactly the bits of
+the torch code it replaces; the comments on each say why the bits agree.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+
+def compile_kernels() -> Optional[dict]:
+    """The kernels compiled by numba (imported here, on the first step that uses one), by
+    name, or None when numba is missing or fails to load."""
+    try:
+        import numba
+        import numpy as np
+    except Exception:                    # a broken install falls back like a missing one
+        return None
+    from corelib import noise
+
+    # corelib.noise's constants as unsigned 32-bit values, every one uint64: numba types
+    # uint64 mixed with int64 as float64
+    mask = np.uint64(0xFFFFFFFF)
+    mul_1, mul_2, step = (np.uint64(c & 0xFFFFFFFF)
+                          for c in (noise._MIX_MUL_1, noise._MIX_MUL_2, noise._TOKEN_STEP))
+    s15, s16, top = np.uint64(15), np.uint64(16), np.uint64(32 - noise._UNIFORM_BITS)
+    scale = np.float32(noise._UNIFORM_SCALE)
+    half = np.float32(noise._UNIFORM_SCALE / 2)
+
+    @numba.njit(inline="always")
+    def mix(h):                           # pragma: no cover - runs compiled
+        h ^= h >> s16
+        h = (h * mul_1) & mask
+        h ^= h >> s15
+        h = (h * mul_2) & mask
+        return h ^ (h >> s16)
+
+    @numba.njit(inline="always")
+    def uniform(key, token):              # pragma: no cover - runs compiled
+        h = mix((key + np.uint64(token) * step) & mask)
+        return np.float32(h >> top) * scale + half
+
+    @numba.njit(cache=True, nogil=True)
+    def mixed_keys(prefix, position, out):  # pragma: no cover - runs compiled
+        for r in range(out.shape[0]):
+            h = mix((np.uint64(prefix[r]) ^ np.uint64(position[r])) & mask)
+            out[r] = np.int32(np.int64(h) - np.int64(1 << 32)) if h >= np.uint64(1 << 31) else np.int32(h)
+
+    @numba.njit(cache=True, nogil=True)
+    def whole_rows(keys, out):            # pragma: no cover - runs compiled
+        for r in range(out.shape[0]):
+            key = np.uint64(keys[r]) & mask
+            for j in range(out.shape[1]):
+                out[r, j] = uniform(key, j)
+
+    @numba.njit(cache=True, nogil=True)
+    def per_row_ids(keys, ids, out):      # pragma: no cover - runs compiled
+        for r in range(out.shape[0]):
+            key = np.uint64(keys[r]) & mask
+            for j in range(out.shape[1]):
+                out[r, j] = uniform(key, ids[r, j])
+
+    @numba.njit(cache=True, nogil=True)
+    def inverse_cdf(weights, u, ids, ok):  # pragma: no cover - runs compiled
+        n, V = weights.shape
+        for r in range(n):
+            total = 0.0
+            for j in range(V):             # torch's float64 cumsum: sequential, same order
+                total += np.float64(weights[r, j])
+            ok[r] = total > 0.0 and total < np.inf
+            target = min(u[r] * total, np.nextafter(total, 0.0))
+            running, pick = 0.0, V - 1
+            for j in range(V):             # searchsorted(right=True): the first sum > target
+                running += np.float64(weights[r, j])
+                if running > target:
+                    pick = j
+                    break
+            ids[r] = pick
+
+    @numba.njit(cache=True, nogil=True)
+    def candidate_top_k(values, k, temperature, floor, whole, out, complete):  # pragma: no cover
+        n, W = values.shape
+        for r in range(n):
+            t = temperature[r]
+            kth = np.float32(values[r, k[r] - 1] / t)
+            last = np.float32(values[r, W - 1] / t)
+            below = np.float32(floor[r] / t)
+            complete[r] = whole or (last < kth and below < kth) or kth == -np.inf
+            for j in range(W):
+                v = np.float32(values[r, j] / t)
+                out[r, j] = -np.inf if v < kth else v
+
+    @numba.njit(cache=True, nogil=True)
+    def candidate_top_p(values, top_p, tolerance, out, settled):  # pragma: no cover
+        n, W = values.shape
+        p = np.empty(W)
+        for r in range(n):
+            top = np.float64(top_p[r])
+            out[r, :] = values[r, :]
+            if top >= 1.0:
+                settled[r] = True
+                continue
+            settled[r] = False
+            high = -np.inf
+            for j in range(W):
+                high = max(high, np.float64(values[r, j]))
+            if not (-np.inf < high < np.inf):
+                continue
+            total = 0.0
+            for j in range(W):
+                p[j] = np.exp(np.float64(values[r, j]) - high)
+                total += p[j]
+            if not (0.0 < total < np.inf):          # a NaN among the values
+                continue
+            running, count, sums_gap = 0.0, 0, np.inf
+            for j in range(W):
+                p[j] /= total
+                if running < top:
+                    count += 1
+                sums_gap = min(sums_gap, abs(running - top))
+                running += p[j]
+            last = max(count, 1) - 1
+            threshold, tied = p[last], values[r, last]
+            value_gap = np.inf
+            for j in range(W):
+                if values[r, j] != tied:
+                    value_gap = min(value_gap, abs(p[j] - threshold) / max(threshold, 1e-300))
+            tiny = 0.0 < threshold < 2.0 ** -100
+            settled[r] = min(sums_gap, value_gap) > tolerance and not tiny
+            for j in range(W):
+                if not p[j] >= threshold:
+                    out[r, j] = -np.inf
+
+    @numba.njit(inline="always")
+    def positive(bits):                   # pragma: no cover - runs compiled
+        # a float32's int32 bits: w > 0 (NaN excluded) exactly when 0 < bits <= those of +inf,
+        # an integer test that vectorises where a float comparison does not
+        return (bits > np.int32(0)) & (bits <= np.int32(0x7F800000))
+
+    @numba.njit(cache=True, nogil=True)
+    def positive_ids(bits, pad, ids, counts):  # pragma: no cover - runs compiled
+        n, V = bits.shape
+        cap = ids.shape[1]
+        whole = V - V % 64
+        for r in range(n):
+            row = bits[r]
+            c = 0
+            for start in range(0, whole, 64):   # a vectorised count first: most blocks hold none
+                found = np.int32(0)
+                for j in range(64):
+                    found += np.int32(positive(row[start + j]))
+                if found == 0:
+                    continue
+                if c + found > cap:
+                    return False
+                for j in range(start, start + 64):
+                    if positive(row[j]):
+                        ids[r, c] = j
+                        c += 1
+            for j in range(whole, V):
+                if positive(row[j]):
+                    if c == cap:
+                        return False
+                    ids[r, c] = j
+                    c += 1
+            counts[r] = c
+            for j in range(c, cap):
+                ids[r, j] = pad
+        return True
+
+    @numba.njit(cache=True, nogil=True)
+    def smooth(x, top, square, cube):      # pragma: no cover - runs compiled
+        # float32 throughout, each product rounded in the reference's order (no fused
+        # multiply-add: numba contracts nothing without fastmath)
+        n, V = x.shape
+        for r in range(n):
+            m, a, b = top[r], square[r], cube[r]
+            for j in range(V):
+                v = x[r, j]
+                if v != -np.inf:
+                    d = v - m
+                    x[r, j] = (m - a * d * d) + b * d * d * d
+
+    @numba.njit(cache=True, nogil=True)
+    def tfs_second(q, n, out):              # pragma: no cover - runs compiled
+        rows, width = out.shape
+        for r in range(rows):
+            inside = n[r] - 2
+            for i in range(width):
+                out[r, i] = abs((q[r, i] - 2.0 * q[r, i + 1]) + q[r, i + 2]) if i < inside else 0.0
+
+    @numba.njit(cache=True, nogil=True)
+    def tfs_index(second, total, n, tfs, out):  # pragma: no cover - runs compiled
+        rows, width = second.shape
+        for r in range(rows):
+            inside = n[r] - 2
+            count, running = 0, 0.0
+            spread = total[r] > 1e-6
+            for i in range(min(inside, width)):    # torch's cumsum: sequential, same order
+                running += second[r, i] / max(total[r], 1e-300) if spread else 1.0 / max(inside, 1)
+                if not running <= tfs[r]:          # non-decreasing: no later sum passes
+                    break
+                count += 1
+            out[r] = min(count + 1, max(inside, 1))
+
+    @numba.njit(cache=True, nogil=True)
+    def pack_above(x, floor, out):          # pragma: no cover - runs compiled
+        # one byte of 8 comparisons at a time (uint8 lanes vectorise; a 32-bit word's
+        # variable shifts do not), written where the int32 words' little-endian bytes lie
+        n, V = x.shape
+        whole = V // 8
+        for r in range(n):
+            row = x[r]
+            o = out[r]
+            for k in range(whole):
+                b = np.uint8(0)
+                for j in range(8):
+                    b |= np.uint8(row[k * 8 + j] > floor) << np.uint8(j)
+                o[k] = b
+            k = whole
+            if whole * 8 < V:
+                b = np.uint8(0)
+                for j in range(V - whole * 8):
+                    b |= np.uint8(row[whole * 8 + j] > floor) << np.uint8(j)
+                o[k] = b
+                k += 1
+            for m in range(k, o.shape[0]):
+                o[m] = np.uint8(0)
+
+    @numba.njit(inline="always")
+    def bucket_of(bits, shift, top):      # pragma: no cover - runs compiled
+        b = bits >> shift                 # arithmetic, as torch's on int32
+        return 0 if b < 0 else (top if b > top else b)
+
+    @numba.njit(cache=True, nogil=True)
+    def bucket_mass(probs, bits, shift, top, mass, count):  # pragma: no cover - runs compiled
+        # float64 sums in token order: torch.bincount's order, so its bits
+        n, V = probs.shape
+        for r in range(n):
+            for j in range(V):
+                k = bucket_of(bits[r, j], shift, top)
+                mass[r, k] += np.float64(probs[r, j])
+                count[r, k] += 1
+
+    @numba.njit(cache=True, nogil=True)
+    def band_indices(bits, bucket, shift, top, out):  # pragma: no cover - runs compiled
+        n, V = bits.shape
+        c = 0
+        for r in range(n):
+            want = bucket[r]
+            for j in range(V):
+                if bucket_of(bits[r, j], shift, top) == want:
+                    out[c] = r * V + j
+                    c += 1
+        return c
+
+    @numba.njit(cache=True, nogil=True)
+    def collect_above(row, maxima, group, threshold, values, ids):  # pragma: no cover
+        V, G, cap = row.shape[0], maxima.shape[0], values.shape[0]
+        k = 0
+        for g in range(G):
+            if maxima[g] != maxima[g]:
+                return -1
+            if maxima[g] < threshold:     # no token of the group reaches it
+                continue
+            for j in range(g * group, min(g * group + group, V)):
+                if row[j] >= threshold:
+                    if k == cap:
+                        return -1
+                    values[k] = row[j]
+                    ids[k] = j
+                    k += 1
+        return k
+
+    @numba.njit(cache=True, nogil=True)
+    def candidate_min_p(values, min_p, margin, out, settled):  # pragma: no cover - compiled
+        n, W = values.shape
+        for r in range(n):
+            top = np.float64(values[r, 0])
+            ok = top == top and top != np.inf and top != -np.inf
+            level = np.log(np.float64(min_p[r])) if min_p[r] > 0 else 0.0
+            for j in range(W):
+                v = values[r, j]
+                out[r, j] = v
+                if v == -np.inf:
+                    continue
+                distance = np.float64(v) - top - level
+                if not abs(distance) > margin:          # NaN too
+                    ok = False
+                if min_p[r] > 0 and distance < 0:
+                    out[r, j] = -np.inf
+            settled[r] = ok
+
+    @numba.njit(cache=True, nogil=True)
+    def top_group_values(x, maxima, group, values, ids, floor):  # pragma: no cover - compiled
+        n, V = x.shape
+        G, W = maxima.shape[1], values.shape[1]
+        picked = np.empty(W, dtype=np.int64)
+        pool = np.empty(W * group, dtype=np.float32)
+        where = np.empty(W * group, dtype=np.int64)
+        for r in range(n):
+            m = maxima[r]
+            for g in range(G):
+                if m[g] != m[g]:          # NaN: torch.topk ranks it first; torch's path
+                    return False
+            # the W-th largest group maximum: every value of the row's W largest reaches it
+            fl = np.partition(m.copy(), G - W)[G - W]
+            c = 0
+            for g in range(G):            # groups above it, then ties with it up to W
+                if m[g] > fl:
+                    picked[c] = g
+                    c += 1
+            for g in range(G):
+                if c == W:
+                    break
+                if m[g] == fl:
+                    picked[c] = g
+                    c += 1
+            k = 0
+            for i in range(W):            # the picked groups' values that reach fl
+                start = picked[i] * group
+                for j in range(start, min(start + group, V)):
+                    if x[r, j] >= fl:
+                        pool[k] = x[r, j]
+                        where[k] = j
+                        k += 1
+            order = np.argsort(pool[:k])  # ascending; ties in any order (allowed)
+            for i in range(W):
+                values[r, i] = pool[order[k - 1 - i]]
+                ids[r, i] = where[order[k - 1 - i]]
+            floor[r] = fl
+        return True
+
+    return dict(bucket_mass=bucket_mass, band_indices=band_indices, top_group_values=top_group_values,
+                candidate_min_p=candidate_min_p, collect_above=collect_above,
+                whole_rows=whole_rows, per_row_ids=per_row_ids, inverse_cdf=inverse_cdf,
+                mixed_keys=mixed_keys, positive_ids=positive_ids,
+                candidate_top_k=candidate_top_k, candidate_top_p=candidate_top_p, smooth=smooth,
+                tfs_second=tfs_second, tfs_index=tfs_index, pack_above=pack_above)
