@@ -80,6 +80,28 @@ def test_each_switch_is_on_exactly_when_a_row_it_applies_to_uses_the_stage(stage
     assert getattr(batch.step_state(), switch.flag) is False
 
 
+ROW_FIELD_CASES = [dict(), *EVERY_FIELD_ON, *(stage.example for stage in pipeline.STAGES if stage.example),
+                   dict(top_k=-1, top_p=1.0), dict(xtc_probability=0.0, xtc_threshold=0.3),
+                   dict(adaptive_p_target=0.0), dict(dynatemp_range=0.5, temperature=0.0)]
+
+
+@pytest.mark.parametrize("stage, switch", [(stage, switch) for stage, switch in pipeline.switches()
+                                           if switch.row_field is not None],
+                         ids=[sw.flag for _, sw in pipeline.switches() if sw.row_field is not None])
+def test_a_switchs_row_field_away_from_neutral_is_its_uses_for_random_rows(stage, switch):
+    """What a backend reads per row from the step state's tensors (``Switch.row_field``)
+    says what ``uses`` says of the row's request."""
+    field = next(f for f in stage.fields if f.name == switch.row_field)
+    for case in ROW_FIELD_CASES:
+        params = corelib.SamplingParams(**case)
+        if params.is_greedy:
+            continue
+        batch = Sampler().new_batch(V)
+        batch.add("r", params)
+        value = getattr(batch.step_state(), field.name)[0].item()
+        assert (value != field.neutral) == switch.uses(params), (switch.flag, case)
+
+
 class RecordingSampler(Sampler):
     """The reference, recording which table stage runs when."""
 

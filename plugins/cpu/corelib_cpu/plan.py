@@ -12,7 +12,7 @@ key is kept). Shapes: ``B`` rows, ``n`` rows of a block.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 from corelib import StepState, pipeline
@@ -29,23 +29,16 @@ class BlockPlan:
     r1: int
     greedy: list            # bool per row
     seeded: list            # bool per row: random rows with a seed
-    min_p_rows: list        # block-local rows with min_p > 0 (random rows only)
-    top_k_rows: list
-    top_p_rows: list
-    top_n_sigma_rows: list  # random rows with top_n_sigma > 0
-    typical_p_rows: list    # random rows with typical_p < 1
-    xtc_rows: list          # random rows with xtc_probability > 0
     temperature_on: bool    # some random row has a temperature other than 1
     temperature: torch.Tensor   # float32 [n, 1] (greedy rows: 1)
     min_p: torch.Tensor         # float32 [n]
     top_k: torch.Tensor         # int64 [n], 0 = off, at most V
     top_p: torch.Tensor         # float32 [n]
     top_k_max: int              # largest top_k of the block's top-k rows (0: none)
-    #: Random rows with a dynamic temperature (dynatemp_range > 0): step 10 reads them whole.
-    dynatemp_rows: list = field(default_factory=list)
-    #: The fourth release's filters this backend runs itself: stage name -> its random rows
-    #: of the default order (``STAGE_ROWS``); the selectors' -> every random row using one
-    #: (``SELECTOR_ROWS``).
+    #: The rows each filter and selector applies to, block-local, by the table's switches
+    #: (``ROW_SWITCHES``): name -> its random rows of the default order (a selector's: every
+    #: random row using it); a switch no row sets has no entry. ``min_p_rows`` and its
+    #: siblings read it.
     stage_rows: dict = field(default_factory=dict)
     #: Random rows with a filter order of their own: order k (``StepState.filter_order``) ->
     #: its rows, ascending. The default order's lists above leave them out (neutral
@@ -89,7 +82,7 @@ class BlockPlan:
         self.random_unseeded = [i for i in random if not self.seeded[i]]
         self.any_seeded = any(self.seeded)
         self.any_unseeded = any(not self.seeded[i] for i in random)
-        top_k, whole = set(self.top_k_rows), set(self.top_n_sigma_rows) | set(self.dynatemp_rows)
+        top_k, whole = set(self.top_k_rows), set()
         # a one-row block whose min-p row has no top-k: step 11 makes its candidates
         makes = (self.r1 - self.r0 == 1 and not top_k and bool(self.min_p_rows)
                  and kernels.wanted())
@@ -109,6 +102,19 @@ class BlockPlan:
     @property
     def n(self) -> int:
         return self.r1 - self.r0
+
+    def rows_of(self, name: str) -> list:
+        """The block-local rows of switch ``name`` (a key of ``ROW_SWITCHES``)."""
+        return self.stage_rows.get(name, _NONE)
+
+    min_p_rows = property(lambda self: self.rows_of("min_p"))
+    top_k_rows = property(lambda self: self.rows_of("top_k"))
+    top_p_rows = property(lambda self: self.rows_of("top_p"))
+    top_n_sigma_rows = property(lambda self: self.rows_of("top_n_sigma"))
+    typical_p_rows = property(lambda self: self.rows_of("typical_p"))
+    xtc_rows = property(lambda self: self.rows_of("xtc"))
+    #: random rows with a dynamic temperature: step 10 reads them whole
+    dynatemp_rows = property(lambda self: self.rows_of("dynatemp"))
 
     def index(self, rows: list) -> torch.Tensor:
         """int64 tensor of block-local rows, made once per list of rows."""
@@ -174,20 +180,14 @@ def make_plan(s: StepState, rows_per_block: int, sparse_penalties: bool,
     off = [False] * B
     seeded = (s.seeded & ~s.greedy).tolist() if s.any_seeded else off
     temperature_on = (temperature != 1.0).tolist() if s.any_temperature else off
-    min_p_on = (min_p > 0.0).tolist() if s.any_min_p else off
-    top_k_on = (top_k > 0).tolist() if s.any_top_k else off
-    top_p_on = (top_p < 1.0).tolist() if s.any_top_p else off
     top_k_list = top_k.tolist() if s.any_top_k else off
-    top_n_sigma_on = _random_and(s.top_n_sigma > 0.0, random_default) if s.any_top_n_sigma else off
-    typical_p_on = _random_and(s.typical_p < 1.0, random_default) if s.any_typical_p else off
-    xtc_on = _random_and(s.xtc_probability > 0.0, random_default) if s.any_xtc else off
-    dynatemp_on = _random_and(s.dynatemp_range > 0.0, random_default) if s.any_dynatemp else off
     stage_on = {}
-    for name, (flag, field_name, on) in {**STAGE_ROWS, **SELECTOR_ROWS}.items():
-        if getattr(s, flag):
+    for name, switch in ROW_SWITCHES.items():
+        if getattr(s, switch.flag):
             # the selectors run after the filter group, whichever order the row gave it
-            rows = random if name in SELECTOR_ROWS else random_default
-            stage_on[name] = _random_and(on(getattr(s, field_name)), rows)
+            rows = random if switch.stage.group == "select" else random_default
+            stage_on[name] = _random_and(getattr(s, switch.field) != switch.neutral, rows)
+    top_k_on = stage_on.get("top_k", off)
     key_prefix = None
     if any(seeded):
         key_prefix = row_key_prefix(s.seed_lo, s.seed_hi, s.child)
@@ -199,19 +199,12 @@ def make_plan(s: StepState, rows_per_block: int, sparse_penalties: bool,
             r0, r1,
             greedy=greedy[r0:r1],
             seeded=seeded[r0:r1],
-            min_p_rows=[i - r0 for i in local if min_p_on[i]],
-            top_k_rows=[i - r0 for i in local if top_k_on[i]],
-            top_p_rows=[i - r0 for i in local if top_p_on[i]],
-            top_n_sigma_rows=[i - r0 for i in local if top_n_sigma_on[i]],
-            typical_p_rows=[i - r0 for i in local if typical_p_on[i]],
-            xtc_rows=[i - r0 for i in local if xtc_on[i]],
             temperature_on=any(temperature_on[r0:r1]),
             temperature=temperature[r0:r1, None],
             min_p=min_p[r0:r1],
             top_k=top_k[r0:r1],
             top_p=top_p[r0:r1],
             top_k_max=max((top_k_list[i] for i in local if top_k_on[i]), default=0),
-            dynatemp_rows=[i - r0 for i in local if dynatemp_on[i]],
             order_rows=_order_rows(orders, r0, r1),
             stage_rows={name: [i - r0 for i in local if on[i]] for name, on in stage_on.items()},
             whole_rows_first=whole_rows_first,
@@ -240,25 +233,33 @@ _WRITING_FLAGS = tuple(flag for group in ("mask", "adjust")
 #: threshold a token's probability is then min_p / (at most V) >= 1e-20 / 2**31, far from
 #: float32's subnormals, so the reference's rounding moves its log by a few 1e-6 only.
 MIN_P_ON_CANDIDATES = 1e-20
-#: The filters whose rows a plan lists in ``BlockPlan.stage_rows``: name -> (its switch's
-#: flag, the field that turns it on, which values of that field do).
-STAGE_ROWS = {
-    "smoothing": ("any_smoothing", "smoothing_factor", lambda v: v > 0.0),
-    "top_a": ("any_top_a", "top_a", lambda v: v > 0.0),
-    "epsilon": ("any_epsilon", "epsilon_cutoff", lambda v: v > 0.0),
-    "eta": ("any_eta", "eta_cutoff", lambda v: v > 0.0),
-    "tfs": ("any_tfs", "tfs", lambda v: v < 1.0),
-    "p_less": ("any_p_less", "p_less", lambda v: v != pipeline.P_LESS_OFF),
-}
-#: The same for step 14's stateful selectors (every random row that uses one: they run after
-#: the filter group in any order).
-SELECTOR_ROWS = {
-    "mirostat": ("any_mirostat", "mirostat_tau", lambda v: v > 0.0),
-    "adaptive_p": ("any_adaptive_p", "adaptive_p_target", lambda v: v >= 0.0),
-}
-#: Those of them that run before steps 12-13 in the default order.
+
+
+class RowSwitch(NamedTuple):
+    """A switch of the filter or select group as a plan reads it per row: a row uses it when
+    its ``field`` is not ``neutral`` (``pipeline.Switch.row_field``)."""
+
+    flag: str
+    field: str
+    neutral: object
+    stage: pipeline.Stage
+
+
+#: The switches whose rows a plan lists (``BlockPlan.stage_rows``), from the table: name (the
+#: flag without its ``any_``) -> RowSwitch.
+ROW_SWITCHES = {
+    switch.flag.removeprefix("any_"): RowSwitch(
+        switch.flag, switch.row_field,
+        next(f.neutral for f in stage.fields if f.name == switch.row_field), stage)
+    for group in ("filter", "select") for stage in pipeline.stages_in(group)
+    for switch in stage.switches if switch.row_field is not None}
+_NONE: list = []
 _FILTERS = [stage.name for stage in pipeline.stages_in("filter")]
-BEFORE_TOP_K = tuple(name for name in STAGE_ROWS if _FILTERS.index(name) < _FILTERS.index("top_k_top_p"))
+#: The switches of filters before steps 12-13 in the default order, whose rows are read whole
+#: before step 12 (min-p aside: it is judged on the candidates where it can be).
+BEFORE_TOP_K = tuple(name for name, switch in ROW_SWITCHES.items()
+                     if switch.stage.group == "filter" and name != "min_p"
+                     and _FILTERS.index(switch.stage.name) < _FILTERS.index("top_k_top_p"))
 
 
 def _order_rows(orders: list, r0: int, r1: int) -> dict:
