@@ -148,6 +148,21 @@ def cpu_backend_time(python, vocab, rows, scale, reps, params):
     return json.loads(out.stdout.strip().splitlines()[-1]), ""
 
 
+def baseline_inputs(sp: SamplingParams, rows: int, vocab: int, gen: torch.Generator, device):
+    """The sort-based baselines' inputs for ``rows`` rows of ``sp``, on ``device``:
+    temperature, top_k and top_p ``[rows]``, the rows' noise keys (int32 ``[rows]``, drawn
+    from ``gen``) and the light baseline's Gumbel noise (float32 ``[rows, vocab]``, the
+    contract's, made once before the timing)."""
+    from corelib import noise
+    temperature = torch.full((rows,), sp.temperature).to(device)
+    top_k = torch.full((rows,), sp.effective_top_k).to(device)
+    top_p = torch.full((rows,), sp.top_p).to(device)
+    keys = torch.randint(-(2**31), 2**31, (rows,), dtype=torch.int32, generator=gen).to(device)
+    vocab_ids = torch.arange(vocab, dtype=torch.int32)[None, :].to(device)
+    gumbel = torch.where((temperature == 0)[:, None], 0.0, noise.seeded_gumbel(keys[:, None], vocab_ids))
+    return temperature, top_k, top_p, keys, gumbel
+
+
 def bench_one(name, params, scale, rows, vocab, reps, tpu, cpu_python, device):
     gen = torch.Generator().manual_seed(rows)
     host = torch.randn((rows, vocab), generator=gen) * scale
@@ -156,13 +171,7 @@ def bench_one(name, params, scale, rows, vocab, reps, tpu, cpu_python, device):
     batch = tpu.new_batch(vocab)
     for i in range(rows):
         batch.add(f"r{i}", sp)
-    temperature = torch.full((rows,), sp.temperature).to(device)
-    top_k = torch.full((rows,), sp.effective_top_k).to(device)
-    top_p = torch.full((rows,), sp.top_p).to(device)
-    keys = torch.randint(-(2**31), 2**31, (rows,), dtype=torch.int32, generator=gen).to(device)
-    from corelib import noise
-    vocab_ids = torch.arange(vocab, dtype=torch.int32)[None, :].to(device)
-    gumbel = torch.where((temperature == 0)[:, None], 0.0, noise.seeded_gumbel(keys[:, None], vocab_ids))
+    temperature, top_k, top_p, keys, gumbel = baseline_inputs(sp, rows, vocab, gen, device)
     import torch_xla
     torch_xla.sync()
 

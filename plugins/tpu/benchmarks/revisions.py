@@ -32,7 +32,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import torch  # noqa: E402
 
-from corelib import SamplingParams, noise  # noqa: E402
+from corelib import SamplingParams  # noqa: E402
 
 PACKAGE = "plugins/tpu/corelib_tpu"
 
@@ -70,13 +70,8 @@ def sample_suite(before_cls, after_cls, rows, vocab, reps, device, tb) -> None:
             params, scale = tb.CONFIGS[name]
             gen = torch.Generator().manual_seed(B)
             logits = (torch.randn((B, vocab), generator=gen) * scale).to(device)
-            sp = SamplingParams(**params)
-            temperature = torch.full((B,), sp.temperature).to(device)
-            top_k = torch.full((B,), sp.effective_top_k).to(device)
-            top_p = torch.full((B,), sp.top_p).to(device)
-            keys = torch.randint(-(2**31), 2**31, (B,), dtype=torch.int32, generator=gen).to(device)
-            ids = torch.arange(vocab, dtype=torch.int32)[None, :].to(device)
-            gumbel = torch.where((temperature == 0)[:, None], 0.0, noise.seeded_gumbel(keys[:, None], ids))
+            temperature, top_k, top_p, keys, gumbel = tb.baseline_inputs(
+                SamplingParams(**params), B, vocab, gen, device)
             fns, tokens = {}, {}
             for label, cls in (("before", before_cls), ("after", after_cls)):
                 sampler = cls(device, buckets=(B,))
