@@ -85,9 +85,9 @@ def corelib_batch(sampler: CpuSampler, params: dict, seeded: bool, B: int):
     return batch
 
 
-def bench_cell(vllm, name: str, B: int, repeats: int, clock, Base=None) -> Cell:
+def bench_cell(vllm, name: str, B: int, repeats: int, clock, Base=None, profile: str = "flat") -> Cell:
     params, seeded = CONFIGS[name]
-    logits = make_logits(B, V, "flat")
+    logits = make_logits(B, V, profile)
     sampler = CpuSampler()
     batch = corelib_batch(sampler, params, seeded, B)
     # A decode loop: each call samples and appends, so seeded rows move to a new position.
@@ -166,6 +166,9 @@ def main(argv=None) -> int:
     parser.add_argument("--no-vllm", action="store_true", help="time corelib alone")
     parser.add_argument("--base", help="also time the cpu plugin of this git revision, in the same "
                                        "calls' rotation (benchmarks/cpu_ab.py's loader)")
+    parser.add_argument("--logits", choices=("flat", "peaked"), default="flat",
+                        help="the logits' profile (corelib.bench.make_logits): flat randn (default, "
+                             "issue 13's table) or peaked, a language model's falling log-probabilities")
     add_clock_argument(parser)
     args = parser.parse_args(argv)
     clock = clock_from(args, parser, args.threads)
@@ -179,7 +182,7 @@ def main(argv=None) -> int:
     if vllm is not None:
         version = f", vLLM {vllm.version}"
     print(f"{machine_description()}{version}, {args.threads} torch thread(s), {args.clock} clock, V = {V}, "
-          f"flat logits, median of {args.repeats or '15 (B <= 8) or 5'} calls; load average {load_average():.2f} at start")
+          f"{args.logits} logits, median of {args.repeats or '15 (B <= 8) or 5'} calls; load average {load_average():.2f} at start")
     Base = None
     if args.base:
         import tempfile
@@ -190,7 +193,7 @@ def main(argv=None) -> int:
     for name in names:
         for B in batch_sizes:
             repeats = args.repeats or (15 if B <= 8 else 5)
-            cells.append(bench_cell(vllm, name, B, repeats, clock, Base))
+            cells.append(bench_cell(vllm, name, B, repeats, clock, Base, args.logits))
             sys.stderr.write(f"\r{len(cells)}/{len(names) * len(batch_sizes)}   ")
             sys.stderr.flush()
     sys.stderr.write("\n")
