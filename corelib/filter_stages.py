@@ -15,6 +15,14 @@ from .logit_stages import NEG_INF
 from .noise import STREAM_XTC, gumbel_from_uniform, row_keys, seeded_gumbel
 
 
+def min_p_drops(x: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Step 11's dropped set: bool [B, V] for logits x float32 [B, V] and min_p float32 [B]
+    (0 drops nothing): probability below min_p times the row's largest, by torch's softmax.
+    Not in place."""
+    probs = torch.softmax(x, dim=-1)
+    return probs < min_p[:, None] * probs.amax(dim=-1, keepdim=True)
+
+
 def typical_keep(x: torch.Tensor, typical_p: torch.Tensor) -> torch.Tensor:
     """Step 13a's kept set by a full sort: bool [B, V] for logits x float32 [B, V] and
     typical_p float32 [B] (every row filtered, 1 included). Mass summed in float64. Not in
@@ -123,9 +131,7 @@ class FilterStages:
 
     def apply_min_p(self, x: torch.Tensor, s: StepState) -> torch.Tensor:
         """Step 11: drop tokens with prob < min_p * max prob (min_p 0 keeps all). Not in place."""
-        probs = torch.softmax(x, dim=-1)
-        threshold = s.min_p[:, None] * probs.max(dim=-1, keepdim=True).values
-        return x.masked_fill(probs < threshold, NEG_INF)
+        return x.masked_fill(min_p_drops(x, s.min_p), NEG_INF)
 
     def apply_smoothing(self, x: torch.Tensor, s: StepState) -> torch.Tensor:
         """Step 10b, quadratic smoothing: with m the row's largest kept logit, d = x - m and c =

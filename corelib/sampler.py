@@ -26,7 +26,8 @@ from . import catalog, pipeline, selectors
 from .noise import row_keys, stream_uniform
 # the stages, outputs and verification are their own modules; their names stay importable
 # from here, where backends have always found them
-from .filter_stages import FilterStages, dynamic_divisor, nucleus_keep, tail_free_length, typical_keep  # noqa: F401
+from .filter_stages import (FilterStages, dynamic_divisor, min_p_drops, nucleus_keep, tail_free_length,  # noqa: F401
+                            typical_keep)
 from .logit_stages import NEG_INF, LogitStages, penalised  # noqa: F401
 from .outputs import Logprobs, SamplerOutput, VerifyOutput, raise_on_flagged, slot_logprobs  # noqa: F401
 from .scoring import Scoring

@@ -38,13 +38,13 @@ import math
 import torch
 from corelib import StepState, pipeline, selectors
 from corelib.noise import STREAM_XTC
-from corelib.sampler import NEG_INF, dynamic_divisor, tail_free_length
+from corelib.sampler import NEG_INF, dynamic_divisor, min_p_drops, tail_free_length
 
 from . import kernels
 from .block import Block, Candidates, Cut, pick_rows, runs, take_rows
 from .filters import top_n_sigma_thresholds, typical_rows_, xtc_rows_
 from .rowops import GROUP, first_argmax
-from .select import (MIN_P_MARGIN, kth_largest, mask_below, min_p_drops, min_p_of_candidates, top_k_candidates, top_p_candidates,
+from .select import (MIN_P_MARGIN, kth_largest, mask_below, min_p_of_candidates, top_k_candidates, top_p_candidates,
                      top_p_candidates_fast)
 
 
@@ -142,7 +142,11 @@ class FilterStages:
             return self.min_p_candidates(x, s)
         if x.plan.min_p_on_candidates:        # step 12 judges it on its candidates
             return x
-        rows = x.plan.min_p_rows
+        return self.min_p_whole_rows(x, x.plan.min_p_rows)
+
+    def min_p_whole_rows(self, x: Block, rows: list) -> Block:
+        """Step 11 on whole rows (block-local ``rows``): a pending cut, applied at once to
+        the rows a later top-k or top-p reads."""
         sub, index = take_rows(x.x, rows, x.plan)
         probs = torch.softmax(sub, dim=-1, out=self.workspace.take("min_p_probs", tuple(sub.shape)))
         # amax is NaN when probs hold a NaN: the row then keeps nothing
@@ -178,13 +182,9 @@ class FilterStages:
             threshold = float(np.nextafter(np.float32(top + t * level), np.float32(NEG_INF)))
             found = kernels.collect_above(x.x[row], maxima, GROUP, threshold, self.MIN_P_CANDIDATES)
         if found is None:                      # whole rows, as without candidates
-            xx = x.own()
-            xx[row:row + 1].div_(bp.temperature[row:row + 1])
+            x.own()[row:row + 1].div_(bp.temperature[row:row + 1])
             x.changed()
-            sub = xx[row:row + 1]
-            probs = torch.softmax(sub, dim=-1, out=self.workspace.take("min_p_probs", tuple(sub.shape)))
-            x.set_cut([row], probs, bp.min_p[row:row + 1, None] * probs.amax(dim=-1, keepdim=True))
-            return x
+            return self.min_p_whole_rows(x, [row])
         values, order = torch.sort(found[0], descending=True)
         ids = found[1][order][None]
         values = (values / bp.temperature[row])[None]

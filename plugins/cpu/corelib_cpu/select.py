@@ -95,13 +95,6 @@ def min_p_of_candidates(values: torch.Tensor, min_p: torch.Tensor):
     return values.masked_fill(drop, NEG_INF), settled
 
 
-def min_p_drops(x: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
-    """bool [n, V]: the tokens the reference's step 11 drops from whole rows x float32 [n, V]
-    (min_p float32 [n]): probability below min_p * the row's largest, by torch's softmax."""
-    probs = torch.softmax(x, dim=-1)
-    return probs < min_p[:, None] * probs.amax(dim=-1, keepdim=True)
-
-
 def kth_largest(values: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     """float32 [n, 1]: the k-th largest of each row of descending ``values`` [n, W]."""
     return values.gather(1, (k - 1)[:, None])

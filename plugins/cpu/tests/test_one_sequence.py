@@ -57,6 +57,7 @@ CHAINS = [
     dict(min_p=0.05, typical_p=0.9, temperature=0.9),
     dict(min_p=0.1, xtc_probability=1.0, xtc_threshold=0.05),
     dict(min_p=1e-20, temperature=1.5),                # too many candidates: the whole row
+    dict(min_p=1e-20, top_p=0.9, temperature=0.8),     # the same, with top-p after
 ]
 
 
