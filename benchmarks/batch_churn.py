@@ -14,10 +14,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import tempfile
+
+from harness import REPOSITORY, extract_revision
 
 MEASURE = r"""
 import json, sys, time, torch
@@ -61,17 +62,13 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=256, help="requests in the batch (n = 1 each)")
     parser.add_argument("--rounds", type=int, default=2)
     args = parser.parse_args()
-    root = subprocess.run(["git", "rev-parse", "--show-toplevel"], capture_output=True, text=True,
-                          check=True).stdout.strip()
     with tempfile.TemporaryDirectory() as folder:
-        archive = subprocess.run(["git", "-C", root, "archive", args.base, "corelib"],
-                                 capture_output=True, check=True).stdout
-        subprocess.run(["tar", "-x", "-C", folder], input=archive, check=True)
+        extract_revision(args.base, folder, "corelib")
         print(f"B = {args.rows} requests; us per call (thread CPU time), base {args.base} / this checkout")
         print("| round | flags after a change | remove | add |")
         print("|---|---|---|---|")
         for r in range(args.rounds):
-            base, current = measure(folder, args.rows), measure(root, args.rows)
+            base, current = measure(folder, args.rows), measure(REPOSITORY, args.rows)
             cells = [f"{base[k]:.0f} / {current[k]:.0f}" for k in ("flags", "remove", "add")]
             print(f"| {r + 1} | " + " | ".join(cells) + " |")
 

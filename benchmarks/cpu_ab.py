@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
-import subprocess
 import sys
 import tempfile
 
@@ -27,16 +26,13 @@ from corelib_cpu.sampler import CpuSampler
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from cpu_grid import GRID_CONFIGS, SEEDED, make_batch  # noqa: E402
-from harness import add_run_arguments, interleaved, load_average, medians, run_settings  # noqa: E402
+from harness import (add_run_arguments, extract_revision, interleaved, load_average, medians,  # noqa: E402
+                     run_settings)
 
 
 def load_base(revision: str, folder: str):
     """The CpuSampler class of ``revision``'s cpu plugin, imported as corelib_cpu_base."""
-    root = subprocess.run(["git", "rev-parse", "--show-toplevel"], capture_output=True, text=True,
-                          check=True).stdout.strip()
-    archive = subprocess.run(["git", "-C", root, "archive", revision, "plugins/cpu/corelib_cpu"],
-                             capture_output=True, check=True).stdout
-    subprocess.run(["tar", "-x", "-C", folder], input=archive, check=True)
+    extract_revision(revision, folder, "plugins/cpu/corelib_cpu")
     os.rename(os.path.join(folder, "plugins", "cpu", "corelib_cpu"), os.path.join(folder, "corelib_cpu_base"))
     sys.path.insert(0, folder)
     return importlib.import_module("corelib_cpu_base.sampler").CpuSampler

@@ -15,7 +15,9 @@ alike. The pieces:
 - ``load_vllm`` / ``vllm_metadata``: vLLM's own ``Sampler`` and the ``SamplingMetadata`` its
   input batch builds for a batch of requests with one configuration;
 - ``sort_based_filter`` / ``sort_based_sample``: the common way to sample with top-k and
-  top-p, one full sort of each row, that the backends' filters are compared with.
+  top-p, one full sort of each row, that the backends' filters are compared with;
+- ``extract_revision``: another git revision's files, for the scripts that compare this
+  checkout with it (``--base`` / ``--before``).
 
 Scripts are run from the repository root (``python benchmarks/<script>.py``); Python puts
 this folder on the path, so they import this module as ``harness``.
@@ -26,6 +28,7 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import subprocess
 import sys
 import time
 from dataclasses import dataclass
@@ -286,3 +289,17 @@ def per_row(B: int, device, temperature: float = 1.0, top_k: int = 0, top_p: flo
     return (torch.full((B,), float(temperature), device=device),
             torch.full((B,), int(top_k), dtype=torch.int64, device=device),
             torch.full((B,), float(top_p), device=device))
+
+
+# ---------------------------------------------------------------------- other revisions
+#: The repository this folder belongs to.
+REPOSITORY = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def extract_revision(revision: str, folder: str, *paths: str) -> None:
+    """The files under ``paths`` (relative to the repository) at git ``revision``, written
+    into ``folder`` under the same relative paths (``git archive``)."""
+    os.makedirs(folder, exist_ok=True)
+    archive = subprocess.run(["git", "-C", REPOSITORY, "archive", revision, *paths],
+                             capture_output=True, check=True).stdout
+    subprocess.run(["tar", "-x", "-C", folder], input=archive, check=True)

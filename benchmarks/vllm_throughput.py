@@ -205,10 +205,8 @@ TREE_VARIABLE = "CORELIB_BENCH_TREE"
 def extract_revision(revision: str, folder: Path) -> Path:
     """``corelib`` and the cpu plugin's ``corelib_cpu`` of ``revision``, importable from
     ``folder``."""
-    folder.mkdir(parents=True, exist_ok=True)
-    archive = subprocess.run(["git", "-C", str(ROOT), "archive", revision, "corelib",
-                              "plugins/cpu/corelib_cpu"], capture_output=True, check=True).stdout
-    subprocess.run(["tar", "-x", "-C", str(folder)], input=archive, check=True)
+    import harness
+    harness.extract_revision(revision, str(folder), "corelib", "plugins/cpu/corelib_cpu")
     (folder / "plugins" / "cpu" / "corelib_cpu").rename(folder / "corelib_cpu")
     return folder
 

@@ -18,12 +18,9 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import io
 import os
 import statistics
-import subprocess
 import sys
-import tarfile
 import tempfile
 from pathlib import Path
 
@@ -39,10 +36,8 @@ PACKAGE = "plugins/tpu/corelib_tpu"
 
 def plugin_at(revision: str, folder: Path):
     """``TpuSampler`` of the plugin at ``revision``, imported as ``corelib_tpu_before``."""
-    archive = subprocess.run(["git", "-C", str(ROOT), "archive", revision, PACKAGE],
-                             check=True, capture_output=True).stdout
-    with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
-        tar.extractall(folder)
+    from harness import extract_revision
+    extract_revision(revision, str(folder), PACKAGE)
     (folder / PACKAGE).rename(folder / "corelib_tpu_before")
     sys.path.insert(0, str(folder))
     return importlib.import_module("corelib_tpu_before.sampler").TpuSampler
