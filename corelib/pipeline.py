@@ -269,6 +269,14 @@ def switches() -> tuple[tuple[Stage, Switch], ...]:
     return tuple((stage, switch) for stage in STAGES for switch in stage.switches)
 
 
+def row_switches(*groups: str) -> tuple[tuple[Stage, Switch, Field], ...]:
+    """Every (stage, switch, its ``row_field``'s Field) of the given groups whose switch names
+    a row field, in table order: a row uses the switch where that field is not ``neutral``."""
+    return tuple((stage, switch, next(f for f in stage.fields if f.name == switch.row_field))
+                 for group in groups for stage in stages_in(group)
+                 for switch in stage.switches if switch.row_field is not None)
+
+
 def request_flags(params) -> frozenset[str]:
     """The switches' flags one request sets (a greedy request: only those of stages that
     apply to every row). A batch keeps them per request, so that its flags after a join or a

@@ -85,13 +85,18 @@ ROW_FIELD_CASES = [dict(), *EVERY_FIELD_ON, *(stage.example for stage in pipelin
                    dict(adaptive_p_target=0.0), dict(dynatemp_range=0.5, temperature=0.0)]
 
 
-@pytest.mark.parametrize("stage, switch", [(stage, switch) for stage, switch in pipeline.switches()
-                                           if switch.row_field is not None],
-                         ids=[sw.flag for _, sw in pipeline.switches() if sw.row_field is not None])
-def test_a_switchs_row_field_away_from_neutral_is_its_uses_for_random_rows(stage, switch):
+def test_row_fields_name_a_field_of_their_stage_in_the_filter_and_select_groups():
+    named = [(stage, switch) for stage, switch in pipeline.switches() if switch.row_field is not None]
+    listed = pipeline.row_switches("filter", "select")
+    assert [(stage, switch) for stage, switch, _ in listed] == named
+    assert all(field.name == switch.row_field and field in stage.fields for stage, switch, field in listed)
+
+
+@pytest.mark.parametrize("stage, switch, field", pipeline.row_switches("filter", "select"),
+                         ids=[sw.flag for _, sw, _ in pipeline.row_switches("filter", "select")])
+def test_a_switchs_row_field_away_from_neutral_is_its_uses_for_random_rows(stage, switch, field):
     """What a backend reads per row from the step state's tensors (``Switch.row_field``)
     says what ``uses`` says of the row's request."""
-    field = next(f for f in stage.fields if f.name == switch.row_field)
     for case in ROW_FIELD_CASES:
         params = corelib.SamplingParams(**case)
         if params.is_greedy:

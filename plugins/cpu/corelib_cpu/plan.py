@@ -247,12 +247,8 @@ class RowSwitch(NamedTuple):
 
 #: The switches whose rows a plan lists (``BlockPlan.stage_rows``), from the table: name (the
 #: flag without its ``any_``) -> RowSwitch.
-ROW_SWITCHES = {
-    switch.flag.removeprefix("any_"): RowSwitch(
-        switch.flag, switch.row_field,
-        next(f.neutral for f in stage.fields if f.name == switch.row_field), stage)
-    for group in ("filter", "select") for stage in pipeline.stages_in(group)
-    for switch in stage.switches if switch.row_field is not None}
+ROW_SWITCHES = {switch.flag.removeprefix("any_"): RowSwitch(switch.flag, field.name, field.neutral, stage)
+                for stage, switch, field in pipeline.row_switches("filter", "select")}
 _NONE: list = []
 _FILTERS = [stage.name for stage in pipeline.stages_in("filter")]
 #: The switches of filters before steps 12-13 in the default order, whose rows are read whole

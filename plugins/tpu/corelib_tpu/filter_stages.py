@@ -58,19 +58,13 @@ def _unchanged(x: torch.Tensor, *rest: torch.Tensor) -> torch.Tensor:
 #: (bool ``[B]``) that holds wherever that conditional's does; None for a filter that runs
 #: inside another stage's route here (min-p in steps 11-13's). A run of them next to each
 #: other in the table shares one outer conditional on "some row uses one of them"
-#: (``FilterStages.run_group``).
-_FEW_ROWS = {
-    "top_n_sigma": lambda s: s.top_n_sigma > 0,
-    "smoothing": lambda s: s.smoothing_factor > 0,
-    "min_p": None if MIN_P_IN_ROUTE else (lambda s: s.min_p > 0),
-    "top_a": lambda s: s.top_a > 0,
-    "epsilon": lambda s: s.epsilon_cutoff > 0,
-    "eta": lambda s: s.eta_cutoff > 0,
-    "typical_p": lambda s: s.typical_p < 1,
-    "tfs": lambda s: s.tfs < 1,
-    "p_less": lambda s: s.p_less != pipeline.P_LESS_OFF,
-    "xtc": lambda s: s.xtc_probability > 0,
-}
+#: (``FilterStages.run_group``). The predicates are the table's row fields
+#: (``pipeline.row_switches``): the field away from its neutral value.
+_FEW_ROWS = {stage.name: (lambda s, f=field: getattr(s, f.name) != f.neutral)
+             for stage, _, field in pipeline.row_switches("filter")
+             if stage.name not in ("temperature", "top_k_top_p")}
+if MIN_P_IN_ROUTE:
+    _FEW_ROWS["min_p"] = None
 
 
 def _dynatemp_rows(s: XlaStepState) -> torch.Tensor:
