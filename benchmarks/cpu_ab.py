@@ -9,6 +9,12 @@ Prints, per cell, both medians and base / current (above 1: the current code is 
     python benchmarks/cpu_ab.py --base 4de1acf                          # B in 32, 128, 256
     python benchmarks/cpu_ab.py --base main --batch-sizes 1,8 --repeats 15
     python benchmarks/cpu_ab.py --base main --clock thread              # CPU time of the thread
+    python benchmarks/cpu_ab.py --base main --one-sequence --repeats 400  # B = 1 sample + append
+
+``--one-sequence`` times ``step`` (sample + append) of a batch of one request for the chains
+of ``llama_cpp_compare.py`` (``--only`` picks them by name), unseeded and seeded, each call on
+the next of 16 logit rows with the cache flushed before it, and checks that both sides drew
+the same seeded tokens over the whole run.
 """
 
 from __future__ import annotations
@@ -38,6 +44,44 @@ def load_base(revision: str, folder: str):
     return importlib.import_module("corelib_cpu_base.sampler").CpuSampler
 
 
+def one_sequence(Base, args, clock) -> None:
+    """The ``--one-sequence`` table (see the module docstring)."""
+    from corelib import SamplingParams
+    from harness import CacheFlush
+    from llama_cpp_compare import CHAINS
+    V = args.vocab_size
+    flush = CacheFlush()
+    rows = make_logits(16, V, args.profiles.split(",")[0], seed=V)
+    print(f"{'chain':58s} {'seed':>5s} {'base ms':>9s} {'now ms':>9s} {'base/now':>8s}")
+    for chain in CHAINS:
+        if args.only and not any(o in chain.name for o in args.only):
+            continue
+        for seed in ((None, 100_003) if chain.seeded else (None,)):
+            params = SamplingParams(**chain.params, **({} if seed is None else dict(seed=seed)))
+            sides, tokens = {}, {"base": [], "now": []}
+            for name, cls in (("base", Base), ("now", CpuSampler)):
+                sampler = cls()
+                batch = sampler.new_batch(V)
+                batch.add("r", params)
+                sides[name] = (sampler, batch)
+            at = [0]
+
+            def call(name):
+                sampler, batch = sides[name]
+                return lambda: tokens[name].append(int(sampler.step(rows[at[0]:at[0] + 1], batch).token_ids[0]))
+            calls = {"base": call("base"), "now": call("now")}
+            times = {"base": [], "now": []}
+            interleaved(calls, repeats=0, warmup=3)
+            for i in range(args.repeats):
+                at[0] = i % rows.shape[0]
+                for name, ms in interleaved(calls, repeats=1, warmup=0, clock=clock, before=flush).items():
+                    times[name] += ms
+            b, n = medians(times)["base"], medians(times)["now"]
+            same = f"  seeded tokens equal: {tokens['base'] == tokens['now']}" if seed is not None else ""
+            print(f"{chain.name[:58]:58s} {'yes' if seed else 'no':>5s} {b:9.3f} {n:9.3f} {b / n:7.2f}x{same}",
+                  flush=True)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--base", required=True, help="git revision to compare with")
@@ -45,6 +89,10 @@ def main(argv=None) -> int:
     parser.add_argument("--vocab-size", type=int, default=128256)
     parser.add_argument("--configs", default=",".join(GRID_CONFIGS))
     parser.add_argument("--profiles", default="flat,peaked")
+    parser.add_argument("--one-sequence", action="store_true",
+                        help="B = 1 step (sample + append) of llama_cpp_compare.py's chains")
+    parser.add_argument("--only", action="append", default=[],
+                        help="with --one-sequence: the chains whose name contains this (repeatable)")
     add_run_arguments(parser, 5, "timed calls per cell and side")
     args = parser.parse_args(argv)
     clock = run_settings(args, parser)
@@ -53,6 +101,10 @@ def main(argv=None) -> int:
         Base = load_base(args.base, folder)
         print(f"base {args.base} vs this checkout, V = {V}, {args.threads} thread(s), {args.clock} "
               f"clock, median of {args.repeats}, load average {load_average():.2f} at start")
+        if args.one_sequence:
+            one_sequence(Base, args, clock)
+            print(f"load average {load_average():.2f} at end")
+            return 0
         print(f"{'config':20s} {'B':>4s} {'logits':7s} {'base ms':>9s} {'now ms':>9s} {'base/now':>8s}")
         for profile in args.profiles.split(","):
             for config in args.configs.split(","):

@@ -80,6 +80,21 @@ def seeded_scores(values: torch.Tensor, keys: torch.Tensor, ids: torch.Tensor) -
     return seeded_gumbel_into(scores, keys[:, None], token_offsets(ids), scratch, values)
 
 
+def candidate_winners(values: torch.Tensor, ids: torch.Tensor, keys: Optional[torch.Tensor],
+                      generator: Optional[torch.Generator]):
+    """(ids int64 [n], finite bool [n]): the winning token of every candidate row and whether
+    its value is finite, every row seeded (``keys`` int32 [n]: :func:`race_seeded_candidates`)
+    or none (``keys`` None: :func:`race_unseeded_candidates` with ``generator``, the same
+    uniforms), the winner picked by one compiled call (``kernels.race_winners``: the same
+    winners); None where the compiled path does not run (nothing drawn)."""
+    if not kernels.wanted():
+        return None
+    if keys is None:
+        u = torch.rand(values.shape, generator=generator).clamp_min_(_TINY)
+        return kernels.race_winners(values, u.log_().neg_().log_(), ids, False)
+    return kernels.race_winners(values, seeded_scores(values, keys, ids), ids, True)
+
+
 def race_unseeded_candidates(values: torch.Tensor, generator: Optional[torch.Generator]) -> torch.Tensor:
     """int64 [n, 1]: the winning column of a Gumbel race over values float32 [n, W] (-inf =
     dropped) with ``generator``."""

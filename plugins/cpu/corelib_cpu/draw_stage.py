@@ -18,7 +18,7 @@ from corelib import StepState
 from corelib.noise import token_offsets
 
 from .block import Block, Candidates, Cut, pick_rows, rows_of, runs
-from .draw import draw_from_weights, draw_seeded_rows, race_seeded_candidates, race_unseeded_candidates
+from .draw import candidate_winners, draw_from_weights, draw_seeded_rows, race_seeded_candidates, race_unseeded_candidates
 from .plan import BlockPlan
 from .rowops import is_finite
 from .select import nucleus_contains
@@ -49,6 +49,12 @@ class DrawStage:
         n = bp.n
         cand, candidate_rows = x.cand, x.candidate_rows
         if cand is not None and len(cand.rows) == n:           # the common top-k block
+            if not bp.any_seeded or len(bp.seeded_rows) == n:
+                won = candidate_winners(cand.values, cand.ids, s.keys if bp.any_seeded else None,
+                                        self.generator)
+                if won is not None:
+                    x.drawn_finite = won[1]
+                    return won[0]
             pos = self.race_candidates(cand, bp, s.keys)
             x.drawn_finite = is_finite(cand.values.gather(1, pos)[:, 0])
             return cand.ids.gather(1, pos)[:, 0]

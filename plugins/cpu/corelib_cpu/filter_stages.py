@@ -43,9 +43,9 @@ from corelib.sampler import NEG_INF, dynamic_divisor, min_p_drops, tail_free_len
 from . import kernels
 from .block import Block, Candidates, Cut, pick_rows, runs, take_rows
 from .filters import top_n_sigma_thresholds, typical_rows_, xtc_rows_
-from .rowops import GROUP, first_argmax
+from .rowops import GROUP, KERNEL_ROWS, first_argmax, searches_groups
 from .select import (MIN_P_MARGIN, kth_largest, mask_below, min_p_of_candidates, top_k_candidates, top_p_candidates,
-                     top_p_candidates_fast)
+                     top_p_candidates_fast, top_p_tolerance)
 
 
 class _Rows:
@@ -198,6 +198,8 @@ class FilterStages:
         candidates (``top_p_candidate_rows``) or on whole rows as a pending cut
         (``top_p_whole_rows``)."""
         bp = x.plan
+        if bp.top_k_rows and self.candidate_chain(x):
+            return x
         if bp.top_k_rows:
             self.top_k_rows(x, bp.top_k_rows)                                   # step 12
         if bp.top_p_rows:                                                       # step 13
@@ -451,6 +453,30 @@ class FilterStages:
         if min_p is not None:
             values = self.min_p_candidate_rows(blk, index, values, ids, min_p)
         blk.cand = Candidates(index.tolist(), index, values, ids)
+
+    def candidate_chain(self, blk: Block) -> bool:
+        """Steps 11 (when judged on the candidates), 12 and 13 of a block of at most
+        ``KERNEL_ROWS`` rows, every one a top-k row with no pending cut, in one compiled call
+        (``kernels.candidate_chain``: the kernels ``top_k_rows`` and
+        ``top_p_candidate_rows`` call one by one, the same bits). Sets blk.cand and returns
+        True when every row is complete and settled; else False, writing nothing (the steps
+        then run one by one, with their fallbacks for the rows this cannot settle)."""
+        bp = blk.plan
+        n, V = blk.x.shape
+        width = min(V, bp.top_k_max + self.TIE_SLACK)
+        if (n > KERNEL_ROWS or len(bp.top_k_rows) != n or blk.cuts
+                or not searches_groups(V, width) or not kernels.wanted()):
+            return False
+        found = kernels.candidate_chain(
+            blk.x, blk.maxima(), width, GROUP, bp.top_k,
+            bp.temperature if bp.candidates_only and bp.temperature_on else None,
+            bp.min_p if bp.min_p_on_candidates else None, MIN_P_MARGIN,
+            bp.top_p if bp.top_p_rows else None, top_p_tolerance(width))
+        if found is None:
+            return False
+        rows = bp.top_k_rows
+        blk.cand = Candidates(rows, bp.index(rows), found[0], found[1])
+        return True
 
     def min_p_candidate_rows(self, blk: Block, index: torch.Tensor, values: torch.Tensor,
                              ids: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:

@@ -331,7 +331,78 @@ def compile_kernels() -> Optional[dict]:
             floor[r] = fl
         return True
 
+    @numba.njit(cache=True, nogil=True)
+    def group_top_k(x, maxima, group, k, temperature, values, ids, complete):  # pragma: no cover
+        # the group search, then top-k's tail on its values in place (candidate_top_k reads
+        # a row's k-th, last and floor before it writes the row, and each value before its
+        # own write): the two kernels' bits, in one call
+        floor = np.empty(x.shape[0], dtype=np.float32)
+        if not top_group_values(x, maxima, group, values, ids, floor):
+            return False
+        candidate_top_k(values, k, temperature, floor, False, values, complete)
+        return True
+
+    @numba.njit(cache=True, nogil=True)
+    def candidate_chain(x, maxima, group, k, temperature, min_p, margin, top_p, tolerance,
+                        values, ids):  # pragma: no cover - runs compiled
+        # group_top_k, then candidate_min_p (min_p of length 0: off) and candidate_top_p
+        # (top_p of length 0: off) on its values in place (each reads a value before it
+        # writes it): those kernels' bits in one call. False as soon as a row is incomplete
+        # or unsettled: the caller then takes the kernels one by one, with their fallbacks.
+        n = x.shape[0]
+        ok = np.empty(n, dtype=np.bool_)
+        if not group_top_k(x, maxima, group, k, temperature, values, ids, ok) or not ok.all():
+            return False
+        if min_p.shape[0]:
+            candidate_min_p(values, min_p, margin, values, ok)
+            if not ok.all():
+                return False
+        if top_p.shape[0]:
+            candidate_top_p(values, top_p, tolerance, values, ok)
+            if not ok.all():
+                return False
+        return True
+
+    @numba.njit(cache=True, nogil=True)
+    def race_winners(values, minus_noise, ids, seeded, out_ids, finite):  # pragma: no cover
+        # each row's winning candidate, its id and whether its value is finite. Unseeded:
+        # of values - minus_noise (the float32 subtraction torch makes), the first largest,
+        # a NaN first (torch.argmax). Seeded: minus_noise holds the race's scores; the lowest
+        # id among those equal to the largest (NaN propagates, and then none is equal: the
+        # first column, as torch.where then argmin of the draw's torch path)
+        n, W = values.shape
+        for r in range(n):
+            pos = 0
+            if seeded:
+                best = minus_noise[r, 0]
+                for j in range(1, W):
+                    v = minus_noise[r, j]
+                    if v != v or best != best:
+                        best = np.float32(np.nan)
+                    elif v > best:
+                        best = v
+                if best == best:
+                    low = -1
+                    for j in range(W):
+                        if minus_noise[r, j] == best and (low < 0 or ids[r, j] < low):
+                            low, pos = ids[r, j], j
+            else:
+                best = np.float32(values[r, 0] - minus_noise[r, 0])
+                if best == best:
+                    for j in range(1, W):
+                        v = np.float32(values[r, j] - minus_noise[r, j])
+                        if v != v:
+                            pos = j
+                            break
+                        if v > best:
+                            best, pos = v, j
+            out_ids[r] = ids[r, pos]
+            w = values[r, pos]
+            finite[r] = w == w and w != np.inf and w != -np.inf
+
     return dict(bucket_mass=bucket_mass, band_indices=band_indices, top_group_values=top_group_values,
+                race_winners=race_winners,
+                group_top_k=group_top_k, candidate_chain=candidate_chain,
                 candidate_min_p=candidate_min_p, collect_above=collect_above,
                 whole_rows=whole_rows, per_row_ids=per_row_ids, inverse_cdf=inverse_cdf,
                 mixed_keys=mixed_keys, positive_ids=positive_ids,

@@ -69,7 +69,7 @@ def describe() -> str:
     if reason is not None:
         return f"kernels: pure torch ({reason})"
     return ("kernels: numba (seeded noise, small-vocabulary draw, top values of a few rows, "
-            "min-p candidates, top-k/top-p of candidates, "
+            "min-p candidates, top-k/top-p of candidates, steps 11-13 of a few rows in one call, "
             "quadratic smoothing, tail-free, kept-set packing, nucleus histogram)")
 
 
@@ -164,6 +164,85 @@ def top_group_values(x: torch.Tensor, maxima: torch.Tensor, width: int, group: i
                                        ids.numpy(), floor.numpy()):
         return None
     return values, ids, floor
+
+
+def group_top_k(x: torch.Tensor, maxima: torch.Tensor, width: int, group: int, k: torch.Tensor,
+                temperature: Optional[torch.Tensor]):
+    """``select.top_k_candidates`` through the group search by one compiled call where
+    :func:`top_group_values` and :func:`top_k_of_candidates` make two (and their wrappers'
+    tensors): (values float32 ``[n, width]`` descending, divided by the temperature, those
+    below the k-th at -inf; ids int64 ``[n, width]``; complete bool ``[n]``) from x float32
+    ``[n, V]``, its group maxima float32 ``[n, G]`` (G > width), k int64 ``[n]`` and
+    temperature float32 ``[n, 1]`` or None. The two kernels' bodies in turn, so their bits.
+    None where the compiled path does not run or a row holds a NaN."""
+    kernels = _compiled()
+    if kernels is None or not x.is_contiguous() or width >= maxima.shape[1]:
+        return None
+    import torch
+    n = x.shape[0]
+    values, ids = torch.empty((n, width)), torch.empty((n, width), dtype=torch.long)
+    complete = torch.empty(n, dtype=torch.bool)
+    t = _ones(n) if temperature is None else temperature.reshape(-1).contiguous().numpy()
+    if not kernels["group_top_k"](x.numpy(), maxima.contiguous().numpy(), group, k.contiguous().numpy(), t,
+                                  values.numpy(), ids.numpy(), complete.numpy()):
+        return None
+    return values, ids, complete
+
+
+def candidate_chain(x: torch.Tensor, maxima: torch.Tensor, width: int, group: int, k: torch.Tensor,
+                    temperature: Optional[torch.Tensor], min_p: Optional[torch.Tensor], margin: float,
+                    top_p: Optional[torch.Tensor], tolerance: float):
+    """Steps 11-13 on the candidates of every row of a few-row block in one compiled call:
+    :func:`group_top_k`, then :func:`min_p_of_candidates` (``min_p`` float32 ``[n]``, None:
+    off) and :func:`top_p_of_candidates` (``top_p`` float32 ``[n]``, None: off) on its
+    values, the same bodies in the same order, so their bits. Returns (values float32 ``[n,
+    width]``, ids int64 ``[n, width]``) when every row is complete and settled by each; None
+    otherwise (or where the compiled path does not run): the caller then takes the steps one
+    by one, whose fallbacks serve the rows this cannot."""
+    kernels = _compiled()
+    if kernels is None or not x.is_contiguous() or width >= maxima.shape[1]:
+        return None
+    import torch
+    n = x.shape[0]
+    values, ids = torch.empty((n, width)), torch.empty((n, width), dtype=torch.long)
+    t = _ones(n) if temperature is None else temperature.reshape(-1).contiguous().numpy()
+    off = _ones(0)
+    if not kernels["candidate_chain"](
+            x.numpy(), maxima.contiguous().numpy(), group, k.contiguous().numpy(), t,
+            off if min_p is None else min_p.contiguous().numpy(), float(margin),
+            off if top_p is None else top_p.contiguous().numpy(), float(tolerance),
+            values.numpy(), ids.numpy()):
+        return None
+    return values, ids
+
+
+def race_winners(values: torch.Tensor, scores: torch.Tensor, ids: torch.Tensor, seeded: bool):
+    """The winners of candidate races in one compiled call where torch makes four to six:
+    (ids int64 ``[n]``, finite bool ``[n]``: whether the winner's value is finite) from the
+    candidates' values float32 ``[n, W]``, their ids int64 ``[n, W]`` and ``scores`` float32
+    ``[n, W]``: unseeded, ``-noise`` (``log(-log(u))``), the winner the first largest of
+    ``values - scores`` (``draw.race_unseeded_candidates``); seeded, the race's scores, the
+    winner the lowest id among the largest (``draw.race_seeded_candidates``). The same
+    float32 subtraction and comparisons, so the same winners. None where the compiled path
+    does not run."""
+    kernels = _compiled()
+    if kernels is None:
+        return None
+    import torch
+    n = values.shape[0]
+    out, finite = torch.empty(n, dtype=torch.long), torch.empty(n, dtype=torch.bool)
+    kernels["race_winners"](values.contiguous().numpy(), scores.contiguous().numpy(),
+                            ids.contiguous().numpy(), seeded, out.numpy(), finite.numpy())
+    return out, finite
+
+
+def _ones(n: int):
+    """float32 numpy ``[n]`` of ones, made once per n (read only)."""
+    ones = _state.get(("ones", n))
+    if ones is None:
+        import numpy as np
+        ones = _state[("ones", n)] = np.ones(n, dtype=np.float32)
+    return ones
 
 
 def collect_above(row: torch.Tensor, maxima: torch.Tensor, group: int, threshold: float, cap: int):

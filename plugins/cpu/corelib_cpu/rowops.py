@@ -57,7 +57,7 @@ def top_values(x: torch.Tensor, width: int, maxima: Optional[torch.Tensor] = Non
     only for callers to whom they are alike (the candidates of top-k, which race and cut by
     value), never for the top-N log-probabilities, whose ids must not depend on the block."""
     n, V = x.shape
-    if -(-V // GROUP) <= width or V < 4 * GROUP:           # as few groups as values wanted
+    if not searches_groups(V, width):
         values, ids = torch.topk(x, min(width, V), dim=-1)
         return values, ids, torch.full((n,), float("-inf"))
     maxima = group_maxima(x) if maxima is None else maxima
@@ -74,6 +74,12 @@ def top_values(x: torch.Tensor, width: int, maxima: Optional[torch.Tensor] = Non
         picked = picked.masked_fill(repeat & last, float("-inf"))
     values, at = torch.topk(picked, width, dim=-1)
     return values, cols.gather(1, at), group_top[:, -1]
+
+
+def searches_groups(V: int, width: int) -> bool:
+    """Whether :func:`top_values` finds ``width`` values of a V-token row through its group
+    maxima (else ``torch.topk`` of the row: as few groups as values wanted, or a small row)."""
+    return -(-V // GROUP) > width and V >= 4 * GROUP
 
 
 def first_argmax(x: torch.Tensor, maxima: Optional[torch.Tensor] = None,

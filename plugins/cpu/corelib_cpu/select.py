@@ -14,7 +14,7 @@ from typing import Optional
 import torch
 
 from . import kernels
-from .rowops import top_values
+from .rowops import GROUP, KERNEL_ROWS, group_maxima, searches_groups, top_values
 
 NEG_INF = float("-inf")
 
@@ -49,7 +49,13 @@ def top_k_candidates(x: torch.Tensor, k: torch.Tensor, width: int,
     k-th largest set to -inf; ids int64 [n, W]; complete bool [n], False where tokens tied
     with the k-th value may lie beyond the W columns or the groups searched (the caller then
     masks the row in full with :func:`mask_below`). Does not modify x."""
-    V = x.shape[-1]
+    n, V = x.shape
+    if n <= KERNEL_ROWS and searches_groups(V, width):
+        # a block of few rows: the group search and the cut below in one compiled call
+        maxima = group_maxima(x) if maxima is None else maxima
+        fused = kernels.group_top_k(x, maxima, width, GROUP, k, temperature)
+        if fused is not None:
+            return fused
     values, ids, floor = top_values(x, width, maxima, compiled=True)    # (n, W), descending
     compiled = kernels.top_k_of_candidates(values, k, temperature, floor, width >= V)
     if compiled is not None:                                # the same bits, in one call
@@ -144,6 +150,11 @@ def nucleus_of_candidates(values: torch.Tensor, probs: torch.Tensor, top_p: torc
     return keep, torch.where(tiny, 0.0, margin)
 
 
+def top_p_tolerance(W: int) -> float:
+    """The relative margin :func:`top_p_candidates_fast` settles W candidates by (see there)."""
+    return (4 * W + 40) * 2.0 ** -24
+
+
 def top_p_candidates_fast(values: torch.Tensor, top_p: torch.Tensor):
     """Step 13 on candidates from the softmax of the candidates alone. values float32 [n, W]
     descending (-inf = dropped), top_p float32 [n]. Returns ``(values, settled bool [n])``;
@@ -159,8 +170,7 @@ def top_p_candidates_fast(values: torch.Tensor, top_p: torch.Tensor):
     probabilities follow the values' descending order, up to rounding between nearly equal
     values, which the second rule leaves unsettled next to the threshold: no sort needed.
     The compiled kernel (``kernels.top_p_of_candidates``) applies the same rules in float64."""
-    W = values.shape[-1]
-    tolerance = (4 * W + 40) * 2.0 ** -24
+    tolerance = top_p_tolerance(values.shape[-1])
     compiled = kernels.top_p_of_candidates(values, top_p, tolerance)
     if compiled is not None:
         return compiled

@@ -235,7 +235,8 @@ def test_info_names_the_path():
         assert described == "kernels: pure torch (numba not installed)"
     else:
         assert described == ("kernels: numba (seeded noise, small-vocabulary draw, top values of a few "
-                             "rows, min-p candidates, top-k/top-p of candidates, quadratic smoothing, tail-free, kept-set packing, nucleus histogram)")
+                             "rows, min-p candidates, top-k/top-p of candidates, steps 11-13 of a few rows in one call, "
+                             "quadratic smoothing, tail-free, kept-set packing, nucleus histogram)")
 
 
 @needs_numba
@@ -327,3 +328,73 @@ def test_candidate_min_p_settles_the_same_rows_on_both_paths(monkeypatch):
     assert not bool(compiled[1][3]) and not bool(compiled[1][4])
     settled = compiled[1]
     assert torch.equal(compiled[0][settled], plain[0][settled])
+
+
+@needs_numba
+@pytest.mark.parametrize("V", [32000, 128256])
+def test_candidate_chain_is_the_steps_one_by_one(V):
+    """``kernels.candidate_chain`` (steps 11-13 of a few rows in one call) gives the bits of
+    the kernels the steps call one by one (group search, top-k's tail, min-p, top-p), and
+    declines (None) exactly where one of them leaves a row incomplete or unsettled; a NaN
+    row goes to the torch path."""
+    from corelib_cpu import rowops
+    from corelib_cpu.select import MIN_P_MARGIN, top_p_tolerance
+    g = torch.Generator().manual_seed(V)
+    served = 0
+    for case in range(40):
+        n = 1 + case % 2
+        x = torch.randn((n, V), generator=g) * (0.5, 2.0, 6.0)[case % 3]
+        if case % 4 == 0:
+            x = torch.round(x * 2) / 2                    # ties at the k-th value
+        if case % 5 == 0:
+            x[:, : V // 2] = float("-inf")
+        k = torch.randint(1, 50, (n,), generator=g)
+        width = int(k.max()) + 8
+        t = None if case % 3 == 0 else torch.rand((n, 1), generator=g) + 0.3
+        min_p = None if case % 2 else torch.rand(n, generator=g) * 0.2
+        top_p = None if case % 3 == 1 else torch.rand(n, generator=g) * 0.5 + 0.5
+        maxima = rowops.group_maxima(x)
+        got = kernels.candidate_chain(x, maxima, width, rowops.GROUP, k, t, min_p, MIN_P_MARGIN,
+                                      top_p, top_p_tolerance(width))
+        values, ids, complete = kernels.group_top_k(x, maxima, width, rowops.GROUP, k, t)
+        ok = bool(complete.all())
+        if ok and min_p is not None:
+            values, settled = kernels.min_p_of_candidates(values, min_p, MIN_P_MARGIN)
+            ok = bool(settled.all())
+        if ok and top_p is not None:
+            values, settled = kernels.top_p_of_candidates(values, top_p, top_p_tolerance(width))
+            ok = bool(settled.all())
+        assert (got is not None) == ok, case
+        if got is not None:
+            served += 1
+            assert torch.equal(got[0], values) and torch.equal(got[1], ids), case
+    assert 20 <= served < 40, served
+    x[0, 3] = float("nan")
+    assert kernels.candidate_chain(x, rowops.group_maxima(x), 16, rowops.GROUP, torch.full((x.shape[0],), 8),
+                                   None, None, MIN_P_MARGIN, None, 0.0) is None
+
+
+@needs_numba
+def test_race_winners_are_the_torch_races():
+    """``kernels.race_winners`` picks the torch races' winners: unseeded, the first largest of
+    values - log(-log(u)) with the same uniforms; seeded, the lowest id among the largest
+    scores (ties made on purpose); rows of -inf tails, of one finite value, +inf and NaN."""
+    from corelib_cpu.draw import candidate_winners, race_seeded_candidates, race_unseeded_candidates
+    values = _candidate_rows(64, 48, seed=11)
+    g = torch.Generator().manual_seed(5)
+    ids = torch.stack([torch.randperm(1000, generator=g)[:48] for _ in range(64)])
+    keys = _keys(64, seed=2)
+    for seeded in (False, True):
+        a, b = torch.Generator().manual_seed(9), torch.Generator().manual_seed(9)
+        got = candidate_winners(values, ids, keys if seeded else None, a)
+        race = race_seeded_candidates(values, ids, keys) if seeded else race_unseeded_candidates(values, b)
+        assert torch.equal(got[0], ids.gather(1, race)[:, 0])
+        assert torch.equal(got[1], torch.isfinite(values.gather(1, race)[:, 0]))
+    # equal scores: the lowest id wins the seeded race, the first column the unseeded one
+    scores = torch.zeros((2, 6))
+    scores[1, 2] = float("nan")
+    tied_ids = torch.tensor([[9, 4, 7, 4 + 1, 3, 8], [1, 2, 3, 4, 5, 6]])
+    won = kernels.race_winners(torch.zeros((2, 6)), scores, tied_ids, True)
+    assert won[0].tolist() == [3, 1]                        # NaN: none equal, the first column
+    won = kernels.race_winners(torch.ones((2, 6)), scores, tied_ids, False)
+    assert won[0].tolist() == [9, 3]                        # NaN: the first NaN, as torch.argmax
