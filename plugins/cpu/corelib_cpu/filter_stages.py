@@ -463,15 +463,18 @@ class FilterStages:
         then run one by one, with their fallbacks for the rows this cannot settle)."""
         bp = blk.plan
         n, V = blk.x.shape
-        width = min(V, bp.top_k_max + self.TIE_SLACK)
-        if (n > KERNEL_ROWS or len(bp.top_k_rows) != n or blk.cuts
-                or not searches_groups(V, width) or not kernels.wanted()):
+        params = bp.kernel_args.get("chain")
+        if params is None:                     # the plan's rows and parameters: once per plan
+            width = min(V, bp.top_k_max + self.TIE_SLACK)
+            params = bp.kernel_args["chain"] = (
+                n <= KERNEL_ROWS and len(bp.top_k_rows) == n and searches_groups(V, width)
+                and kernels.wanted() and kernels.chain_params(
+                    width, bp.top_k, bp.temperature if bp.candidates_only and bp.temperature_on else None,
+                    bp.min_p if bp.min_p_on_candidates else None, MIN_P_MARGIN,
+                    bp.top_p if bp.top_p_rows else None, top_p_tolerance(width)))
+        if not params or blk.cuts:
             return False
-        found = kernels.candidate_chain(
-            blk.x, blk.maxima(), width, GROUP, bp.top_k,
-            bp.temperature if bp.candidates_only and bp.temperature_on else None,
-            bp.min_p if bp.min_p_on_candidates else None, MIN_P_MARGIN,
-            bp.top_p if bp.top_p_rows else None, top_p_tolerance(width))
+        found = kernels.candidate_chain(blk.x, blk.maxima(), GROUP, params)
         if found is None:
             return False
         rows = bp.top_k_rows

@@ -400,7 +400,27 @@ def compile_kernels() -> Optional[dict]:
             w = values[r, pos]
             finite[r] = w == w and w != np.inf and w != -np.inf
 
+    @numba.njit(cache=True, nogil=True)
+    def first_max_at(x, maxima, top, group, out):  # pragma: no cover - runs compiled
+        # the first group whose maximum is the row's, then the first token of it holding that
+        # value: exact comparisons, torch.argmax's lowest index (False: some row lacks it)
+        n, V = x.shape
+        for r in range(n):
+            t = top[r]
+            out[r] = -1
+            for g in range(maxima.shape[1]):
+                if maxima[r, g] == t:
+                    for j in range(g * group, min(g * group + group, V)):
+                        if x[r, j] == t:
+                            out[r] = j
+                            break
+                    break
+            if out[r] < 0:
+                return False
+        return True
+
     return dict(bucket_mass=bucket_mass, band_indices=band_indices, top_group_values=top_group_values,
+                first_max_at=first_max_at,
                 race_winners=race_winners,
                 group_top_k=group_top_k, candidate_chain=candidate_chain,
                 candidate_min_p=candidate_min_p, collect_above=collect_above,

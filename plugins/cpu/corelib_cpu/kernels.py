@@ -59,8 +59,13 @@ def _torch_only() -> Optional[str]:
 
 
 def wanted() -> bool:
-    """Whether the compiled path is asked for and installable (no import of numba)."""
-    return _torch_only() is None
+    """Whether the compiled path is asked for and installable (no import of numba). Read
+    once until ``reset``: a B = 1 step asks several times, and each answer reads the
+    environment and the import system."""
+    answer = _state.get("wanted")
+    if answer is None:
+        answer = _state["wanted"] = _torch_only() is None
+    return answer
 
 
 def describe() -> str:
@@ -189,29 +194,39 @@ def group_top_k(x: torch.Tensor, maxima: torch.Tensor, width: int, group: int, k
     return values, ids, complete
 
 
-def candidate_chain(x: torch.Tensor, maxima: torch.Tensor, width: int, group: int, k: torch.Tensor,
-                    temperature: Optional[torch.Tensor], min_p: Optional[torch.Tensor], margin: float,
-                    top_p: Optional[torch.Tensor], tolerance: float):
+def chain_params(width: int, k: torch.Tensor, temperature: Optional[torch.Tensor],
+                 min_p: Optional[torch.Tensor], margin: float, top_p: Optional[torch.Tensor],
+                 tolerance: float) -> tuple:
+    """The rows' parameters of :func:`candidate_chain` as the kernel takes them (made once
+    per plan by its caller: a step converts none): ``width`` candidate columns, k int64
+    ``[n]``, temperature float32 ``[n, 1]`` (None: 1), min_p float32 ``[n]`` (None: off),
+    min-p's margin, top_p float32 ``[n]`` (None: off), top-p's tolerance."""
+    n = k.shape[0]
+    off = _ones(0)
+    return (width, k.contiguous().numpy(),
+            _ones(n) if temperature is None else temperature.reshape(-1).contiguous().numpy(),
+            off if min_p is None else min_p.contiguous().numpy(), float(margin),
+            off if top_p is None else top_p.contiguous().numpy(), float(tolerance))
+
+
+def candidate_chain(x: torch.Tensor, maxima: torch.Tensor, group: int, params: tuple):
     """Steps 11-13 on the candidates of every row of a few-row block in one compiled call:
-    :func:`group_top_k`, then :func:`min_p_of_candidates` (``min_p`` float32 ``[n]``, None:
-    off) and :func:`top_p_of_candidates` (``top_p`` float32 ``[n]``, None: off) on its
-    values, the same bodies in the same order, so their bits. Returns (values float32 ``[n,
-    width]``, ids int64 ``[n, width]``) when every row is complete and settled by each; None
-    otherwise (or where the compiled path does not run): the caller then takes the steps one
-    by one, whose fallbacks serve the rows this cannot."""
+    :func:`group_top_k`, then :func:`min_p_of_candidates` and :func:`top_p_of_candidates`
+    on its values when asked, the same bodies in the same order, so their bits. x float32
+    ``[n, V]``, its group maxima float32 ``[n, G]``, ``params`` from :func:`chain_params`.
+    Returns (values float32 ``[n, width]``, ids int64 ``[n, width]``) when every row is
+    complete and settled by each; None otherwise (or where the compiled path does not run, or
+    G <= width): the caller then takes the steps one by one, whose fallbacks serve the rows
+    this cannot."""
     kernels = _compiled()
+    width = params[0]
     if kernels is None or not x.is_contiguous() or width >= maxima.shape[1]:
         return None
     import torch
     n = x.shape[0]
     values, ids = torch.empty((n, width)), torch.empty((n, width), dtype=torch.long)
-    t = _ones(n) if temperature is None else temperature.reshape(-1).contiguous().numpy()
-    off = _ones(0)
-    if not kernels["candidate_chain"](
-            x.numpy(), maxima.contiguous().numpy(), group, k.contiguous().numpy(), t,
-            off if min_p is None else min_p.contiguous().numpy(), float(margin),
-            off if top_p is None else top_p.contiguous().numpy(), float(tolerance),
-            values.numpy(), ids.numpy()):
+    if not kernels["candidate_chain"](x.numpy(), maxima.contiguous().numpy(), group, *params[1:],
+                                      values.numpy(), ids.numpy()):
         return None
     return values, ids
 
@@ -234,6 +249,23 @@ def race_winners(values: torch.Tensor, scores: torch.Tensor, ids: torch.Tensor, 
     kernels["race_winners"](values.contiguous().numpy(), scores.contiguous().numpy(),
                             ids.contiguous().numpy(), seeded, out.numpy(), finite.numpy())
     return out, finite
+
+
+def first_max_at(x: torch.Tensor, maxima: torch.Tensor, top: torch.Tensor, group: int):
+    """``rowops.first_argmax``'s search in one compiled call where torch makes about eight:
+    int64 ``[n]``, the lowest index of each row's maximum ``top`` (float32 ``[n]`` or ``[n,
+    1]``, no NaN) in x float32 ``[n, V]`` (contiguous), found through its group maxima
+    float32 ``[n, G]`` (groups of ``group`` tokens). Exact comparisons, so torch.argmax's
+    answer. None where the compiled path does not run or a row does not hold ``top``."""
+    kernels = _compiled()
+    if kernels is None or not x.is_contiguous():
+        return None
+    import torch
+    out = torch.empty(x.shape[0], dtype=torch.long)
+    if not kernels["first_max_at"](x.numpy(), maxima.contiguous().numpy(), top.reshape(-1).contiguous().numpy(),
+                                   group, out.numpy()):
+        return None
+    return out
 
 
 def _ones(n: int):

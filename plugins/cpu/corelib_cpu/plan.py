@@ -69,6 +69,9 @@ class BlockPlan:
     whole_rows_first: bool = False
     #: Template group -> the methods of its stages this block runs (``CpuSampler.run_group``).
     groups: dict = field(default_factory=dict, repr=False)
+    #: A compiled kernel's name -> the block's parameters as it takes them, or False where it
+    #: does not serve the block (``FilterStages.candidate_chain``): made on the first step.
+    kernel_args: dict = field(default_factory=dict, repr=False)
     _index: dict = field(default_factory=dict, repr=False)
 
     def __post_init__(self):

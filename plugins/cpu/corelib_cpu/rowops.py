@@ -103,6 +103,10 @@ def first_argmax(x: torch.Tensor, maxima: Optional[torch.Tensor] = None,
         if bool(torch.isnan(top).any()):
             ids = torch.argmax(x, dim=-1)
             return ids if rows is None else ids.index_select(0, rows)
+    if rows is None and x.shape[0] <= KERNEL_ROWS:     # a few rows: one compiled call
+        found = kernels.first_max_at(x, maxima, top, GROUP)
+        if found is not None:
+            return found
     group = (maxima == top).to(torch.uint8).argmax(dim=-1, keepdim=True)   # first such group
     cols = group_columns(group, V)
     values = x.gather(1, cols) if rows is None else x.reshape(-1)[rows[:, None] * V + cols]

@@ -354,8 +354,8 @@ def test_candidate_chain_is_the_steps_one_by_one(V):
         min_p = None if case % 2 else torch.rand(n, generator=g) * 0.2
         top_p = None if case % 3 == 1 else torch.rand(n, generator=g) * 0.5 + 0.5
         maxima = rowops.group_maxima(x)
-        got = kernels.candidate_chain(x, maxima, width, rowops.GROUP, k, t, min_p, MIN_P_MARGIN,
-                                      top_p, top_p_tolerance(width))
+        got = kernels.candidate_chain(x, maxima, rowops.GROUP, kernels.chain_params(
+            width, k, t, min_p, MIN_P_MARGIN, top_p, top_p_tolerance(width)))
         values, ids, complete = kernels.group_top_k(x, maxima, width, rowops.GROUP, k, t)
         ok = bool(complete.all())
         if ok and min_p is not None:
@@ -370,8 +370,8 @@ def test_candidate_chain_is_the_steps_one_by_one(V):
             assert torch.equal(got[0], values) and torch.equal(got[1], ids), case
     assert 20 <= served < 40, served
     x[0, 3] = float("nan")
-    assert kernels.candidate_chain(x, rowops.group_maxima(x), 16, rowops.GROUP, torch.full((x.shape[0],), 8),
-                                   None, None, MIN_P_MARGIN, None, 0.0) is None
+    assert kernels.candidate_chain(x, rowops.group_maxima(x), rowops.GROUP, kernels.chain_params(
+        16, torch.full((x.shape[0],), 8), None, None, MIN_P_MARGIN, None, 0.0)) is None
 
 
 @needs_numba
@@ -398,3 +398,29 @@ def test_race_winners_are_the_torch_races():
     assert won[0].tolist() == [3, 1]                        # NaN: none equal, the first column
     won = kernels.race_winners(torch.ones((2, 6)), scores, tied_ids, False)
     assert won[0].tolist() == [9, 3]                        # NaN: the first NaN, as torch.argmax
+
+
+@needs_numba
+@pytest.mark.parametrize("V", [70000, 128256])
+def test_first_max_at_is_torch_argmax(V):
+    """``rowops.first_argmax`` of one or two rows through the compiled search: torch.argmax's
+    lowest index of the maximum, with ties across groups and inside one, rows of -inf only,
+    +inf, and a short last group (V % 128 != 0 at 70000)."""
+    from corelib_cpu import rowops
+    g = torch.Generator().manual_seed(V)
+    for case in range(12):
+        x = torch.randn((1 + case % 2, V), generator=g)
+        if case % 3 == 0:
+            x = torch.round(x)                             # the maximum many times over
+        if case % 4 == 1:
+            x[:, [V - 1, 5000]] = 9.0                      # the last token ties an earlier one
+        if case == 5:
+            x[:] = float("-inf")
+        if case == 7:
+            x[-1, V - 2] = float("inf")
+        maxima = rowops.group_maxima(x)
+        top = maxima.amax(dim=-1, keepdim=True)
+        got = kernels.first_max_at(x, maxima, top, rowops.GROUP)
+        assert torch.equal(got, torch.argmax(x, dim=-1)), case
+        assert torch.equal(rowops.first_argmax(x), torch.argmax(x, dim=-1)), case
+    assert kernels.first_max_at(x, maxima, top + 1.0, rowops.GROUP) is None     # not in the row
