@@ -15,6 +15,18 @@ corelib and the cpu plugin). Without vLLM, the script times corelib alone.
     .venv-vllm/bin/python benchmarks/cpu_vs_vllm.py --threads 2
     .venv-vllm/bin/python benchmarks/cpu_vs_vllm.py --batch-sizes 1,8 --repeats 9
     .venv-vllm/bin/python benchmarks/cpu_vs_vllm.py --base engine   # the cpu plugin of a revision too
+
+How else a harness might call the two, each behind a flag (issue 35: an independent harness
+read some seeded cells lower than this one):
+
+- ``--through-vllm``: corelib through its vLLM integration (``CorelibSampler.forward``) fed the
+  metadata of a real vLLM ``InputBatch`` holding the requests, as the engine's model runner
+  does (the batch mirror's sync, the sample, the append, vLLM's output types); vLLM's sampler
+  gets that same metadata (each seeded request's generator as the runner makes it);
+- ``--dtype bfloat16``: the logits in bfloat16, as a model emits them (both samplers convert);
+- ``--fresh-batch``: a new corelib batch every call (the requests added, one sample, removed):
+  no plan or workspace kept from an earlier step;
+- ``--logprobs N``: every request asks for N logprobs, on both sides.
 """
 
 from __future__ import annotations
@@ -85,13 +97,72 @@ def corelib_batch(sampler: CpuSampler, params: dict, seeded: bool, B: int):
     return batch
 
 
-def bench_cell(vllm, name: str, B: int, repeats: int, clock, Base=None, profile: str = "flat") -> Cell:
+class ThroughVllm:
+    """corelib's ``cpu`` backend behind its vLLM integration: ``CorelibSampler`` on a real vLLM
+    ``InputBatch`` of B requests (vLLM's SamplingParams from ``params``, seeds 100_003 + i
+    when ``seeded``, their generators made as the model runner makes them), called with that
+    batch's own ``sampling_metadata`` as the runner calls it; ``step(logits)`` samples, then
+    extends each request's output tokens by its token, as the runner does. ``metadata``: the
+    same metadata for vLLM's sampler."""
+
+    def __init__(self, params: dict, seeded: bool, B: int):
+        from types import SimpleNamespace
+
+        from vllm import SamplingParams as VllmParams
+        from vllm.v1.worker.gpu_input_batch import CachedRequestState, InputBatch
+
+        from corelib.integrations.vllm.sampler import CorelibSampler
+        self.input_batch = InputBatch(max_num_reqs=max(B, 1), max_model_len=1 << 16,
+                                      max_num_batched_tokens=1 << 16, device=torch.device("cpu"),
+                                      vocab_size=V, block_sizes=[16], max_num_blocks_per_req=[4096])
+        self.requests = {}
+        for i in range(B):
+            extra = {"logprobs": params["logprobs"]} if "logprobs" in params else {}
+            vp = VllmParams(temperature=float(params.get("temperature", 1.0)), top_p=float(params.get("top_p", 1.0)),
+                            top_k=int(params.get("top_k", 0)), seed=100_003 + i if seeded else None, **extra)
+            generator = torch.Generator().manual_seed(vp.seed) if vp.seed is not None else None
+            state = CachedRequestState(req_id=f"req-{i}", prompt_token_ids=[1, 2, 3], mm_features=[],
+                                       sampling_params=vp, generator=generator, block_ids=([0],),
+                                       num_computed_tokens=0, output_token_ids=[])
+            self.requests[state.req_id] = state
+            self.input_batch.add_request(state)
+        self.input_batch.condense()
+        self.input_batch.refresh_metadata()
+        runner = SimpleNamespace(
+            model_config=SimpleNamespace(logprobs_mode="raw_logprobs", seed=0),
+            vllm_config=SimpleNamespace(reasoning_config=None), speculative_config=None,
+            input_batch=self.input_batch, requests=self.requests, device="cpu")
+        self.sampler = CorelibSampler(runner, "cpu")
+        self.metadata = self.input_batch.sampling_metadata
+
+    def step(self, logits: torch.Tensor):
+        out = self.sampler(logits, self.metadata)
+        for rid, token in zip(self.input_batch.req_ids, out.sampled_token_ids[:, 0].tolist()):
+            self.requests[rid].output_token_ids.append(token)
+        return out
+
+
+def bench_cell(vllm, name: str, B: int, repeats: int, clock, Base=None, profile: str = "flat",
+               how: Optional[dict] = None) -> Cell:
+    """One cell; ``how``: the ways of calling of the module docstring (``through_vllm``,
+    ``dtype``, ``fresh_batch``, ``logprobs``), all off when None."""
+    how = how or {}
     params, seeded = CONFIGS[name]
-    logits = make_logits(B, V, profile)
+    if how.get("logprobs") is not None:
+        params = dict(params, logprobs=how["logprobs"])
+    logits = make_logits(B, V, profile).to(how.get("dtype", torch.float32))
     sampler = CpuSampler()
     batch = corelib_batch(sampler, params, seeded, B)
-    # A decode loop: each call samples and appends, so seeded rows move to a new position.
-    corelib_step = lambda: sampler.step(logits, batch)                      # noqa: E731
+    through = ThroughVllm(params, seeded, B) if how.get("through_vllm") else None
+    if through is not None:
+        corelib_step = lambda: through.step(logits)                          # noqa: E731
+    elif how.get("fresh_batch"):
+        def corelib_step():
+            fresh = corelib_batch(sampler, params, seeded, B)
+            return sampler.sample(logits, fresh)
+    else:
+        # A decode loop: each call samples and appends, so seeded rows move to a new position.
+        corelib_step = lambda: sampler.step(logits, batch)                  # noqa: E731
     base_step = None
     if Base is not None:
         base_sampler = Base()
@@ -102,7 +173,9 @@ def bench_cell(vllm, name: str, B: int, repeats: int, clock, Base=None, profile:
     if vllm is not None:
         # the metadata as vLLM's input batch builds it (a generator per row when seeded)
         seeds = [100_003 + i for i in range(B)] if seeded else None
-        vllm_sampler, metadata = vllm.Sampler(), vllm_metadata(vllm, B, params, seeds=seeds)
+        vllm_sampler = vllm.Sampler()
+        metadata = (through.metadata if through is not None
+                    else vllm_metadata(vllm, B, params, seeds=seeds))
         spare = [logits.clone() for _ in range(2 * repeats + 1)]   # vLLM works in place on its input
         vllm_step = lambda: vllm_sampler(spare.pop(), metadata)              # noqa: E731
     corelib_step()                                                          # warm-up
@@ -169,8 +242,21 @@ def main(argv=None) -> int:
     parser.add_argument("--logits", choices=("flat", "peaked"), default="flat",
                         help="the logits' profile (corelib.bench.make_logits): flat randn (default, "
                              "issue 13's table) or peaked, a language model's falling log-probabilities")
+    parser.add_argument("--through-vllm", action="store_true",
+                        help="corelib through CorelibSampler on a real vLLM InputBatch (see the docstring)")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                        help="the logits' dtype (default float32)")
+    parser.add_argument("--fresh-batch", action="store_true",
+                        help="a new corelib batch every call (added, sampled, dropped)")
+    parser.add_argument("--logprobs", type=int, default=None, help="every request asks for N logprobs")
     add_clock_argument(parser)
     args = parser.parse_args(argv)
+    if args.through_vllm and args.fresh_batch:
+        parser.error("--through-vllm and --fresh-batch: choose one")
+    if args.logprobs is not None and args.logprobs < 0:
+        parser.error(f"--logprobs must be >= 0, got {args.logprobs}")
+    how = dict(through_vllm=args.through_vllm, dtype=getattr(torch, args.dtype),
+               fresh_batch=args.fresh_batch, logprobs=args.logprobs)
     clock = clock_from(args, parser, args.threads)
     torch.set_num_threads(args.threads)
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
@@ -178,11 +264,15 @@ def main(argv=None) -> int:
     if args.configs:
         names = [names[int(i)] for i in args.configs.split(",")]
     vllm = None if args.no_vllm else load_vllm()
+    if args.through_vllm and vllm is None:
+        parser.error("--through-vllm needs vLLM (run with the vLLM venv, without --no-vllm)")
     version = ""
     if vllm is not None:
         version = f", vLLM {vllm.version}"
     print(f"{machine_description()}{version}, {args.threads} torch thread(s), {args.clock} clock, V = {V}, "
-          f"{args.logits} logits, median of {args.repeats or '15 (B <= 8) or 5'} calls; load average {load_average():.2f} at start")
+          f"{args.logits} {args.dtype} logits{', through vLLM' if args.through_vllm else ''}"
+          f"{', a fresh batch per call' if args.fresh_batch else ''}"
+          f"{'' if args.logprobs is None else f', {args.logprobs} logprobs'}, median of {args.repeats or '15 (B <= 8) or 5'} calls; load average {load_average():.2f} at start")
     Base = None
     if args.base:
         import tempfile
@@ -193,7 +283,7 @@ def main(argv=None) -> int:
     for name in names:
         for B in batch_sizes:
             repeats = args.repeats or (15 if B <= 8 else 5)
-            cells.append(bench_cell(vllm, name, B, repeats, clock, Base, args.logits))
+            cells.append(bench_cell(vllm, name, B, repeats, clock, Base, args.logits, how))
             sys.stderr.write(f"\r{len(cells)}/{len(names) * len(batch_sizes)}   ")
             sys.stderr.flush()
     sys.stderr.write("\n")
