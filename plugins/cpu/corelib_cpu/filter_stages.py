@@ -45,7 +45,7 @@ from .block import Block, Candidates, Cut, pick_rows, runs, take_rows
 from .filters import top_n_sigma_thresholds, typical_rows_, xtc_rows_
 from .rowops import GROUP, KERNEL_ROWS, first_argmax, searches_groups
 from .select import (MIN_P_MARGIN, kth_largest, mask_below, min_p_of_candidates, top_k_candidates, top_p_candidates,
-                     top_p_candidates_fast, top_p_tolerance)
+                     top_p_candidates_fast, top_p_tolerance, typical_candidates)
 
 
 class _Rows:
@@ -219,6 +219,10 @@ class FilterStages:
         (candidates and cuts written out), then the reference's kept set
         (``filters.typical_rows_``) applied in place, runs of consecutive rows at a time."""
         rows = x.plan.typical_p_rows
+        if x.cand is not None:
+            rows = self.typical_candidate_rows(x, rows, s.typical_p)
+            if not rows:
+                return x
         x.densify(rows)
         xx = x.own()
         for r0, r1 in runs(rows):
@@ -226,6 +230,31 @@ class FilterStages:
         x.changed()
         x.dropped = True
         return x
+
+    def typical_candidate_rows(self, x: Block, rows: list, typical_p: torch.Tensor) -> list:
+        """Step 13a (``typical_p`` float32 [n], the block's) on the given rows that are candidate rows (after a cut: top-k, min-p's
+        candidates), on their candidates alone where that provably keeps the reference's set
+        (``select.typical_candidates``); returns the rows left for the whole-row path (the
+        others, and rows the candidates cannot settle). Candidate values are updated in place."""
+        cand = x.cand
+        place = {row: j for j, row in enumerate(cand.rows)}
+        at = [place[row] for row in rows if row in place]
+        if not at:
+            return rows
+        index = torch.tensor(at, dtype=torch.long) if len(at) < len(cand.rows) else None
+        values = cand.values if index is None else cand.values[index]
+        found = typical_candidates(values, typical_p[cand.index if index is None else cand.index[index]])
+        if found is None:
+            return rows
+        kept, settled = found
+        done = settled.tolist()
+        if all(done) and index is None:
+            cand.values = kept
+        else:
+            places = torch.tensor([j for j, ok in zip(at, done) if ok], dtype=torch.long)
+            cand.values[places] = kept[settled]
+        settled_rows = {cand.rows[j] for j, ok in zip(at, done) if ok}
+        return [row for row in rows if row not in settled_rows]
 
     def apply_xtc(self, x: Block, s: StepState) -> Block:
         """Step 13b: each XTC row's coin first (``row_uniforms`` on the XTC stream, as the

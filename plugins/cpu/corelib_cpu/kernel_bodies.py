@@ -419,7 +419,83 @@ def compile_kernels() -> Optional[dict]:
                 return False
         return True
 
+    @numba.njit(cache=True, nogil=True)
+    def candidate_typical(values, typical_p, mass_margin, score_margin, lowest, out, settled):  # pragma: no cover
+        # the reference's typical set of each candidate row, in float64 on the candidates:
+        # log p, H, the scores |log p + H| ascending, the first whose mass before it reaches
+        # typical_p, every score up to it kept. Settled only where the reference's float32
+        # sums over the row cannot flip a decision: every mass before (and the total) away
+        # from typical_p by mass_margin, every score not tied in logit with the threshold
+        # token's away from it by score_margin (relative to 1 + H + |log p|), and no kept
+        # token's log p below ``lowest`` (float32's exp underflows there: the reference's p
+        # would be 0 and its score inf)
+        n, W = values.shape
+        logp = np.empty(W)
+        score = np.empty(W)
+        for r in range(n):
+            out[r, :] = values[r, :]
+            tp = np.float64(typical_p[r])
+            settled[r] = True
+            if tp >= 1.0:
+                continue
+            settled[r] = False
+            high = -np.inf
+            for j in range(W):
+                high = max(high, np.float64(values[r, j]))
+            if not (-np.inf < high < np.inf):
+                continue
+            total = 0.0
+            for j in range(W):
+                total += np.exp(np.float64(values[r, j]) - high)
+            if not (0.0 < total < np.inf):         # a NaN among the values
+                continue
+            lse = np.log(total)
+            entropy = 0.0
+            for j in range(W):
+                logp[j] = np.float64(values[r, j]) - high - lse
+                if values[r, j] > -np.inf:
+                    entropy -= np.exp(logp[j]) * logp[j]
+            live = 0
+            for j in range(W):
+                score[j] = abs(logp[j] + entropy) if values[r, j] > -np.inf else np.inf
+                live += values[r, j] > -np.inf
+            order = np.argsort(score)              # ascending, -inf values (inf scores) last
+            mass, inside, ok = 0.0, 0, True
+            for i in range(live):
+                if mass < tp:
+                    inside += 1
+                ok = ok and abs(mass - tp) > mass_margin
+                mass += np.exp(logp[order[i]])
+            ok = ok and abs(mass - tp) > mass_margin
+            last = order[max(inside, 1) - 1]
+            threshold, tied = score[last], values[r, last]
+            for j in range(live):
+                k = order[j]
+                if score[k] <= threshold and logp[k] < lowest:
+                    ok = False
+                if values[r, k] != tied and abs(score[k] - threshold) <= score_margin * (1.0 + entropy + abs(logp[k])):
+                    ok = False
+            settled[r] = ok
+            for j in range(W):
+                if not score[j] <= threshold:
+                    out[r, j] = -np.inf
+
+    @numba.njit(cache=True, nogil=True)
+    def count_at_least(x, value, out):    # pragma: no cover - runs compiled
+        # the reference's (x >= value).sum(): a comparison per entry (NaN never counts),
+        # summed in integers, which vectorises without reordering any float arithmetic
+        n, V = x.shape
+        for r in range(n):
+            v = value[r]
+            row = x[r]
+            c = 0
+            for j in range(V):
+                c += np.int64(row[j] >= v)
+            out[r] = c
+
     return dict(bucket_mass=bucket_mass, band_indices=band_indices, top_group_values=top_group_values,
+                count_at_least=count_at_least,
+                candidate_typical=candidate_typical,
                 first_max_at=first_max_at,
                 race_winners=race_winners,
                 group_top_k=group_top_k, candidate_chain=candidate_chain,

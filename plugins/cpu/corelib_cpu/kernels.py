@@ -74,7 +74,8 @@ def describe() -> str:
     if reason is not None:
         return f"kernels: pure torch ({reason})"
     return ("kernels: numba (seeded noise, small-vocabulary draw, top values of a few rows, "
-            "min-p candidates, top-k/top-p of candidates, steps 11-13 of a few rows in one call, "
+            "min-p candidates, top-k/top-p/typical of candidates, steps 11-13 of a few rows in one call, "
+            "logprob ranks, "
             "quadratic smoothing, tail-free, kept-set packing, nucleus histogram)")
 
 
@@ -265,6 +266,40 @@ def first_max_at(x: torch.Tensor, maxima: torch.Tensor, top: torch.Tensor, group
     if not kernels["first_max_at"](x.numpy(), maxima.contiguous().numpy(), top.reshape(-1).contiguous().numpy(),
                                    group, out.numpy()):
         return None
+    return out
+
+
+def typical_of_candidates(values: torch.Tensor, typical_p: torch.Tensor, mass_margin: float,
+                          score_margin: float, lowest: float):
+    """Step 13a on candidate rows by the compiled kernel: (values with the tokens outside the
+    typical set at -inf, settled bool ``[n]``) from the candidates float32 ``[n, W]`` (-inf =
+    dropped; every token outside them is dropped too) and typical_p float32 ``[n]`` (1 keeps
+    all). The reference's rule (``corelib.filter_stages.typical_keep``) in float64 on the
+    candidates; a row is settled where no decision lies within the margins of the
+    reference's float32 rounding (see ``select.typical_candidates``). None where the
+    compiled path does not run (the caller then reads whole rows)."""
+    kernels = _compiled()
+    if kernels is None:
+        return None
+    import torch
+    n, W = values.shape
+    out, settled = torch.empty((n, W)), torch.empty(n, dtype=torch.bool)
+    kernels["candidate_typical"](values.contiguous().numpy(), typical_p.contiguous().numpy(), float(mass_margin),
+                                 float(score_margin), float(lowest), out.numpy(), settled.numpy())
+    return out, settled
+
+
+def count_at_least(x: torch.Tensor, value: torch.Tensor):
+    """int64 ``[n]``: ``(x >= value).sum(dim=-1)`` (the reference's rank count) for x float32
+    ``[n, V]`` and value float32 ``[n, 1]``, in one compiled pass where the torch path makes
+    six over ``[n, V]``. Integer counts of the same comparisons, so the same numbers. None
+    where the compiled path does not run."""
+    kernels = _compiled()
+    if kernels is None or not x.is_contiguous():
+        return None
+    import torch
+    out = torch.empty(x.shape[0], dtype=torch.long)
+    kernels["count_at_least"](x.numpy(), value.reshape(-1).contiguous().numpy(), out.numpy())
     return out
 
 

@@ -150,6 +150,30 @@ def nucleus_of_candidates(values: torch.Tensor, probs: torch.Tensor, top_p: torc
     return keep, torch.where(tiny, 0.0, margin)
 
 
+# Typical-p on candidates: the reference's float32 log-softmax, entropy and probabilities
+# over the whole row move a token's log p and the entropy by a few 1e-6 (log p down to
+# ``TYPICAL_LOWEST``, entropies up to the log of the vocabulary), its masses by as much; a row
+# is settled by the candidates alone when every decision is farther than these from flipping.
+TYPICAL_MASS_MARGIN = 2.0 ** -14
+#: relative to 1 + H + |log p|
+TYPICAL_SCORE_MARGIN = 2.0 ** -12
+#: float32's exp underflows towards 0 below about -87: a kept candidate below this log p
+#: leaves its row to the reference (whose p there would be 0 and its score inf)
+TYPICAL_LOWEST = -80.0
+
+
+def typical_candidates(values: torch.Tensor, typical_p: torch.Tensor):
+    """Step 13a on candidate rows from their candidates alone: values float32 [n, W]
+    (-inf = dropped, every token outside the candidates dropped too), typical_p float32 [n]
+    (1 keeps all). Returns ``(values with the tokens outside the typical set at -inf,
+    settled bool [n])`` by the compiled kernel (``kernels.typical_of_candidates``: the
+    reference's rule in float64, a row settled where no decision lies within the margins
+    above); None where the compiled path does not run (the caller reads whole rows, the
+    reference's computation)."""
+    return kernels.typical_of_candidates(values, typical_p, TYPICAL_MASS_MARGIN, TYPICAL_SCORE_MARGIN,
+                                         TYPICAL_LOWEST)
+
+
 def top_p_tolerance(W: int) -> float:
     """The relative margin :func:`top_p_candidates_fast` settles W candidates by (see there)."""
     return (4 * W + 40) * 2.0 ** -24

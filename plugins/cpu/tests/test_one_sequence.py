@@ -58,6 +58,11 @@ CHAINS = [
     dict(min_p=0.1, xtc_probability=1.0, xtc_threshold=0.05),
     dict(min_p=1e-20, temperature=1.5),                # too many candidates: the whole row
     dict(min_p=1e-20, top_p=0.9, temperature=0.8),     # the same, with top-p after
+    # typical-p after the cut, on the candidates
+    dict(top_k=40, typical_p=0.9),
+    dict(top_k=50, top_p=0.95, typical_p=0.5, temperature=0.7),
+    dict(top_k=1, typical_p=0.2),
+    dict(top_k=300, min_p=0.01, typical_p=0.999),
 ]
 
 
@@ -147,3 +152,40 @@ def test_small_steps_run_on_one_thread_and_restore_the_callers_count():
         assert seen == [1, 2]
     finally:
         torch.set_num_threads(before)
+
+
+@pytest.mark.skipif(not kernels.wanted(), reason="the candidates' typical set is compiled (numba)")
+def test_typical_after_a_cut_reads_the_candidates_and_keeps_the_references_set(monkeypatch):
+    """Typical-p on top-k's candidates: the reference's kept set on many rows and parameters,
+    most rows settled by the candidates alone (the rest, a prefix mass on typical_p among
+    them, by the whole row)."""
+    calls = []
+    real = kernels.typical_of_candidates
+
+    def spy(*args):
+        out = real(*args)
+        calls.append(out[1].tolist())
+        return out
+    monkeypatch.setattr(kernels, "typical_of_candidates", spy)
+    V = 32000
+    g = torch.Generator().manual_seed(4)
+    for r in range(60):
+        logits = rows_of_every_kind(V, seed=r)[r % 6:r % 6 + 1]
+        k = int(torch.randint(1, 80, (1,), generator=g))
+        typical = (0.2, 0.5, 0.9, 0.95, 0.999)[r % 5]
+        params = SamplingParams(top_k=k, typical_p=typical, temperature=(1.0, 0.6, 1.7)[r % 3], seed=r)
+        if r == 59:                                  # a prefix mass exactly on typical_p
+            params = SamplingParams(top_k=2, typical_p=0.5, seed=r)
+            logits = torch.full((1, V), NEG_INF)
+            logits[0, :2] = 0.0
+        cpu = CpuSampler()
+        mine, ref = one_request(cpu, V, params), one_request(REFERENCE, V, params)
+        got, want = cpu.processed_logits(logits, mine), REFERENCE.processed_logits(logits, ref)
+        kept = torch.isfinite(want)
+        assert torch.equal(torch.isfinite(got), kept), f"row {r}: kept sets differ"
+        assert torch.equal(got[kept], want[kept]), f"row {r}: kept logits differ"
+        a, b = cpu.step(logits, mine), REFERENCE.step(logits, ref)
+        assert torch.equal(a.token_ids, b.token_ids), f"row {r}: seeded tokens differ"
+    settled = [ok for call in calls for ok in call]
+    assert len(settled) >= 100 and sum(settled) >= 0.8 * len(settled), (sum(settled), len(settled))
+    assert calls[-1] == [False]                      # the exact prefix mass: the whole row
