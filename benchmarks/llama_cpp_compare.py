@@ -57,7 +57,7 @@ import ctypes
 import statistics
 import sys
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Optional
 
 import numpy as np
 import torch
@@ -106,6 +106,8 @@ CHAINS: tuple[Chain, ...] = (
     # the single samplers both implement
     Chain("top-k 40 alone", dict(top_k=40), (("llama_sampler_init_top_k", (40,)), _dist())),
     Chain("typical 0.95", dict(typical_p=0.95), (("llama_sampler_init_typical", (0.95, 1)), _dist())),
+    Chain("top-k 40, typical 0.9", dict(top_k=40, typical_p=0.9),
+          (("llama_sampler_init_top_k", (40,)), ("llama_sampler_init_typical", (0.9, 1)), _dist())),
     Chain("top-n-sigma 1.0", dict(top_n_sigma=1.0), (("llama_sampler_init_top_n_sigma", (1.0,)), _dist())),
     Chain("XTC p 1, t 0.05", dict(xtc_probability=1.0, xtc_threshold=0.05),
           (("llama_sampler_init_xtc", (1.0, 0.05, 1, SEED)), _dist())),

@@ -117,10 +117,18 @@ def first_argmax(x: torch.Tensor, maxima: Optional[torch.Tensor] = None,
 def count_at_least(x: torch.Tensor, value: torch.Tensor,
                    out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """int64 [n]: how many entries of each row of x float32 [n, V] are >= value float32
-    [n, 1] (NaN entries never count). Sign arithmetic instead of a boolean tensor; ``out``: a
-    float32 [n, V] buffer for it. Small tensors (at most ``ARGMAX_ELEMENTS``) compare and
-    sum: two operator calls instead of six, the same counts."""
+    [n, 1] (NaN entries never count): the reference's ``(x >= value).sum(dim=-1)``. One
+    compiled pass where numba runs (``kernels.count_at_least``); else sign arithmetic instead
+    of a boolean tensor (``out``: a float32 [n, V] buffer for it), rows of an infinite value
+    by the comparison itself. Small tensors (at most ``ARGMAX_ELEMENTS``) compare and sum: two
+    operator calls instead of six, the same counts."""
     if x.numel() <= ARGMAX_ELEMENTS:
+        return (x >= value).sum(dim=-1)
+    counted = kernels.count_at_least(x, value)
+    if counted is not None:
+        return counted
+    if not bool(torch.isfinite(value).all()):
+        # an infinite value: inf - inf is NaN below, where x >= value counts the equal entries
         return (x >= value).sum(dim=-1)
     steps = torch.sub(x, value, out=out).sign_().add_(1.0).clamp_(0.0, 1.0).nan_to_num_(0.0)
     return steps.sum(dim=-1).to(torch.long)

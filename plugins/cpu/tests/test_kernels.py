@@ -235,7 +235,8 @@ def test_info_names_the_path():
         assert described == "kernels: pure torch (numba not installed)"
     else:
         assert described == ("kernels: numba (seeded noise, small-vocabulary draw, top values of a few "
-                             "rows, min-p candidates, top-k/top-p of candidates, steps 11-13 of a few rows in one call, "
+                             "rows, min-p candidates, top-k/top-p/typical of candidates, steps 11-13 of a few rows in one call, "
+                             "logprob ranks, "
                              "quadratic smoothing, tail-free, kept-set packing, nucleus histogram)")
 
 
@@ -424,3 +425,21 @@ def test_first_max_at_is_torch_argmax(V):
         assert torch.equal(got, torch.argmax(x, dim=-1)), case
         assert torch.equal(rowops.first_argmax(x), torch.argmax(x, dim=-1)), case
     assert kernels.first_max_at(x, maxima, top + 1.0, rowops.GROUP) is None     # not in the row
+
+
+def test_rank_counts_are_the_references_on_both_paths(kernel_path):
+    """``rowops.count_at_least`` (step 15's ranks) equals ``(x >= value).sum(-1)`` with NaN
+    entries, infinite entries and infinite or NaN values (where sign arithmetic meets inf -
+    inf), on the compiled path and the torch path."""
+    from corelib_cpu import rowops
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn((6, 70000), generator=g)
+    x[:, ::7] = float("-inf")
+    x[1, 5] = float("inf")
+    x[2, 9] = float("nan")
+    value = x[:, 3:4].clone()
+    value[3] = float("-inf")
+    value[4] = float("inf")
+    value[5] = float("nan")
+    x[4, 11] = float("inf")
+    assert torch.equal(rowops.count_at_least(x, value), (x >= value).sum(dim=-1))
