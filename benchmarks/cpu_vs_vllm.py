@@ -2,10 +2,10 @@
 
 Runs vLLM's ``vllm.v1.sample.sampler.Sampler`` (the V1 sampler a vLLM CPU build uses: its
 top-k/top-p by sorting, its fused Gumbel-argmax draw with a seed per row) and corelib's
-``cpu`` backend on the same random logits, for the six configurations of issue 13 and
-B in {1, 8, 32, 128}, and prints the ratio table (vLLM time / corelib time: above 1 means
-corelib is faster) with the issue's targets, the milliseconds of both, and corelib's time
-in clone-passes at B = 1. Calls of the two samplers alternate, so load changes hit both.
+``cpu`` backend on the same random logits, for the six configurations of issue 13 and two
+with 5 logprobs asked for (issue 35), B in {1, 8, 32, 128}, and prints the ratio table
+(vLLM time / corelib time: above 1 means corelib is faster) with the issues' targets, the
+milliseconds of both, and corelib's time in clone-passes at B = 1. Calls of the two samplers alternate, so load changes hit both.
 
 vLLM is not a dependency of corelib. Run this script with the vLLM venv the test command
 builds (``scripts/lib.sh``'s ``ensure_vllm_venv``: vLLM's CPU build on the pinned torch, with
@@ -59,6 +59,10 @@ CONFIGS: dict[str, tuple[dict, bool]] = {
     "every row seeded: top-k + top-p + T": (dict(top_k=50, top_p=0.9, temperature=0.7), True),
     "every row seeded: top-p alone": (dict(top_p=0.9), True),
     "every row seeded: plain random": (dict(), True),
+    # issue 35: with logprobs asked for, the cells read lowest (a harness serving requests
+    # that ask for them measures these)
+    "top-k + top-p + T, 5 logprobs": (dict(top_k=50, top_p=0.9, temperature=0.7, logprobs=5), False),
+    "every row seeded: top-p alone, 5 logprobs": (dict(top_p=0.9, logprobs=5), True),
 }
 # Issue 13's targets: the smallest acceptable ratio, per config, as a function of B.
 TARGETS: dict[str, tuple[Callable[[int], float], str]] = {
@@ -68,6 +72,8 @@ TARGETS: dict[str, tuple[Callable[[int], float], str]] = {
     "every row seeded: top-k + top-p + T": (lambda B: 15.0 if B == 1 else 25.0, "as unseeded"),
     "every row seeded: top-p alone": (lambda B: 8.0, ">= 8x"),
     "every row seeded: plain random": (lambda B: 1.0, ">= 1x"),
+    "top-k + top-p + T, 5 logprobs": (lambda B: 15.0 if B == 1 else 25.0, "as without logprobs"),
+    "every row seeded: top-p alone, 5 logprobs": (lambda B: 8.0, ">= 8x"),
 }
 
 
@@ -233,7 +239,7 @@ def main(argv=None) -> int:
     parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
     parser.add_argument("--batch-sizes", default=",".join(map(str, BATCH_SIZES)))
     parser.add_argument("--configs", default=None,
-                        help="comma-separated indices (0-5) of the configs to run (default: all)")
+                        help="comma-separated indices (0-7) of the configs to run (default: all)")
     parser.add_argument("--repeats", type=int, default=None,
                         help="timed calls per cell, median reported (default: 15 for B <= 8, else 5)")
     parser.add_argument("--no-vllm", action="store_true", help="time corelib alone")
