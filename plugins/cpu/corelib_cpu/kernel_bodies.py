@@ -46,6 +46,17 @@ def compile_kernels() -> Optional[dict]:
             h = mix((np.uint64(prefix[r]) ^ np.uint64(position[r])) & mask)
             out[r] = np.int32(np.int64(h) - np.int64(1 << 32)) if h >= np.uint64(1 << 31) else np.int32(h)
 
+    key_offset = np.uint64(noise._KEY_OFFSET & 0xFFFFFFFF)
+
+    @numba.njit(cache=True, nogil=True)
+    def key_prefixes(seed_lo, seed_hi, child, out):  # pragma: no cover - runs compiled
+        # corelib.noise.row_key_prefix: three mixes of 32-bit words, integer arithmetic
+        for r in range(out.shape[0]):
+            h = mix((np.uint64(seed_lo[r]) ^ key_offset) & mask)
+            h = mix((h ^ np.uint64(seed_hi[r])) & mask)
+            h = mix((h ^ np.uint64(child[r])) & mask)
+            out[r] = np.int32(np.int64(h) - np.int64(1 << 32)) if h >= np.uint64(1 << 31) else np.int32(h)
+
     @numba.njit(cache=True, nogil=True)
     def whole_rows(keys, out):            # pragma: no cover - runs compiled
         for r in range(out.shape[0]):
@@ -494,6 +505,7 @@ def compile_kernels() -> Optional[dict]:
             out[r] = c
 
     return dict(bucket_mass=bucket_mass, band_indices=band_indices, top_group_values=top_group_values,
+                key_prefixes=key_prefixes,
                 count_at_least=count_at_least,
                 candidate_typical=candidate_typical,
                 first_max_at=first_max_at,

@@ -73,7 +73,7 @@ def describe() -> str:
     reason = _torch_only()
     if reason is not None:
         return f"kernels: pure torch ({reason})"
-    return ("kernels: numba (seeded noise, small-vocabulary draw, top values of a few rows, "
+    return ("kernels: numba (seeded noise and row keys, small-vocabulary draw, top values of a few rows, "
             "min-p candidates, top-k/top-p/typical of candidates, steps 11-13 of a few rows in one call, "
             "logprob ranks, "
             "quadratic smoothing, tail-free, kept-set packing, nucleus histogram)")
@@ -115,6 +115,21 @@ def row_keys_into(out: torch.Tensor, prefix: torch.Tensor, position: torch.Tenso
         return False
     kernels["mixed_keys"](prefix.contiguous().numpy(), position.contiguous().numpy(), out.numpy())
     return True
+
+
+def key_prefix(seed_lo: torch.Tensor, seed_hi: torch.Tensor, child: torch.Tensor):
+    """``corelib.noise.row_key_prefix`` by the compiled kernel: int32 ``[B]`` from the rows'
+    int32 ``[B]`` seed words and child numbers, in one call where torch makes about thirty on
+    ``[B]`` (a plan made when requests join or leave pays them). Integer arithmetic, the same
+    bits. None where the compiled path does not run."""
+    kernels = _compiled()
+    if kernels is None:
+        return None
+    import torch
+    out = torch.empty(seed_lo.shape[0], dtype=torch.int32)
+    kernels["key_prefixes"](seed_lo.contiguous().numpy(), seed_hi.contiguous().numpy(),
+                            child.contiguous().numpy(), out.numpy())
+    return out
 
 
 def positive_ids(weights: torch.Tensor, cap: int):

@@ -193,7 +193,9 @@ def make_plan(s: StepState, rows_per_block: int, sparse_penalties: bool,
     top_k_on = stage_on.get("top_k", off)
     key_prefix = None
     if any(seeded):
-        key_prefix = row_key_prefix(s.seed_lo, s.seed_hi, s.child)
+        key_prefix = kernels.key_prefix(s.seed_lo, s.seed_hi, s.child)
+        if key_prefix is None:
+            key_prefix = row_key_prefix(s.seed_lo, s.seed_hi, s.child)
     blocks = []
     for r0 in range(0, B, rows_per_block):
         r1 = min(r0 + rows_per_block, B)

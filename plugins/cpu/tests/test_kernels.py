@@ -234,7 +234,7 @@ def test_info_names_the_path():
     if importlib.util.find_spec("numba") is None:
         assert described == "kernels: pure torch (numba not installed)"
     else:
-        assert described == ("kernels: numba (seeded noise, small-vocabulary draw, top values of a few "
+        assert described == ("kernels: numba (seeded noise and row keys, small-vocabulary draw, top values of a few "
                              "rows, min-p candidates, top-k/top-p/typical of candidates, steps 11-13 of a few rows in one call, "
                              "logprob ranks, "
                              "quadratic smoothing, tail-free, kept-set packing, nucleus histogram)")
@@ -443,3 +443,11 @@ def test_rank_counts_are_the_references_on_both_paths(kernel_path):
     value[5] = float("nan")
     x[4, 11] = float("inf")
     assert torch.equal(rowops.count_at_least(x, value), (x >= value).sum(dim=-1))
+
+
+@needs_numba
+def test_key_prefixes_are_the_contracts_bits():
+    """``kernels.key_prefix`` (a plan's seeded rows' keys without their position) equals
+    ``corelib.noise.row_key_prefix`` bit for bit, int32's extremes included."""
+    lo, hi, child = _keys(64, seed=1), _keys(64, seed=2), _keys(64, seed=3)
+    assert torch.equal(kernels.key_prefix(lo, hi, child), noise.row_key_prefix(lo, hi, child))
