@@ -125,6 +125,8 @@ class Block:
     finite: Optional[torch.Tensor] = None        # bool [n]: that check's result, written by
                                                  # any_token_left (steps with a thinking budget)
     row_max: Optional[torch.Tensor] = None       # float32 [n]: maxima after steps 3-5
+    all_valid: bool = False                      # any_token_left saw every row finite with
+                                                 # a token left (neutralise_rows then skips)
     drawn_finite: Optional[torch.Tensor] = None  # bool [n]: step 14's token has a finite logit
     weights: list = field(default_factory=list)  # (whole rows, float32 [m, V] their draw
                                                  # weights: the final distribution, unnormalised)

@@ -21,6 +21,7 @@ Shapes: ``n`` rows of a block, ``V`` vocabulary.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import torch
 from corelib import Sampler, SamplingBatch, StepState
@@ -35,6 +36,18 @@ from .rowops import is_finite
 from .state import BlockState
 
 _TRUE = torch.tensor(True)
+#: Blocks of up to this many rows check their rows' maxima on the host (``any_token_left``).
+FEW_ROWS = 2
+_ALL_TRUE: dict = {}
+
+
+def _all_true(n: int) -> torch.Tensor:
+    """bool [n] all True, made once per n (read only: the template combines it into new
+    tensors)."""
+    out = _ALL_TRUE.get(n)
+    if out is None:
+        out = _ALL_TRUE[n] = torch.ones(n, dtype=torch.bool)
+    return out
 
 
 class LogitStages:
@@ -152,12 +165,18 @@ class LogitStages:
         if x.finite is not None:                    # see finite_rows
             x.finite.copy_(not_overflowed(top))
             return top > NEG_INF
+        if x.finite_pending and top.shape[0] <= FEW_ROWS:
+            # a few rows: their maxima read on the host, where a tensor test and the template's
+            # check of its result would be four operator calls
+            if all(-math.inf < v < math.inf for v in top.tolist()):
+                x.all_valid = True
+                return _all_true(top.shape[0])
         return is_finite(top) if x.finite_pending else top > NEG_INF
 
     def neutralise_rows(self, x: Block, valid: torch.Tensor) -> Block:
         """Invalid rows become zeros (uniform), in place, so they cannot disturb later stages;
         when every row is valid, the maxima just read are kept for later stages."""
-        if not bool(valid.all()):
+        if not x.all_valid and not bool(valid.all()):
             x.own().masked_fill_(~valid[:, None], 0.0)
             x.changed()
         else:

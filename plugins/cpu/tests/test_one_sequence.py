@@ -189,3 +189,29 @@ def test_typical_after_a_cut_reads_the_candidates_and_keeps_the_references_set(m
     settled = [ok for call in calls for ok in call]
     assert len(settled) >= 100 and sum(settled) >= 0.8 * len(settled), (sum(settled), len(settled))
     assert calls[-1] == [False]                      # the exact prefix mass: the whole row
+
+
+@pytest.mark.parametrize("params", [dict(top_k=40), dict(temperature=0.0), dict(min_p=0.05), dict(top_p=0.9, seed=3)],
+                         ids=["top_k", "greedy", "min_p", "top_p"])
+def test_few_row_blocks_flag_nan_inf_and_empty_rows_as_the_reference(params):
+    """Blocks of one and two rows check their rows' maxima on the host (``any_token_left``):
+    a row holding NaN, one holding +inf and one of -inf only are flagged as the reference
+    flags them, and a valid row beside them samples the reference's way."""
+    V = 4096
+    logits = torch.randn((4, V), generator=torch.Generator().manual_seed(2))
+    logits[0, 17] = float("nan")
+    logits[1, 5] = float("inf")
+    logits[2] = NEG_INF
+    for rows in (1, 2):
+        cpu = CpuSampler(block_elements=rows * V)
+        for r in range(4):
+            row = logits[r:r + 1].expand(rows, V).contiguous()
+            mine, ref = cpu.new_batch(V), REFERENCE.new_batch(V)
+            for i in range(rows):
+                mine.add(f"r{i}", SamplingParams(**params))
+                ref.add(f"r{i}", SamplingParams(**params))
+            got, want = cpu.sample(row, mine), REFERENCE.sample(row, ref)
+            assert torch.equal(got.valid, want.valid), (rows, r)
+            assert torch.equal(got.token_ids[~want.valid], want.token_ids[~want.valid]), (rows, r)
+            if "seed" in params or params.get("temperature") == 0.0:
+                assert torch.equal(got.token_ids, want.token_ids), (rows, r)
