@@ -42,7 +42,7 @@ from .device_rows import DeviceRows
 from .layout import (
     _COL, _FILTER_ORDER, _GREEDY, _INT_FIELDS, _LOGPROBS_ON, _NEUTRAL_INTS, _POSITION,
     _RANDOM_KEY, _ROUTE, _THINKING_BUDGET, FLOAT_COLUMNS, NEUTRAL_FLOATS, NOT_LIVE, ROUTES,
-    STATE_FIELDS, Variant, XlaStepState, _float_values, _int_values, choose_path, flags_for,
+    STATE_FIELDS, Variant, XlaStepState, _float_values, _int_values, choose_path, flags_for, route_of,
 )
 from .orders import FilterOrders
 
@@ -84,6 +84,7 @@ class XlaSamplingBatch(DeviceRows, SamplingBatch):
         self._state: dict[str, torch.Tensor] = {}
         self._variant: Optional[Variant] = None
         self._path: Optional[str] = None
+        self._route: Optional[str] = None
         self._asked: Optional[tuple[Optional[int]]] = None
         self._sources: dict[tuple[int, bool], torch.Tensor] = {}
         self._cached: dict[tuple, torch.Tensor] = {}
@@ -139,6 +140,14 @@ class XlaSamplingBatch(DeviceRows, SamplingBatch):
         if self._path is None:
             self._path = choose_path(self._row_params, self.top_k_candidates, self.vocab_size)
         return self._path
+
+    def _route_name(self) -> str:
+        """The route of steps 11-13 the current rows take in a random graph (``ROUTES``)."""
+        if not self._row_keys:
+            return "plain"
+        if self._route is None:
+            self._route = route_of(self.path(), self._row_params, self.vocab_size)
+        return self._route
 
     def row_sources(self, bucket: int, per_request: bool) -> torch.Tensor:
         """int64 ``[bucket]`` host tensor: the logits row each batch row reads (its own row, or
@@ -320,6 +329,7 @@ class XlaSamplingBatch(DeviceRows, SamplingBatch):
         super()._changed()
         self._variant = None
         self._path = None
+        self._route = None
         self._asked = None
         self._sources = {}
 
@@ -403,8 +413,7 @@ class XlaSamplingBatch(DeviceRows, SamplingBatch):
         """int32 ``[B, columns]``: the per-row scalars, floats as their bits, and the batch's
         route and logprobs switch in every row."""
         self._ints[:B, _RANDOM_KEY] = 0 if random_keys is None else random_keys
-        path = self.path() if self._row_keys else "greedy"
-        self._ints[:B, _ROUTE] = ROUTES.index(path if path in ROUTES else "plain")
+        self._ints[:B, _ROUTE] = ROUTES.index(self._route_name())
         self._ints[:B, _LOGPROBS_ON] = int(self._asked_logprobs() is not None)
         table = torch.cat([self._floats[:B].view(torch.int32), self._ints[:B]], dim=1)
         # Padding rows count as greedy: they draw no noise, and they keep the sampler's draw

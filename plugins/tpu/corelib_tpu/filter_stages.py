@@ -82,8 +82,25 @@ def _name(item) -> str:
     return item if isinstance(item, str) else item.name
 
 
+@dataclasses.dataclass
+class RouteRecord:
+    """What the filter group did around the candidate route, for the draw
+    (``TpuSampler.sample_random``): the route's (ids int64 ``[B, K]``, edges float32
+    ``[B, 3]``) (``thresholds.top_k_top_p_with_ids``), the predicates (bool 0-d) of the
+    conditionals of the other filters that may have changed the logits, and whether a stage
+    ran that leaves no predicate (then nothing is reused)."""
+
+    candidates: list = dataclasses.field(default_factory=list)
+    ran: list = dataclasses.field(default_factory=list)
+    unknown: bool = False
+
+
 class FilterStages:
     """Steps 10-14 of ``TpuSampler`` (which provides the graph runner and the other stages)."""
+
+    #: While ``sample_random`` runs the filter group, a ``RouteRecord`` of what the draw may
+    #: reuse of steps 11-13's candidate route; None otherwise.
+    _route: "RouteRecord | None" = None
 
     def run_group(self, group: str, x: torch.Tensor, s: XlaStepState) -> torch.Tensor:
         """The core's ``run_group``, the same stages in the same order, except that each run
@@ -107,9 +124,12 @@ class FilterStages:
             x = self._few_rows_run(x, before, s, run)
             run = []
             if stage.name == "temperature" and s.any_dynatemp:
-                before, x = x, self._static_temperature(x, s)
+                # step 10's division is left to the run's conditional (x None: pending)
+                before, x = x, None
                 run.append(_DYNATEMP_RUN)
                 continue
+            if self._route is not None and stage.name not in ("temperature", "top_k_top_p"):
+                self._route.unknown = True         # a stage with no predicate to tell it ran
             x = self.stage_method(stage)(x, s)
         return self._few_rows_run(x, before, s, run)
 
@@ -119,21 +139,40 @@ class FilterStages:
         conditional when two or more of them have one of their own; ``before``: the logits
         before step 10, which the dynamic temperature reads. The branch takes the state's
         ``[B]`` tensors as operands (a traced branch reads nothing else) and runs the stages
-        on a copy of ``s`` holding them."""
+        on a copy of ``s`` holding them. x None: step 10's static division of ``before`` is
+        still to come, and both branches make it: the branch of a batch that uses none of
+        the run's filters then writes the divided logits instead of copying them (XLA:CPU
+        copies a conditional's pass-through operand into its result), one ``[B, V]`` write
+        and read fewer per step."""
         tests = [_FEW_ROWS[_name(item)] for item in run if _FEW_ROWS[_name(item)] is not None]
-        if len(tests) < 2:
+        if x is None and len(tests) < 2:
+            x = self._static_temperature(before, s)
+        if not tests:
             return self._run_in_turn(x, before, s, run)
         used = tests[0](s)
         for test in tests[1:]:
             used = used | test(s)
+        if self._route is not None:
+            self._route.ran.append(used.any())
+        if len(tests) < 2:
+            return self._run_in_turn(x, before, s, run)
         rows = {f.name: getattr(s, f.name) for f in dataclasses.fields(s)
                 if isinstance(getattr(s, f.name), torch.Tensor) and getattr(s, f.name).dim() == 1}
         names = tuple(rows)
 
+        key = ("filters of few rows", type(self), tuple(_name(item) for item in run), names,
+               self.top_k_candidates, x is None)
+        if x is None:
+            def divided(before, *values):
+                on = dataclasses.replace(s, **dict(zip(names, values)))
+                return self._run_in_turn(self._static_temperature(before, on), before, on, run)
+
+            def divided_only(before, *values):
+                return self._static_temperature(before, dataclasses.replace(s, **dict(zip(names, values))))
+            return xla.cond(used.any(), divided, divided_only, [before, *rows.values()], key)
+
         def every(x, before, *values):
             return self._run_in_turn(x, before, dataclasses.replace(s, **dict(zip(names, values))), run)
-        key = ("filters of few rows", type(self), tuple(_name(item) for item in run), names,
-               self.top_k_candidates)
         return xla.cond(used.any(), every, _unchanged, [x, before, *rows.values()], key)
 
     def _run_in_turn(self, x: torch.Tensor, before: torch.Tensor, s: XlaStepState,
@@ -323,26 +362,40 @@ class FilterStages:
         ``[B]`` (0 = off), top_k int32 ``[B]`` (0 = off), top_p float32 ``[B]`` (1 = off),
         route int32 ``[B]`` (the batch's, in every row). Not in place."""
         candidates = self.top_k_candidates
+        K = min(candidates, x.shape[-1])
+
+        def no_ids(x):
+            return (x, torch.zeros((x.shape[0], K), dtype=torch.int64, device=x.device),
+                    torch.zeros((x.shape[0], 3), dtype=torch.float32, device=x.device))
 
         def from_candidates(x, top_k, top_p, min_p):
-            return thresholds.top_k_top_p_candidates(x, top_k, top_p, min_p, candidates)
+            return thresholds.top_k_top_p_with_ids(x, top_k, top_p, min_p, candidates)
+
+        def plain(x, top_k, top_p, min_p):
+            return no_ids(x)
 
         def min_p_only(x, top_k, top_p, min_p):
-            return thresholds.min_p_filter(x, min_p)
+            return no_ids(thresholds.min_p_filter(x, min_p))
 
         def nucleus(x, top_k, top_p, min_p):
             x = thresholds.top_k_by_candidates(thresholds.min_p_filter(x, min_p), top_k, candidates)
-            return thresholds.top_p_by_bisection(x, top_p)
+            return no_ids(thresholds.top_p_by_bisection(x, top_p))
 
         def exhaustive(x, top_k, top_p, min_p):
             x = thresholds.top_k_by_bisection(thresholds.min_p_filter(x, min_p), top_k)
-            return thresholds.top_p_by_bisection(x, top_p)
+            return no_ids(thresholds.top_p_by_bisection(x, top_p))
 
-        routes = {"plain": _unchanged, "min_p": min_p_only, "candidates": from_candidates,
-                  "nucleus": nucleus, "exhaustive": exhaustive}
+        def top_p_only(x, top_k, top_p, min_p):
+            return no_ids(thresholds.top_p_by_bisection(x, top_p))
+
+        routes = {"plain": plain, "min_p": min_p_only, "candidates": from_candidates,
+                  "nucleus": nucleus, "exhaustive": exhaustive, "top_p": top_p_only}
         min_p = s.min_p if MIN_P_IN_ROUTE else torch.zeros_like(s.min_p)    # 0 = off
-        return xla.switch(s.route[0], [routes[name] for name in ROUTES],
-                          [x, s.top_k, s.top_p, min_p], ("top_k_top_p", candidates))
+        x, ids, edges = xla.switch(s.route[0], [routes[name] for name in ROUTES],
+                                   [x, s.top_k, s.top_p, min_p], ("top_k_top_p", candidates, "ids"))
+        if self._route is not None:
+            self._route.candidates.append((ids, edges))
+        return x
 
     def apply_typical_p(self, x: torch.Tensor, s: XlaStepState) -> torch.Tensor:
         """Step 13a runs in step 13b's conditional (``apply_xtc``), nothing running between

@@ -57,7 +57,11 @@ PATHS = ("greedy", "plain", "min_p", "candidates", "nucleus", "exhaustive")
 #: The paths of a random graph: its ``route`` column picks one inside the graph (an XLA
 #: conditional, ``xla.switch``), so one compiled graph serves them all. The candidate path
 #: comes first: a switch is nested conditionals, and the first branch is the shallowest.
-ROUTES = ("candidates", "plain", "min_p", "nucleus", "exhaustive")
+#: The nucleus path of a batch whose random rows use neither min-p nor top-k takes the route
+#: top_p, top-p by bisection alone (``route_of``): the nucleus route would still find each
+#: row's max (min-p's floor) and its largest logits (top-k's threshold), two passes over the
+#: logits and a topk, to keep every token; it comes second, as the common path it is.
+ROUTES = ("candidates", "top_p", "plain", "min_p", "nucleus", "exhaustive")
 
 #: ``append`` marks rows (or slots) that do not advance with this id: their state is left as
 #: it is (a flagged row's -1 becomes this). -1 advances the position without counting a
@@ -133,6 +137,14 @@ def choose_path(row_params: Sequence[SamplingParams], candidates: int,
     if all(p.top_p >= 1.0 or k > 0 for p, k in filtering):
         return "candidates"
     return "nucleus"
+
+
+def route_of(path: str, row_params: Sequence[SamplingParams], vocab_size: int) -> str:
+    """The route (``ROUTES``) of a batch on ``path`` (``PATHS``; greedy batches take plain)."""
+    if path == "nucleus" and not any(p.min_p > 0 or _top_k(p, vocab_size) > 0
+                                     for p in row_params if not p.is_greedy):
+        return "top_p"
+    return path if path in ROUTES else "plain"
 
 
 def _top_k(params: SamplingParams, vocab_size: int) -> int:

@@ -27,9 +27,9 @@ from corelib import noise
 
 from . import bitmask, dry, thresholds, xla
 from .batch import XlaSamplingBatch
-from .layout import Variant, XlaStepState, flags_for
+from .layout import ROUTES, Variant, XlaStepState, flags_for
 from .drafts import leading_count
-from .filter_stages import FilterStages, _unchanged
+from .filter_stages import FilterStages, RouteRecord, _unchanged
 from .graph import GraphRunner, WarmupReport
 from .xla import RecompilationError
 
@@ -261,7 +261,24 @@ class TpuSampler(FilterStages, GraphRunner):
         """Step 9: int64 ``[B]``, the lowest id among each row's maxima."""
         return thresholds.first_argmax(x)
 
-    def draw(self, x: torch.Tensor, s: XlaStepState) -> torch.Tensor:
+    def sample_random(self, x: torch.Tensor, s: XlaStepState) -> tuple[torch.Tensor, torch.Tensor]:
+        """Steps 10-14 as in the core (``Sampler.sample_random``), with what steps 11-13's
+        candidate route found (``RouteRecord``) handed to the draw, which races over its
+        candidates where they hold every kept token instead of finding each row's largest
+        logits again. x float32 ``[B, V]`` after step 8b; returns (int64 ``[B]`` ids, float32
+        ``[B, V]`` final logits). Only the default filter order without custom stages records
+        it (other orders run in conditionals that trace the route on placeholders; a custom
+        stage may change the logits after the route)."""
+        self._route = RouteRecord() if not (s.filter_orders or s.stages) else None
+        try:
+            final = self.filter(x, s)                                      # steps 10-13
+            record = self._route
+        finally:
+            self._route = None
+        usable = record is not None and len(record.candidates) == 1 and not record.unknown
+        return self.draw(final, s, record if usable else None), final      # step 14
+
+    def draw(self, x: torch.Tensor, s: XlaStepState, route=None) -> torch.Tensor:
         """Step 14 (and step 9 for greedy rows): int64 ``[B]``, ``argmax(x + gumbel)`` over the
         whole vocabulary (x float32 ``[B, V]``, dropped tokens -inf), the lowest id among
         ties. Seeded rows key the contract's noise by (seed, child, position); unseeded rows
@@ -273,13 +290,37 @@ class TpuSampler(FilterStages, GraphRunner):
         ``top_k_candidates`` logits (``thresholds.top_entries``), which then hold every kept
         token, with the noise hashed at their ids: the same noise values, the same sums and
         the same winner as over the vocabulary, without a hash and two logarithms at each of
-        its tokens. Otherwise (an ``xla.cond`` on the rows) the noise covers the vocabulary."""
+        its tokens. Otherwise (an ``xla.cond`` on the rows) the noise covers the vocabulary.
+
+        route: None, or the ``RouteRecord`` of this step's filter group (``sample_random``).
+        Where the batch took the candidate route, no other filter's conditional ran (the
+        route's output is ``x``), and every row's candidates hold its kept tokens (a random
+        row's K-th largest logit lies below its threshold, a greedy row's below its largest)
+        with a finite largest, the race runs over the route's candidates (``_race``: the same
+        winner), with no pass over ``x``; else as above, in a conditional."""
         # Greedy rows carry neutral filter parameters, so ``x`` is still their step-8a logits:
         # without noise, this argmax is step 9 (the template skips its own, see flags_for).
         K = min(self.top_k_candidates, x.shape[-1])
-        narrow = thresholds.narrow_rows(x, K, s.greedy).all()
-        return xla.cond(narrow, _draw_over_candidates(K), _draw_over_vocabulary,
-                        [x, self._noise_keys(s), s.greedy], ("draw", K))
+        keys = self._noise_keys(s)
+        if route is None:
+            narrow = thresholds.narrow_rows(x, K, s.greedy).all()
+            return xla.cond(narrow, _draw_over_candidates(K), _draw_over_vocabulary,
+                            [x, keys, s.greedy], ("draw", K))
+        ids, edges = route.candidates[0]
+        last, top, threshold = edges[:, 0], edges[:, 1], edges[:, 2]
+        # A token outside the candidates is at most the K-th largest: below the threshold,
+        # none is kept. A greedy row's filters are neutral (its x is what the route read), so
+        # its first maximum is among the candidates unless all K tie. +inf (an overflow of
+        # the penalties or the temperature) would be the largest; NaN, which the search's
+        # pass would see anywhere, needs a filter that ran (they are ruled out below) or DRY
+        # subtracting +inf from +inf (rows using DRY are too).
+        inside = torch.where(s.greedy, (last < top) | (K == x.shape[-1]), last < threshold)
+        reuse = ((s.route[0] == ROUTES.index("candidates")) & ~(s.dry_multiplier > 0).any()
+                 & (inside & (top < float("inf"))).all())
+        for ran in route.ran:
+            reuse = reuse & ~ran
+        return xla.cond(reuse, _race, _draw_by_search(K), [x, keys, s.greedy, ids],
+                        ("draw", K, "route"))
 
     def kept_set(self, x: torch.Tensor, final: torch.Tensor, token_ids: torch.Tensor,
                  valid: torch.Tensor, s: XlaStepState) -> torch.Tensor:
@@ -469,6 +510,31 @@ def _draw_over_candidates(K: int):
         maxima_inside = ~greedy | (values[:, K - 1] < values[:, 0]) | (K == x.shape[-1])
         return xla.cond(maxima_inside.all(), _given_tokens, _draw_over_vocabulary,
                         [x, keys, greedy, tokens], ("draw over candidates", K))
+    return draw
+
+
+def _race(x: torch.Tensor, keys: torch.Tensor, greedy: torch.Tensor,
+          ids: torch.Tensor) -> torch.Tensor:
+    """int64 ``[B]``: the draw of ``_draw_over_candidates`` for rows whose kept tokens (for
+    a greedy row, bool ``greedy``: its first maximum) all lie among ``ids`` (int64 ``[B, K]``,
+    distinct): their logits gathered from x float32 ``[B, V]``, the same noise at the same
+    ids, the same sums, the same winner (the lowest id among the best), with no pass over
+    ``x``."""
+    values = x.gather(1, ids)                                                  # (B, K)
+    gumbel = noise.seeded_gumbel(keys[:, None], ids.to(torch.int32))
+    scores = values + torch.where(greedy[:, None], 0.0, gumbel)
+    best = scores.max(dim=-1, keepdim=True).values
+    return torch.where(scores == best, ids, x.shape[-1]).min(dim=-1).values
+
+
+def _draw_by_search(K: int):
+    """The draw where the route's candidates do not serve (``TpuSampler.draw``): over each
+    row's K largest logits where every row is narrow (``thresholds.narrow_rows``), else over
+    the vocabulary."""
+    def draw(x, keys, greedy, ids):
+        narrow = thresholds.narrow_rows(x, K, greedy).all()
+        return xla.cond(narrow, _draw_over_candidates(K), _draw_over_vocabulary,
+                        [x, keys, greedy], ("draw", K))
     return draw
 
 

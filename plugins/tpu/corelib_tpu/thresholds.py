@@ -32,7 +32,7 @@ _SIGN_FLIP = 0x7FFFFFFF
 KEY_BISECTION_STEPS = 32
 PROB_BISECTION_STEPS = 30
 #: float32 holds every integer below this exactly (counts summed as float32 stay exact).
-_FLOAT_EXACT = 2**24
+_FLOAT_EXACT = FLOAT_EXACT = 2**24
 #: order_keys(-inf): keys below it are NaN bit patterns, where every compare is false.
 _NEG_INF_KEY = 0xFF800000 ^ _SIGN_FLIP ^ -(1 << 32)
 
@@ -160,8 +160,19 @@ def top_k_top_p_candidates(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Te
     Exact but for min-p and top-p boundaries compared in logit rather than probability
     space (a token within float rounding of the boundary). Returns a new tensor.
     """
+    return top_k_top_p_with_ids(x, top_k, top_p, min_p, candidates)[0]
+
+
+def top_k_top_p_with_ids(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                         min_p: torch.Tensor, candidates: int
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``top_k_top_p_candidates``, the ids of the candidates it read (int64 ``[B, K]``, K =
+    ``min(candidates, V)``, the row's K largest logits of ``x``) and float32 ``[B, 3]``: the
+    K-th largest logit, the largest and the kept set's threshold. The draw races over the
+    candidates where they hold every kept token (``TpuSampler.draw``: the K-th largest below
+    the threshold) instead of finding them again."""
     K = min(candidates, x.shape[-1])
-    values = top_values(x, K)                                              # (B, K) descending
+    values, ids = top_entries(x, K)                                        # (B, K) descending
     k = top_k.to(torch.int64).clamp(min=0, max=K)[:, None]
     # Gathers, not static slices: XLA:CPU turns a static slice of topk's output into a sort.
     top = values.gather(1, torch.zeros_like(k))                            # row max
@@ -169,10 +180,11 @@ def top_k_top_p_candidates(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Te
     floor = torch.maximum(top + torch.log(min_p)[:, None], kth)            # steps 11-12
     # The mass top-p normalises by: the kept candidates', plus the kept tokens outside them,
     # which (a row with top_p < 1 has k >= 1 here, so floor >= kth >= every non-candidate)
-    # all equal the k-th largest exactly. A count over the vocabulary instead of an exp-sum.
+    # all equal the k-th largest exactly: counted, not exp-summed, and only where some row's
+    # K-th candidate reaches its floor (none is outside otherwise).
     weights = torch.exp(values - top)                                      # (B, K)
     kept = values >= floor
-    outside = (x >= floor).sum(dim=-1, keepdim=True) - kept.sum(dim=-1, keepdim=True)
+    outside = _kept_outside(x, floor, kept, values.gather(1, torch.full_like(k, K - 1)))
     total = torch.where(kept, weights, 0.0).sum(dim=-1, keepdim=True) + outside * torch.exp(kth - top)
     cand = torch.where(kept, weights / total, 0.0)                         # (B, K)
     # Exclusive running sum (shifted, not cumsum - cand, which rounds once more).
@@ -181,7 +193,31 @@ def top_k_top_p_candidates(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Te
     in_nucleus = (mass_before < p).sum(dim=-1, keepdim=True)
     last = values.gather(1, (in_nucleus - 1).clamp(min=0))                 # step 13
     threshold = torch.where(p >= 1.0, floor, torch.maximum(floor, last))
-    return torch.where(x >= threshold, x, NEG_INF)
+    edges = torch.cat([values.gather(1, torch.full_like(k, K - 1)), top, threshold], dim=1)
+    return torch.where(x >= threshold, x, NEG_INF), ids, edges
+
+
+def _kept_outside(x: torch.Tensor, floor: torch.Tensor, kept: torch.Tensor,
+                  last: torch.Tensor) -> torch.Tensor:
+    """float32 ``[B, 1]``: the tokens of x float32 ``[B, V]`` at or above ``floor`` (float32
+    ``[B, 1]``) that are not among the candidates (``kept``: bool ``[B, K]``, the candidates
+    at or above it; ``last``: float32 ``[B, 1]``, the K-th largest logit). A token outside
+    the candidates is at most ``last``, so where every row's ``last`` is below its floor
+    there is none, and the count over the vocabulary (a pass) runs in a conditional on
+    some row's ``last`` reaching its floor: ties at the K-th candidate, or k = K."""
+    def count(x, floor, kept):
+        if x.shape[-1] >= _FLOAT_EXACT:                            # a float32 count could round
+            return ((x >= floor).sum(dim=-1, keepdim=True)
+                    - kept.sum(dim=-1, keepdim=True)).to(torch.float32)
+        # float32 sums: torch sums a bool into int64, which XLA:CPU widens into an s64
+        # [B, V] copy before reducing (three times the time of this sum)
+        return ((x >= floor).to(torch.float32).sum(dim=-1, keepdim=True)
+                - kept.to(torch.float32).sum(dim=-1, keepdim=True))
+
+    def none(x, floor, kept):
+        return torch.zeros_like(floor)
+
+    return xla.cond((last >= floor).any(), count, none, [x, floor, kept], "kept outside")
 
 
 def min_p_filter(x: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
@@ -203,11 +239,23 @@ def narrow_rows(x: torch.Tensor, k: int, greedy: torch.Tensor) -> torch.Tensor:
     ``sum <= k`` answers both questions in one reduction. Two sums (a count of each) took
     XLA:CPU two passes over ``[B, V]``; float32, not int: torch sums int32 into int64, which
     XLA:CPU materialises as an s64 ``[B, V]`` copy before reducing."""
-    bad = torch.isnan(x) | (x == float("inf"))
     if x.shape[-1] >= _FLOAT_EXACT or k >= _FLOAT_EXACT:        # a count could round
+        bad = torch.isnan(x) | (x == float("inf"))
         free = bad.to(torch.float32).sum(dim=-1) == 0
         return free & (greedy | ((x > NEG_INF).to(torch.float32).sum(dim=-1) <= k))
-    code = torch.where(bad, float(_FLOAT_EXACT), (x > NEG_INF).to(torch.float32)).sum(dim=-1)
+    return narrow_of_code(kept_code(x), k, greedy)
+
+
+def kept_code(x: torch.Tensor) -> torch.Tensor:
+    """float32 ``[B]``: ``narrow_rows``'s one reduction, each row's kept count (x > -inf) when
+    it holds no NaN or +inf, at least ``2**24`` when it does. x float32 ``[B, V]`` with V
+    below ``2**24``."""
+    bad = torch.isnan(x) | (x == float("inf"))
+    return torch.where(bad, float(_FLOAT_EXACT), (x > NEG_INF).to(torch.float32)).sum(dim=-1)
+
+
+def narrow_of_code(code: torch.Tensor, k: int, greedy: torch.Tensor) -> torch.Tensor:
+    """``narrow_rows`` from ``kept_code``'s answer (float32 ``[B]``): bool ``[B]``."""
     return (code < _FLOAT_EXACT) & (greedy | (code <= k))
 
 

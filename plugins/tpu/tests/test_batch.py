@@ -10,7 +10,7 @@ import torch
 from corelib import SamplingParams
 from corelib.sampler import Sampler
 
-from corelib_tpu.layout import _POSITION, choose_path
+from corelib_tpu.layout import _POSITION, ROUTES, choose_path
 from corelib_tpu.sampler import TpuSampler
 
 from tpu_support import needs_xla, xla_device
@@ -195,6 +195,24 @@ def test_path_choice(rows, path):
     assert choose_path([SamplingParams(**p) for p in rows], candidates=64) == path
 
 
+@pytest.mark.parametrize("rows, route", [
+    ([dict(top_p=0.9)], "top_p"),
+    ([dict(top_p=0.9), dict(temperature=0.0, top_k=500, min_p=0.2)], "top_p"),  # greedy: skipped
+    ([dict(top_p=0.9), dict(min_p=0.1)], "nucleus"),
+    ([dict(top_k=-1, top_p=0.5), dict(top_k=3)], "nucleus"),
+    ([dict(top_p=0.9, top_k=V)], "top_p"),                 # a top-k of the vocabulary is off
+    ([dict(top_k=50, top_p=0.9)], "candidates"),
+    ([dict(temperature=0.0)], "plain"),
+])
+def test_route_choice(rows, route):
+    """The nucleus path without min-p and top-k in its random rows takes top-p alone."""
+    batch = TpuSampler("cpu", buckets=(8,)).new_batch(V)
+    for i, p in enumerate(rows):
+        batch.add(f"r{i}", SamplingParams(**p))
+    assert batch._route_name() == route
+    assert int(batch.step_state().route[0]) == ROUTES.index(route)
+
+
 def test_row_sources_map_rows_to_their_logits_rows():
     batch = TpuSampler("cpu", buckets=(8,)).new_batch(V)
     batch.add("a", SamplingParams(n=2, seed=1))
@@ -227,7 +245,9 @@ def test_the_draw_runs_over_the_candidates_when_every_random_row_keeps_few(monke
     """``TpuSampler.draw`` races over the candidate set when every random row keeps at most
     ``top_k_candidates`` tokens (greedy and padding rows do not count against it), in
     ``sample`` and in ``verify``; a row keeping more sends the step to the vocabulary-wide
-    draw. Off XLA the conditional reads its predicate, which is recorded here."""
+    draw. Where steps 11-13 took the candidate route, the race reuses its candidates
+    (("draw", 8, "route") taken) instead of searching them again. Off XLA the conditional
+    reads its predicate, which is recorded here."""
     from corelib_tpu import xla
     taken = []
     real_cond = xla.cond
@@ -241,12 +261,19 @@ def test_the_draw_runs_over_the_candidates_when_every_random_row_keeps_few(monke
     batch = sampler.new_batch(V)
     batch.add("a", SamplingParams(seed=1, top_k=5))
     batch.add("b", SamplingParams(temperature=0.0))
+    route = ("draw", 8, "route")
     sampler.sample(torch.randn(2, V), batch)
-    assert (("draw", 8), True) in taken
+    assert (route, True) in taken and ("draw", 8) not in [key for key, _ in taken]
     taken.clear()
     sampler.verify(torch.randn(2, 3, V), batch, torch.tensor([[1, 2], [3, 4]]))
-    assert (("draw", 8), True) in taken
+    assert (route, True) in taken
     taken.clear()
     batch.add("c", SamplingParams(seed=2))                  # keeps the whole vocabulary
     sampler.sample(torch.randn(3, V), batch)
-    assert (("draw", 8), False) in taken and (("draw", 8), True) not in taken
+    assert (route, False) in taken and (("draw", 8), False) in taken
+    assert (("draw", 8), True) not in taken
+    taken.clear()
+    batch.remove("c")
+    batch.add("d", SamplingParams(seed=3, top_p=0.5))       # the nucleus: no candidate route
+    sampler.sample(torch.randn(3, V), batch)
+    assert (route, False) in taken and ("draw", 8) in [key for key, _ in taken]

@@ -428,7 +428,7 @@ def test_a_random_step_passes_its_logits_through_few_conditionals(tmp_path):
     steps 11-13 (the dynamic temperature in it) and one after it, so the conditionals that
     return ``[B, V]`` logits (each a copy of them when not taken) are those two and the
     route (DRY's returns its penalties, ``[B, H]``, or XLA makes it a select of them: either
-    way no logits); and the kept sets are a conditional of their own, not a select that XLA's
+    way no logits), the route with the candidates' ids beside them; and the kept sets are a conditional of their own, not a select that XLA's
     conditional simplifier made of elementwise branches (which packs the bits at every
     step)."""
     env = dict(os.environ, XLA_FLAGS=f"--xla_dump_to={tmp_path} --xla_dump_hlo_as_text",
@@ -439,5 +439,8 @@ def test_a_random_step_passes_its_logits_through_few_conditionals(tmp_path):
     entry = text[text.index("\nENTRY "):]
     entry = entry[:entry.index("\n}")]
     results = re.findall(r"= \(([^)]*)\) conditional\(", entry)
-    assert results.count("f32[8,1000]{1,0}") == 3, results
+    logits = [r for r in results if r.startswith("f32[8,1000]{1,0}")]
+    assert len(logits) == 3, results
+    # the route of steps 11-13 also returns the candidate ids the draw races over
+    assert "f32[8,1000]{1,0}, s64[8,64]{1,0}, f32[8,3]{1,0}" in logits, results
     assert "s32[8,32]{1,0}" in results, results                              # the kept sets
