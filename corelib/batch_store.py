@@ -22,6 +22,11 @@ from .transfer import upload
 _MIN_CAPACITY = 8
 _RIGHT_ALIGNED = {"bad_prefix", "recent"}
 _MIN_HISTORY = 64
+# dtype -> (the scalar columns of that dtype in SCALARS' order, their neutral values [n, 1])
+_SCALAR_BLOCKS: dict[torch.dtype, tuple[list[str], torch.Tensor]] = {
+    dtype: ([name for name, (d, _) in _SCALARS.items() if d == dtype],
+            torch.tensor([v for d, v in _SCALARS.values() if d == dtype], dtype=dtype)[:, None])
+    for dtype in dict.fromkeys(d for d, _ in _SCALARS.values())}
 
 
 class RowStore:
@@ -69,22 +74,26 @@ class RowStore:
         capacity = max(_MIN_CAPACITY, self._capacity)
         while capacity < rows:
             capacity *= 2
-        for name, (dtype, neutral) in _SCALARS.items():
-            self._grow(name, capacity, lambda c: torch.full((c,), neutral, dtype=dtype, device=self.device))
+        # The scalar columns of one dtype are rows of one block: three allocations where one
+        # per column made a new batch cost about forty small torch calls.
+        for dtype, (names, neutrals) in _SCALAR_BLOCKS.items():
+            block = neutrals.to(self.device).expand(-1, capacity).contiguous()
+            for name, fresh in zip(names, block):
+                self._grow(name, fresh)
         for name, tensor in list(self._tensors.items()):
             if name in _SCALARS:
                 continue
-            self._grow(name, capacity, lambda c, t=tensor: torch.full(
-                (c, *t.shape[1:]), self._neutral[name], dtype=t.dtype, device=self.device))
+            self._grow(name, torch.full((capacity, *tensor.shape[1:]), self._neutral[name],
+                                        dtype=tensor.dtype, device=self.device))
         self._capacity = capacity
+        self._forget_views()
 
-    def _grow(self, name, capacity, make):
-        fresh = make(capacity)
+    def _grow(self, name: str, fresh: torch.Tensor) -> None:
+        """Replace tensor ``name`` by ``fresh`` (more rows, neutral), its rows copied over."""
         old = self._tensors.get(name)
         if old is not None:
             fresh[: old.shape[0]] = old
         self._tensors[name] = fresh
-        self._forget_views()
 
     def _new_optional(self, name: str, width: int, dtype: torch.dtype, *extra: int) -> torch.Tensor:
         tensor = torch.full((self._capacity, width, *extra), self._neutral[name],

@@ -208,6 +208,26 @@ def test_capacity_grows_without_losing_rows(batch):
     assert [int(s.bias_values[i, 0]) for i in range(40)] == [i % 7 for i in range(40)]
 
 
+def test_every_per_row_field_starts_neutral_and_is_its_own(batch):
+    """The scalar columns share one allocation per dtype: each still starts at its own
+    neutral value, through growth, and a write to one leaves the others alone."""
+    from corelib.step_state import SCALARS
+    for i in range(20):                                     # past the first capacity
+        batch.add(f"r{i}", SamplingParams())
+    s = batch.step_state()
+    for name, (dtype, neutral) in SCALARS.items():
+        column = getattr(s, name, None)
+        if column is None:
+            continue
+        assert column.dtype == dtype and column.shape == (20,), name
+        assert (column == neutral).all(), name
+    batch.add("hot", SamplingParams(temperature=0.5, top_k=3, seed=9))
+    s = batch.step_state()
+    assert s.top_k[:20].tolist() == [SCALARS["top_k"][1]] * 20 and s.top_k[20] == 3
+    assert (s.temperature[:20] == SCALARS["temperature"][1]).all() and s.temperature[20] == 0.5
+    assert s.seed_lo[20] == 9 and not s.seeded[:20].any() and s.seeded[20]
+
+
 def test_wider_bias_and_longer_bad_words_keep_earlier_rows(batch):
     batch.add("a", SamplingParams(logit_bias={1: 1.0}, bad_words=[[2, 3]]))
     batch.append([2])
