@@ -352,7 +352,7 @@ def _ablations():
         return Without
 
     class NoNoise(TpuSampler):
-        def draw(self, x, s):
+        def draw(self, x, s, route=None):
             return thresholds.first_argmax(x)
 
     class NoDry(TpuSampler):
@@ -362,7 +362,8 @@ def _ablations():
     class NoFilterConds(TpuSampler):
         # the conditionals of the filters few batches use (``FilterStages.run_group``'s runs)
         def _few_rows_run(self, x, before, s, run):
-            return x
+            # x None: step 10's division is still to come (the run's conditional makes it)
+            return self._static_temperature(before, s) if x is None else x
 
     return {
         "production": TpuSampler,
