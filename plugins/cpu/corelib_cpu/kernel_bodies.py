@@ -101,6 +101,20 @@ def compile_kernels() -> Optional[dict]:
                 v = np.float32(values[r, j] / t)
                 out[r, j] = -np.inf if v < kth else v
 
+    @numba.njit(inline="always")
+    def shifted_exp(row, out):            # pragma: no cover - runs compiled
+        # float64 exp(row - max) into out, and (max, their sum); a max not finite or a sum
+        # not finite and positive (a NaN among the values) tells the caller to leave the row
+        high = -np.inf
+        for j in range(row.shape[0]):
+            high = max(high, np.float64(row[j]))
+        total = 0.0
+        if -np.inf < high < np.inf:
+            for j in range(row.shape[0]):
+                out[j] = np.exp(np.float64(row[j]) - high)
+                total += out[j]
+        return high, total
+
     @numba.njit(cache=True, nogil=True)
     def candidate_top_p(values, top_p, tolerance, out, settled):  # pragma: no cover
         n, W = values.shape
@@ -112,16 +126,8 @@ def compile_kernels() -> Optional[dict]:
                 settled[r] = True
                 continue
             settled[r] = False
-            high = -np.inf
-            for j in range(W):
-                high = max(high, np.float64(values[r, j]))
-            if not (-np.inf < high < np.inf):
-                continue
-            total = 0.0
-            for j in range(W):
-                p[j] = np.exp(np.float64(values[r, j]) - high)
-                total += p[j]
-            if not (0.0 < total < np.inf):          # a NaN among the values
+            high, total = shifted_exp(values[r], p)
+            if not (-np.inf < high < np.inf and 0.0 < total < np.inf):
                 continue
             running, count, sums_gap = 0.0, 0, np.inf
             for j in range(W):
@@ -450,15 +456,8 @@ def compile_kernels() -> Optional[dict]:
             if tp >= 1.0:
                 continue
             settled[r] = False
-            high = -np.inf
-            for j in range(W):
-                high = max(high, np.float64(values[r, j]))
-            if not (-np.inf < high < np.inf):
-                continue
-            total = 0.0
-            for j in range(W):
-                total += np.exp(np.float64(values[r, j]) - high)
-            if not (0.0 < total < np.inf):         # a NaN among the values
+            high, total = shifted_exp(values[r], logp)      # logp is scratch until below
+            if not (-np.inf < high < np.inf and 0.0 < total < np.inf):
                 continue
             lse = np.log(total)
             entropy = 0.0
