@@ -66,6 +66,21 @@ CHAINS = [
 ]
 
 
+def assert_as_the_reference(row: torch.Tensor, params: SamplingParams, steps: int, label: str) -> None:
+    """One request on a fresh cpu sampler and on the reference: the same kept set, the same
+    kept logits, and the same seeded token at each of ``steps`` positions."""
+    V = row.shape[-1]
+    cpu = CpuSampler()
+    mine, ref = one_request(cpu, V, params), one_request(REFERENCE, V, params)
+    got, want = cpu.processed_logits(row, mine), REFERENCE.processed_logits(row, ref)
+    kept = torch.isfinite(want)
+    assert torch.equal(torch.isfinite(got), kept), f"{label}: kept sets differ"
+    assert torch.equal(got[kept], want[kept]), f"{label}: kept logits differ"
+    for step in range(steps):
+        a, b = cpu.step(row, mine), REFERENCE.step(row, ref)
+        assert torch.equal(a.token_ids, b.token_ids), f"{label} step {step}: seeded tokens differ"
+
+
 @pytest.mark.parametrize("V", [1000, 32000])
 @pytest.mark.parametrize("chain", CHAINS, ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items()))
 def test_min_p_inside_top_k_keeps_the_references_set_and_tokens(chain, V):
@@ -73,15 +88,7 @@ def test_min_p_inside_top_k_keeps_the_references_set_and_tokens(chain, V):
     for r in range(logits.shape[0]):
         row = logits[r:r + 1]
         params = SamplingParams(**chain, seed=1000 + r)
-        cpu = CpuSampler()
-        mine, ref = one_request(cpu, V, params), one_request(REFERENCE, V, params)
-        got, want = cpu.processed_logits(row, mine), REFERENCE.processed_logits(row, ref)
-        kept = torch.isfinite(want)
-        assert torch.equal(torch.isfinite(got), kept), f"row {r}: kept sets differ"
-        assert torch.equal(got[kept], want[kept]), f"row {r}: kept logits differ"
-        for step in range(3):                       # seeded tokens over a few positions
-            a, b = cpu.step(row, mine), REFERENCE.step(row, ref)
-            assert torch.equal(a.token_ids, b.token_ids), f"row {r} step {step}: seeded tokens differ"
+        assert_as_the_reference(row, params, steps=3, label=f"row {r}")
 
 
 def test_the_plan_judges_min_p_on_candidates_only_above_its_floor():
@@ -178,14 +185,7 @@ def test_typical_after_a_cut_reads_the_candidates_and_keeps_the_references_set(m
             params = SamplingParams(top_k=2, typical_p=0.5, seed=r)
             logits = torch.full((1, V), NEG_INF)
             logits[0, :2] = 0.0
-        cpu = CpuSampler()
-        mine, ref = one_request(cpu, V, params), one_request(REFERENCE, V, params)
-        got, want = cpu.processed_logits(logits, mine), REFERENCE.processed_logits(logits, ref)
-        kept = torch.isfinite(want)
-        assert torch.equal(torch.isfinite(got), kept), f"row {r}: kept sets differ"
-        assert torch.equal(got[kept], want[kept]), f"row {r}: kept logits differ"
-        a, b = cpu.step(logits, mine), REFERENCE.step(logits, ref)
-        assert torch.equal(a.token_ids, b.token_ids), f"row {r}: seeded tokens differ"
+        assert_as_the_reference(logits, params, steps=1, label=f"row {r}")
     settled = [ok for call in calls for ok in call]
     assert len(settled) >= 100 and sum(settled) >= 0.8 * len(settled), (sum(settled), len(settled))
     assert calls[-1] == [False]                      # the exact prefix mass: the whole row
