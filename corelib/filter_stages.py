@@ -43,7 +43,7 @@ def typical_keep(x: torch.Tensor, typical_p: torch.Tensor) -> torch.Tensor:
 def dynamic_divisor(entropy: torch.Tensor, kept: torch.Tensor, t: torch.Tensor,
                     s: StepState) -> tuple[torch.Tensor, torch.Tensor]:
     """Step 10's dynamic temperature from each row's entropy (float32 [B], nats) and kept-token
-    count (int [B]): (float32 [B] divisor: T' on dynamic rows with more than one kept token, 1
+    count (int or float32 [B], whole numbers): (float32 [B] divisor: T' on dynamic rows with more than one kept token, 1
     on dynamic rows with one, ``t`` elsewhere; bool [B]: T' = 0, the argmax tokens alone stay).
     ``t`` float32 [B], the static temperatures (greedy rows 1). Not in place."""
     ratio = (entropy / kept.clamp(min=2).to(torch.float32).log()).clamp(min=0.0)
@@ -116,7 +116,10 @@ class FilterStages:
         logp = torch.log_softmax(x.detach(), dim=-1)     # T' is a constant for gradients
         p = logp.exp()
         entropy = -torch.where(p > 0, p * logp, 0.0).sum(dim=-1)
-        return dynamic_divisor(entropy, (x > NEG_INF).sum(dim=-1), t, s)
+        # counted in float32 (exact below 2^24 tokens): an int64 count made XLA widen the
+        # comparison into an s64 [B, V] buffer
+        kept = (x > NEG_INF).sum(dim=-1, dtype=torch.float32)
+        return dynamic_divisor(entropy, kept, t, s)
 
     def apply_top_n_sigma(self, x: torch.Tensor, s: StepState) -> torch.Tensor:
         """Step 10a: over each row's finite logits, drop those below max - n * sigma (sigma their
