@@ -32,7 +32,7 @@ _SIGN_FLIP = 0x7FFFFFFF
 KEY_BISECTION_STEPS = 32
 PROB_BISECTION_STEPS = 30
 #: float32 holds every integer below this exactly (counts summed as float32 stay exact).
-_FLOAT_EXACT = FLOAT_EXACT = 2**24
+_FLOAT_EXACT = 2**24
 #: order_keys(-inf): keys below it are NaN bit patterns, where every compare is false.
 _NEG_INF_KEY = 0xFF800000 ^ _SIGN_FLIP ^ -(1 << 32)
 
@@ -184,7 +184,8 @@ def top_k_top_p_with_ids(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tens
     # K-th candidate reaches its floor (none is outside otherwise).
     weights = torch.exp(values - top)                                      # (B, K)
     kept = values >= floor
-    outside = _kept_outside(x, floor, kept, values.gather(1, torch.full_like(k, K - 1)))
+    smallest = values.gather(1, torch.full_like(k, K - 1))                # the K-th largest
+    outside = _kept_outside(x, floor, kept, smallest)
     total = torch.where(kept, weights, 0.0).sum(dim=-1, keepdim=True) + outside * torch.exp(kth - top)
     cand = torch.where(kept, weights / total, 0.0)                         # (B, K)
     # Exclusive running sum (shifted, not cumsum - cand, which rounds once more).
@@ -193,7 +194,7 @@ def top_k_top_p_with_ids(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tens
     in_nucleus = (mass_before < p).sum(dim=-1, keepdim=True)
     last = values.gather(1, (in_nucleus - 1).clamp(min=0))                 # step 13
     threshold = torch.where(p >= 1.0, floor, torch.maximum(floor, last))
-    edges = torch.cat([values.gather(1, torch.full_like(k, K - 1)), top, threshold], dim=1)
+    edges = torch.cat([smallest, top, threshold], dim=1)
     return torch.where(x >= threshold, x, NEG_INF), ids, edges
 
 
