@@ -116,9 +116,9 @@ class FilterStages:
         logp = torch.log_softmax(x.detach(), dim=-1)     # T' is a constant for gradients
         p = logp.exp()
         entropy = -torch.where(p > 0, p * logp, 0.0).sum(dim=-1)
-        # counted in float32 (exact below 2^24 tokens): an int64 count made XLA widen the
-        # comparison into an s64 [B, V] buffer
-        kept = (x > NEG_INF).sum(dim=-1, dtype=torch.float32)
+        # counted in float32 where that is exact (below 2^24 tokens): an int64 count made XLA
+        # widen the comparison into an s64 [B, V] buffer
+        kept = (x > NEG_INF).sum(dim=-1, dtype=torch.float32 if x.shape[-1] < 2 ** 24 else None)
         return dynamic_divisor(entropy, kept, t, s)
 
     def apply_top_n_sigma(self, x: torch.Tensor, s: StepState) -> torch.Tensor:
