@@ -39,6 +39,8 @@ from .transfer import upload
 LOGPROBS_MODES = ("raw", "processed", "raw_logits", "processed_logits")
 #: The token id of a flagged row (no token this step), in outputs and in ``append``.
 INVALID_TOKEN = -1
+# append checks this many host ids or fewer in Python (a list), more with one tensor pass
+_FEW_ROWS = 16
 # Rows, children and positions are int32 on the device (and in the seeded-draw recipe).
 _INT32_MAX = pipeline.INT32_MAX
 MAX_ROWS = _INT32_MAX
@@ -108,7 +110,8 @@ class SamplingBatch(StepStates, RowStore, CustomStageRows, SelectorRows):
         # kept until a request joins, leaves or moves, or a tensor is replaced (``_forget_views``)
         self._views: Optional[tuple[int, dict, dict]] = None
         self._template: Optional[StepState] = None
-        self._all_true: Optional[torch.Tensor] = None
+        self._all_true: Optional[torch.Tensor] = None     # bool [n] and int32 [n] ones
+        self._one_step: Optional[torch.Tensor] = None
         # stage scalars no request of this batch has set yet: every row holds them neutral
         self._idle_scalars = {f.name for f in pipeline.stage_fields() + pipeline.state_fields()}
         self._orders: dict[tuple[str, ...], int] = {}       # filter order -> its filter_order
@@ -359,7 +362,8 @@ class SamplingBatch(StepStates, RowStore, CustomStageRows, SelectorRows):
             counted = in_range
         if every:
             safe = ids
-            t["position"] += 1
+            # a tensor operand: adding a Python scalar costs twice as much per call
+            t["position"] += self._one_step
         else:
             safe = torch.where(in_range, ids, torch.zeros_like(ids))
             t["position"] += advance.to(torch.int32)
@@ -394,6 +398,7 @@ class SamplingBatch(StepStates, RowStore, CustomStageRows, SelectorRows):
         every = self._all_true
         if every is None or every.shape[0] != n:
             every = self._all_true = torch.ones(n, dtype=torch.bool, device=self.device)
+            self._one_step = torch.ones(n, dtype=torch.int32, device=self.device)
         return every
 
     def _checked_ids(self, token_ids) -> tuple[torch.Tensor, bool]:
@@ -418,8 +423,12 @@ class SamplingBatch(StepStates, RowStore, CustomStageRows, SelectorRows):
                 self._check_emitted(ids)
             return ids, False
         if n and ids.device.type == "cpu":
-            low, high = torch.aminmax(ids)          # one pass; the row is found only on failure
-            low, high = int(low), int(high)
+            if n <= _FEW_ROWS:      # a list's min and max cost less than a pass and two reads
+                values = ids.tolist()
+                low, high = min(values), max(values)
+            else:
+                low, high = torch.aminmax(ids)      # one pass; the row is found only on failure
+                low, high = int(low), int(high)
             if low >= INVALID_TOKEN and high < self.vocab_size:
                 return ids, low >= 0
             bad = ((ids < INVALID_TOKEN) | (ids >= self.vocab_size)).nonzero()

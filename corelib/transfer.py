@@ -63,6 +63,9 @@ def upload(values: torch.Tensor | Sequence, device: torch.device,
     a caller's tensor that is already pinned is copied from directly (as torch does), so it
     must stay unchanged until the device has read it. A tensor on an accelerator is moved
     there without a host round trip."""
+    if (isinstance(values, torch.Tensor) and values.device == device
+            and (dtype is None or values.dtype == dtype)):
+        return values       # already there: the common case of a CPU batch's step
     device = torch.device(device)
     if isinstance(values, torch.Tensor) and values.device.type != "cpu":
         return values.to(device=device, dtype=dtype or values.dtype, non_blocking=True)
