@@ -162,6 +162,28 @@ def test_append_needs_one_token_per_row(batch):
     assert batch.generated_counts() == [0, 0]
 
 
+@pytest.mark.parametrize("rows", [1, 16, 17, 40])
+def test_append_range_check_names_the_row_at_any_batch_size(batch, rows):
+    """Few rows are checked on the host as a list, more with one tensor pass: both name
+    the first bad row, accept -1 (no token), and leave every row's state unchanged."""
+    for i in range(rows):
+        batch.add(f"r{i}", SamplingParams())
+    good = torch.arange(rows) % V
+    for bad_id in (V, -2):
+        ids = good.clone()
+        ids[rows - 1] = bad_id
+        with pytest.raises(ValueError, match=f"token id {bad_id} for row {rows - 1} "
+                                             f"\\(request 'r{rows - 1}'\\)"):
+            batch.append(ids)
+    assert batch.generated_counts() == [0] * rows
+    ids = good.clone()
+    ids[0] = -1
+    batch.append(ids)
+    assert batch.generated_counts() == [0] + [1] * (rows - 1)
+    batch.append([i % V for i in range(rows)])
+    assert batch.generated_counts() == [1] + [2] * (rows - 1)
+
+
 def test_running_counts_equal_the_histories(batch):
     batch.add("a", SamplingParams(frequency_penalty=1.0, n=2), prompt_token_ids=[5, 5, 6])
     gen = torch.Generator().manual_seed(0)
