@@ -29,6 +29,8 @@ from .state import BlockState
 from .workspace import Workspace
 
 _INF = torch.tensor(float("inf"))
+#: Blocks of up to this many rows keep their group maxima in a workspace pair (``maxima``).
+FEW_ROWS = 2
 
 
 @dataclass
@@ -39,6 +41,15 @@ class Candidates:
     index: torch.Tensor    # int64 [nc], the same rows
     values: torch.Tensor   # float32 [nc, W], descending before top-p; -inf = dropped
     ids: torch.Tensor      # int64 [nc, W]
+    views: Optional[tuple] = None   # (values, ids, their numpy views) as a kernel wrote them
+
+    def arrays(self) -> Optional[tuple]:
+        """(values, ids) as numpy views when ``views`` still holds the tensors now in
+        values and ids (a stage that replaces them leaves the kernels to convert), else None."""
+        views = self.views
+        if views is None or views[0] is not self.values or views[1] is not self.ids:
+            return None
+        return views[2], views[3]
 
 
 @dataclass
@@ -136,6 +147,7 @@ class Block:
                                                  # filter group (``sample_selected``), which
                                                  # the selectors read
     _maxima: Optional[torch.Tensor] = None
+    _maxima_array: object = None                 # numpy view of _maxima (a workspace pair's)
 
     @property
     def x(self) -> torch.Tensor:
@@ -162,12 +174,28 @@ class Block:
     def maxima(self) -> torch.Tensor:
         """x's group maxima (``rowops.group_maxima``), computed once until x changes."""
         if self._maxima is None:
-            self._maxima = self.unread.maxima() if self.unread is not None else group_maxima(self.x)
+            if self.unread is not None:
+                self._maxima = self.unread.maxima()
+                return self._maxima
+            x = self.x
+            n, V = x.shape
+            if n <= FEW_ROWS and V % GROUP == 0:
+                # a few rows: into a buffer whose numpy view the kernels take, made once (the
+                # allocation and the conversion are several operator calls per step)
+                self._maxima, self._maxima_array = self.workspace.pair("maxima", (n, V // GROUP))
+                group_maxima(x, out=self._maxima)
+            else:
+                self._maxima = group_maxima(x)
         return self._maxima
+
+    def maxima_array(self):
+        """The numpy view of :meth:`maxima` when it lives in a workspace pair, else None."""
+        return self._maxima_array if self._maxima is not None else None
 
     def changed(self) -> None:
         """x was written: forget what was derived from it."""
         self._maxima = None
+        self._maxima_array = None
         self.top = None
 
     def force(self, rows: torch.Tensor, tokens: torch.Tensor) -> None:

@@ -81,18 +81,33 @@ def seeded_scores(values: torch.Tensor, keys: torch.Tensor, ids: torch.Tensor) -
 
 
 def candidate_winners(values: torch.Tensor, ids: torch.Tensor, keys: Optional[torch.Tensor],
-                      generator: Optional[torch.Generator]):
+                      generator: Optional[torch.Generator], arrays: Optional[tuple] = None,
+                      workspace=None):
     """(ids int64 [n], finite bool [n]): the winning token of every candidate row and whether
     its value is finite, every row seeded (``keys`` int32 [n]: :func:`race_seeded_candidates`)
     or none (``keys`` None: :func:`race_unseeded_candidates` with ``generator``, the same
     uniforms), the winner picked by one compiled call (``kernels.race_winners``: the same
-    winners); None where the compiled path does not run (nothing drawn)."""
+    winners); None where the compiled path does not run (nothing drawn).
+
+    ``arrays``: the numpy views of (values, ids) when the caller has them
+    (``Candidates.arrays``), and ``workspace`` then lends the scores' buffer (a pair), so the
+    step converts no tensor for the race."""
     if not kernels.wanted():
         return None
+    if arrays is None or workspace is None:
+        if keys is None:
+            u = torch.rand(values.shape, generator=generator).clamp_min_(_TINY)
+            return kernels.race_winners(values, u.log_().neg_().log_(), ids, False)
+        return kernels.race_winners(values, seeded_scores(values, keys, ids), ids, True)
+    scores, scores_array = workspace.pair("race_scores", tuple(values.shape))
     if keys is None:
-        u = torch.rand(values.shape, generator=generator).clamp_min_(_TINY)
-        return kernels.race_winners(values, u.log_().neg_().log_(), ids, False)
-    return kernels.race_winners(values, seeded_scores(values, keys, ids), ids, True)
+        # torch.rand into a buffer draws the same uniforms as torch.rand of that shape
+        torch.rand(values.shape, generator=generator, out=scores).clamp_min_(_TINY).log_().neg_().log_()
+    elif kernels.seeded_uniforms_into(scores, keys, ids, arrays[1], scores_array):
+        gumbel_from_uniform_(scores, values)
+    else:
+        return kernels.race_winners(values, seeded_scores(values, keys, ids), ids, True, None)
+    return kernels.race_winners(values, scores, ids, keys is not None, (arrays[0], scores_array, arrays[1]))
 
 
 def race_unseeded_candidates(values: torch.Tensor, generator: Optional[torch.Generator]) -> torch.Tensor:

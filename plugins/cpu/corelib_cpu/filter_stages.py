@@ -503,11 +503,14 @@ class FilterStages:
                     bp.top_p if bp.top_p_rows else None, top_p_tolerance(width)))
         if not params or blk.cuts:
             return False
-        found = kernels.candidate_chain(blk.x, blk.maxima(), GROUP, params)
-        if found is None:
+        maxima = blk.maxima()
+        values, values_array = self.workspace.pair("chain_values", (n, params[0]))
+        ids, ids_array = self.workspace.pair("chain_ids", (n, params[0]), torch.long)
+        views = (values, ids, values_array, ids_array)
+        if kernels.candidate_chain(blk.x, maxima, GROUP, params, views, blk.maxima_array()) is None:
             return False
         rows = bp.top_k_rows
-        blk.cand = Candidates(rows, bp.index(rows), found[0], found[1])
+        blk.cand = Candidates(rows, bp.index(rows), values, ids, views)
         return True
 
     def min_p_candidate_rows(self, blk: Block, index: torch.Tensor, values: torch.Tensor,

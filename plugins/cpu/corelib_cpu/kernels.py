@@ -88,20 +88,24 @@ def _compiled():
 
 
 def seeded_uniforms_into(out: torch.Tensor, keys: torch.Tensor,
-                         token_ids: Optional[torch.Tensor] = None) -> bool:
+                         token_ids: Optional[torch.Tensor] = None, ids_array=None, out_array=None) -> bool:
     """``corelib.noise.uniform_noise(keys[:, None], token_ids)`` written into ``out`` by the
     compiled kernel: out float32 ``[n, W]`` contiguous, keys int32 ``[n]``, token_ids None
     (column j is token j: whole rows) or int64 ``[n, W]`` ids in ``[0, 2**31)`` (each row its
     own), all CPU tensors. The token's share of the hash is made in the kernel, so no
     ``token_offsets`` pass is needed. Returns False, writing nothing, when the compiled path
-    does not run here (the caller then takes the torch path)."""
+    does not run here (the caller then takes the torch path). ``ids_array``, ``out_array``:
+    token_ids' and out's numpy views when the caller has them (contiguous)."""
     kernels = _compiled()
     if kernels is None or not out.is_contiguous():
         return False
+    if out_array is None:
+        out_array = out.numpy()
     if token_ids is None:
-        kernels["whole_rows"](keys.contiguous().numpy(), out.numpy())
+        kernels["whole_rows"](keys.contiguous().numpy(), out_array)
     else:
-        kernels["per_row_ids"](keys.contiguous().numpy(), token_ids.contiguous().numpy(), out.numpy())
+        ids = token_ids.contiguous().numpy() if ids_array is None else ids_array
+        kernels["per_row_ids"](keys.contiguous().numpy(), ids, out_array)
     return True
 
 
@@ -225,7 +229,8 @@ def chain_params(width: int, k: torch.Tensor, temperature: Optional[torch.Tensor
             off if top_p is None else top_p.contiguous().numpy(), float(tolerance))
 
 
-def candidate_chain(x: torch.Tensor, maxima: torch.Tensor, group: int, params: tuple):
+def candidate_chain(x: torch.Tensor, maxima: torch.Tensor, group: int, params: tuple,
+                    out: Optional[tuple] = None, maxima_array=None):
     """Steps 11-13 on the candidates of every row of a few-row block in one compiled call:
     :func:`group_top_k`, then :func:`min_p_of_candidates` and :func:`top_p_of_candidates`
     on its values when asked, the same bodies in the same order, so their bits. x float32
@@ -233,21 +238,29 @@ def candidate_chain(x: torch.Tensor, maxima: torch.Tensor, group: int, params: t
     Returns (values float32 ``[n, width]``, ids int64 ``[n, width]``) when every row is
     complete and settled by each; None otherwise (or where the compiled path does not run, or
     G <= width): the caller then takes the steps one by one, whose fallbacks serve the rows
-    this cannot."""
+    this cannot.
+
+    ``out``: (values, ids, their numpy views), buffers of those shapes the caller lends
+    (``Workspace.pair``); ``maxima_array``: maxima's numpy view when the caller has it (each
+    conversion or allocation avoided is several operator calls of a B = 1 step)."""
     kernels = _compiled()
     width = params[0]
     if kernels is None or not x.is_contiguous() or width >= maxima.shape[1]:
         return None
-    import torch
-    n = x.shape[0]
-    values, ids = torch.empty((n, width)), torch.empty((n, width), dtype=torch.long)
-    if not kernels["candidate_chain"](x.numpy(), maxima.contiguous().numpy(), group, *params[1:],
-                                      values.numpy(), ids.numpy()):
+    if out is None:
+        import torch
+        n = x.shape[0]
+        values, ids = torch.empty((n, width)), torch.empty((n, width), dtype=torch.long)
+        out = (values, ids, values.numpy(), ids.numpy())
+    if maxima_array is None:
+        maxima_array = maxima.contiguous().numpy()
+    if not kernels["candidate_chain"](x.numpy(), maxima_array, group, *params[1:], out[2], out[3]):
         return None
-    return values, ids
+    return out[0], out[1]
 
 
-def race_winners(values: torch.Tensor, scores: torch.Tensor, ids: torch.Tensor, seeded: bool):
+def race_winners(values: torch.Tensor, scores: torch.Tensor, ids: torch.Tensor, seeded: bool,
+                 arrays: Optional[tuple] = None):
     """The winners of candidate races in one compiled call where torch makes four to six:
     (ids int64 ``[n]``, finite bool ``[n]``: whether the winner's value is finite) from the
     candidates' values float32 ``[n, W]``, their ids int64 ``[n, W]`` and ``scores`` float32
@@ -255,15 +268,17 @@ def race_winners(values: torch.Tensor, scores: torch.Tensor, ids: torch.Tensor, 
     ``values - scores`` (``draw.race_unseeded_candidates``); seeded, the race's scores, the
     winner the lowest id among the largest (``draw.race_seeded_candidates``). The same
     float32 subtraction and comparisons, so the same winners. None where the compiled path
-    does not run."""
+    does not run. ``arrays``: the numpy views of (values, scores, ids) when the caller has
+    them (contiguous), so none is converted here."""
     kernels = _compiled()
     if kernels is None:
         return None
     import torch
+    if arrays is None:
+        arrays = (values.contiguous().numpy(), scores.contiguous().numpy(), ids.contiguous().numpy())
     n = values.shape[0]
     out, finite = torch.empty(n, dtype=torch.long), torch.empty(n, dtype=torch.bool)
-    kernels["race_winners"](values.contiguous().numpy(), scores.contiguous().numpy(),
-                            ids.contiguous().numpy(), seeded, out.numpy(), finite.numpy())
+    kernels["race_winners"](arrays[0], arrays[1], arrays[2], seeded, out.numpy(), finite.numpy())
     return out, finite
 
 

@@ -26,11 +26,14 @@ ARGMAX_ELEMENTS = 1 << 16
 _COLUMNS = torch.arange(GROUP)
 
 
-def group_maxima(x: torch.Tensor, group: int = GROUP) -> torch.Tensor:
+def group_maxima(x: torch.Tensor, group: int = GROUP, out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """float32 [n, ceil(V / group)]: the maximum of each group of ``group`` consecutive
-    tokens of x float32 [n, V] (the last group may be shorter). NaN propagates."""
+    tokens of x float32 [n, V] (the last group may be shorter). NaN propagates. ``out``:
+    float32 [n, V // group] to write them into, for V a multiple of ``group`` only."""
     n, V = x.shape
     full = V // group
+    if out is not None:
+        return torch.amax(x.reshape(n, full, group), dim=-1, out=out)
     maxima = x[:, : full * group].reshape(n, full, group).amax(dim=-1)
     if full * group < V:
         maxima = torch.cat([maxima, x[:, full * group:].amax(dim=-1, keepdim=True)], dim=1)

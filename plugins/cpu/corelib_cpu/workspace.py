@@ -19,8 +19,13 @@ class Workspace(threading.local):
     Per thread (``threading.local``), so one sampler may serve several threads. A view stays
     valid until the next ``take`` of the same name on the same thread."""
 
+    #: Most (tensor, array) pairs kept by ``pair`` before they are all dropped (their shapes
+    #: follow the requests' parameters, so a long-lived sampler could meet many).
+    PAIRS = 64
+
     def __init__(self):
         self._buffers: dict[tuple[str, torch.dtype], torch.Tensor] = {}
+        self._pairs: dict[tuple, tuple] = {}
 
     def take(self, name: str, shape: tuple[int, ...], dtype: torch.dtype = torch.float32) -> torch.Tensor:
         numel = 1
@@ -36,6 +41,23 @@ class Workspace(threading.local):
             self._buffers[key] = buffer
         return buffer[:numel].view(shape)
 
+    def pair(self, name: str, shape: tuple[int, ...], dtype: torch.dtype = torch.float32) -> tuple:
+        """(tensor, numpy array): a buffer of its own per (name, shape, dtype) and its numpy
+        view, made once and returned again by later calls, for the small outputs the
+        compiled kernels write on every step of a few-row block: no allocation and no
+        tensor-to-numpy conversion per step (each is several operator calls, most of a
+        B = 1 step's host time). Valid until the next ``pair`` of the same key on the same
+        thread; never hand one to a caller outside the step."""
+        key = (name, shape, dtype)
+        got = self._pairs.get(key)
+        if got is None or (got[0].is_inference() and not torch.is_inference_mode_enabled()):
+            if len(self._pairs) >= self.PAIRS:
+                self._pairs.clear()
+            tensor = torch.empty(shape, dtype=dtype)
+            got = self._pairs[key] = (tensor, tensor.numpy())
+        return got
+
     def nbytes(self) -> int:
         """Bytes held by this thread's buffers."""
-        return sum(b.numel() * b.element_size() for b in self._buffers.values())
+        return (sum(b.numel() * b.element_size() for b in self._buffers.values())
+                + sum(t.numel() * t.element_size() for t, _ in self._pairs.values()))

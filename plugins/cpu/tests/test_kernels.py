@@ -12,6 +12,7 @@ from corelib import SamplingParams, noise
 import corelib_cpu
 from corelib_cpu import kernels
 from corelib_cpu.draw import draw_seeded_rows
+from corelib_cpu.workspace import Workspace
 
 needs_numba = pytest.mark.skipif(importlib.util.find_spec("numba") is None,
                                  reason="numba is not installed (the kernels extra)")
@@ -204,6 +205,52 @@ def test_top_k_top_p_requests_draw_the_same_tokens_on_both_paths(monkeypatch, se
     assert torch.equal(compiled, plain)
 
 
+@needs_numba
+@pytest.mark.parametrize("V", [70000, 128256])
+@pytest.mark.parametrize("rows", [1, 2])
+@pytest.mark.parametrize("seeded", [False, True])
+def test_few_row_top_k_steps_draw_the_same_tokens_on_both_paths(monkeypatch, V, rows, seeded):
+    """Blocks of one or two top-k rows (the chain kernel and the race write into the
+    workspace's buffers, the group maxima too where V is a multiple of the group): the same
+    tokens as the torch path, step after step, seeded or from the same generator, and the
+    buffers reused across steps and across two batches of different widths."""
+    logits = torch.randn((8, V), generator=torch.Generator().manual_seed(V)) * 2
+    chains = [dict(top_k=40, top_p=0.95, min_p=0.05, temperature=0.8), dict(top_k=50, top_p=0.95, temperature=0.7),
+              dict(top_k=40), dict(top_k=7, temperature=1.3)]
+
+    def tokens():
+        sampler = corelib_cpu.CpuSampler(generator=torch.Generator().manual_seed(3))
+        out = []
+        for c, chain in enumerate(chains):
+            batch = sampler.new_batch(V)
+            for i in range(rows):
+                batch.add(f"r{i}", SamplingParams(**chain, **(dict(seed=10 * c + i) if seeded else {})))
+            out += [sampler.step(logits[(t + c) % 7:(t + c) % 7 + rows], batch).token_ids for t in range(6)]
+        return torch.stack(out)
+
+    compiled, plain = _both_paths(monkeypatch, tokens)
+    assert torch.equal(compiled, plain)
+
+
+def test_workspace_pairs_are_made_once_and_share_memory():
+    """``Workspace.pair``: the same tensor and numpy view for the same key on later calls
+    (nothing allocated or converted), the view the tensor's memory; another shape or dtype is
+    another buffer; past ``PAIRS`` keys the pairs are dropped and made again."""
+    w = Workspace()
+    t, a = w.pair("v", (2, 5))
+    assert w.pair("v", (2, 5))[0] is t and w.pair("v", (2, 5))[1] is a
+    a[1, 3] = 7.0
+    assert float(t[1, 3]) == 7.0 and t.dtype == torch.float32 and t.shape == (2, 5)
+    ids = w.pair("v", (2, 5), torch.long)[0]
+    assert ids.dtype == torch.long and w.pair("v", (1, 5))[0] is not t
+    for i in range(Workspace.PAIRS):
+        w.pair("n", (i + 1,))
+    assert w.pair("v", (2, 5))[0] is not t            # dropped once PAIRS were held
+    with torch.inference_mode():
+        inside = w.pair("v", (2, 5))[0]
+    assert w.pair("v", (2, 5))[0] is inside or not inside.is_inference()
+
+
 def test_the_torch_path_when_asked(torch_path):
     out = torch.full((2, 3), 7.0)
     assert not kernels.seeded_uniforms_into(out, _keys(2))
@@ -385,12 +432,18 @@ def test_race_winners_are_the_torch_races():
     g = torch.Generator().manual_seed(5)
     ids = torch.stack([torch.randperm(1000, generator=g)[:48] for _ in range(64)])
     keys = _keys(64, seed=2)
+    workspace = Workspace()
     for seeded in (False, True):
         a, b = torch.Generator().manual_seed(9), torch.Generator().manual_seed(9)
+        c = torch.Generator().manual_seed(9)
         got = candidate_winners(values, ids, keys if seeded else None, a)
         race = race_seeded_candidates(values, ids, keys) if seeded else race_unseeded_candidates(values, b)
         assert torch.equal(got[0], ids.gather(1, race)[:, 0])
         assert torch.equal(got[1], torch.isfinite(values.gather(1, race)[:, 0]))
+        # the caller's numpy views and the workspace's scores buffer: the same winners
+        lent = candidate_winners(values, ids, keys if seeded else None, c, (values.numpy(), ids.numpy()),
+                                 workspace)
+        assert torch.equal(lent[0], got[0]) and torch.equal(lent[1], got[1])
     # equal scores: the lowest id wins the seeded race, the first column the unseeded one
     scores = torch.zeros((2, 6))
     scores[1, 2] = float("nan")
