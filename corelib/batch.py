@@ -97,6 +97,7 @@ class SamplingBatch(StepStates, RowStore, CustomStageRows, SelectorRows):
         self._pending: dict[str, list] = {}
         self._pending_first = 0
         self._tensors: dict[str, torch.Tensor] = {}
+        self._scalar_blocks: dict[torch.dtype, torch.Tensor] = {}   # see RowStore._first_rows
         self._request_index: Optional[torch.Tensor] = None
         self._flags: Optional[dict] = None
         self._min_rows: Optional[list[int]] = None
@@ -213,12 +214,14 @@ class SamplingBatch(StepStates, RowStore, CustomStageRows, SelectorRows):
         # All or nothing: an allocation that fails half-way (a huge n or vocabulary) must not
         # leave tensors of different capacities or widths behind, nor half-written free rows.
         saved_tensors, saved_capacity = dict(self._store), self._capacity
+        saved_blocks = dict(self._scalar_blocks)
         try:
             self._ensure_capacity(first + params.n)
             self._allocate_optional_state(params, prompt, outputs)
             self._write_rows(rows, params, prompt, outputs, child_offset, selector_rows)
         except BaseException:
             self._tensors, self._capacity = saved_tensors, saved_capacity
+            self._scalar_blocks = saved_blocks
             self._forget_views()
             self._reset_rows(rows)
             raise

@@ -55,7 +55,7 @@ class StepStates:
         them): views, kept until a tensor is replaced or the batch's requests change."""
         views = self._views
         if views is None or views[0] != n:
-            t = {name: tensor[:n] for name, tensor in self._tensors.items()}
+            t = self._first_rows(n)
             fields = {name: v for name, v in t.items() if name in _STATE_FIELDS}
             views = self._views = (n, t, fields)
         return views[1], views[2]

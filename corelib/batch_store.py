@@ -74,13 +74,17 @@ class RowStore:
         capacity = max(_MIN_CAPACITY, self._capacity)
         while capacity < rows:
             capacity *= 2
-        # The scalar columns of one dtype are rows of one block: three allocations where one
-        # per column made a new batch cost about forty small torch calls.
+        # The scalar columns of one dtype are rows of one block: three allocations and copies
+        # where one per column made a new batch cost about forty small torch calls.
+        store = self._tensors               # rows added since the last read written first
         for dtype, (names, neutrals) in _SCALAR_BLOCKS.items():
             block = neutrals.to(self.device).expand(-1, capacity).contiguous()
-            for name, fresh in zip(names, block):
-                self._grow(name, fresh)
-        for name, tensor in list(self._tensors.items()):
+            old = self._scalar_blocks.get(dtype)
+            if old is not None:
+                block[:, :old.shape[1]] = old
+            self._scalar_blocks[dtype] = block
+            store.update(zip(names, block.unbind(0)))
+        for name, tensor in list(store.items()):
             if name in _SCALARS:
                 continue
             self._grow(name, torch.full((capacity, *tensor.shape[1:]), self._neutral[name],
@@ -88,8 +92,22 @@ class RowStore:
         self._capacity = capacity
         self._forget_views()
 
+    def _first_rows(self, n: int) -> dict[str, torch.Tensor]:
+        """name -> the first ``n`` rows of every per-row tensor (views). The scalar columns
+        are sliced a block at a time: a slice per column made each step after a request
+        joined or left pay about fifty small torch calls."""
+        blocks = self._scalar_blocks
+        if not blocks:          # a subclass that allocates its tensors its own way
+            return {name: tensor[:n] for name, tensor in self._tensors.items()}
+        first = {name: tensor[:n] for name, tensor in self._tensors.items() if name not in _SCALARS}
+        for dtype, block in blocks.items():
+            first.update(zip(_SCALAR_BLOCKS[dtype][0], block[:, :n].unbind(0)))
+        return first
+
     def _grow(self, name: str, fresh: torch.Tensor) -> None:
-        """Replace tensor ``name`` by ``fresh`` (more rows, neutral), its rows copied over."""
+        """Replace tensor ``name`` by ``fresh`` (more rows, neutral), its rows copied over.
+        Not for a scalar column: those are rows of ``_scalar_blocks``, which ``_first_rows``
+        slices, and are only replaced with their block (``_ensure_capacity``)."""
         old = self._tensors.get(name)
         if old is not None:
             fresh[: old.shape[0]] = old

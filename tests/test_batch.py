@@ -224,10 +224,14 @@ def test_output_token_ids_for_n_children_need_one_list_each(batch):
 def test_capacity_grows_without_losing_rows(batch):
     for i in range(40):
         batch.add(f"r{i}", SamplingParams(seed=i, logit_bias={i % V: float(i % 7)}))
+        if i % 6 == 5:      # state read and advanced between growths (8 -> 16 -> 32 -> 64)
+            assert batch.step_state().seed_lo.tolist() == list(range(i + 1))
+            batch.append([1] * (i + 1))
     s = batch.step_state()
     assert s.num_rows == 40
     assert s.seed_lo.tolist() == list(range(40))
     assert [int(s.bias_values[i, 0]) for i in range(40)] == [i % 7 for i in range(40)]
+    assert s.position.tolist() == [6 - i // 6 for i in range(36)] + [0] * 4
 
 
 def test_every_per_row_field_starts_neutral_and_is_its_own(batch):
