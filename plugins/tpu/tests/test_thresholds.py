@@ -75,6 +75,78 @@ def test_top_p_by_bisection_matches_the_reference(device):
     _assert_same_kept(got, want, "top_p_by_bisection", lambda r: f"top_p={float(p[r])}")
 
 
+def _top_p_whole_range(x: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Step 13 as ``top_p_by_bisection`` was before the rough search: one exact bisection
+    over the whole range of each row's probabilities, from the smallest positive one (where
+    its mass holds; else from 0) to just above the largest."""
+    probs = thresholds.softmax_rows(x)
+    p = top_p[:, None]
+    smallest = torch.where(probs > 0, probs, 1.0).min(dim=-1, keepdim=True).values
+    whole = thresholds._holds_mass(smallest, probs, p)
+    hi = thresholds.order_keys(probs.max(dim=-1, keepdim=True).values).to(torch.int64) + 1
+    lo = torch.where(whole, thresholds.order_keys(smallest).to(torch.int64), 0)
+    lo = torch.where(p >= 1.0, hi - 1, lo)
+    threshold = thresholds._bisect_largest(lo, hi, thresholds.PROB_BISECTION_STEPS,
+                                           thresholds._holds_mass, (probs, p), "top_p whole")
+    return torch.where((probs >= threshold) | (p >= 1.0), x, thresholds.NEG_INF)
+
+
+def _nucleus_rows(V: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """16 rows: flat (0.01 randn, 0.3 randn), peaked, integer ties, equal logits, one finite
+    token, underflowed probabilities, two plateaus; and top_p values from 0.001 to above any
+    float32 total (1 - 2**-24 rounds to itself, above a sum that rounds down)."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.cat([torch.randn((4, V), generator=gen) * 0.01, torch.randn((3, V), generator=gen) * 0.3,
+                   torch.randn((3, V), generator=gen) * 3,
+                   torch.randint(-4, 4, (2, V), generator=gen).to(torch.float32), torch.zeros((4, V))])
+    x[13] = float("-inf")
+    x[13, 5] = 1.0
+    x[14] = -200.0
+    x[14, 7] = 0.0
+    x[15, : V // 2] = 50.0
+    p = torch.tensor([0.9, 0.5, 0.99, 1 - 2**-24, 0.9, 0.1, 0.95, 0.9, 0.999, 0.3, 0.9, 0.7,
+                      0.9, 0.9, 0.5, 0.6])
+    return x, p
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("V", [1000, 50257, 128256])
+def test_the_rough_search_keeps_the_whole_range_bisections_sets(device, V):
+    """The rough search only picks the bracket: the kept sets are, bit for bit, those of one
+    exact bisection over each row's whole range (the same float32 mass decides both), for
+    vocabularies that are and are not a multiple of the rough sum's 32 rows."""
+    x, p = _nucleus_rows(V, seed=V)
+    dev = _device(device)
+    got = thresholds.top_p_by_bisection(x.to(dev), p.to(dev)).cpu()
+    want = _top_p_whole_range(x.to(dev), p.to(dev)).cpu()
+    assert torch.equal(got, want), torch.nonzero((got != want).any(-1)).flatten().tolist()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("bias, V", [(0.05, 997), (-0.05, 998)])
+def test_a_rough_bracket_that_fails_its_check_falls_back_to_the_whole_range(device, bias, V, monkeypatch):
+    """A rough mass off by 0.05 (far beyond its margin) puts one end of the rough bracket on
+    the wrong side: too high, the low end fails to hold exactly; too low, the high end holds.
+    The exact checks catch it, the search falls back to that side of the whole range, and the
+    kept sets are still the whole-range bisection's. Each vocabulary is this test's own, so
+    the loop is traced with the patched mass."""
+    rough = thresholds._rough_mass
+    monkeypatch.setattr(thresholds, "_rough_mass", lambda probs, t: rough(probs, t) + bias)
+    x, p = _nucleus_rows(V, seed=3)
+    dev = _device(device)
+    got = thresholds.top_p_by_bisection(x.to(dev), p.to(dev)).cpu()
+    want = _top_p_whole_range(x.to(dev), p.to(dev)).cpu()
+    assert torch.equal(got, want), torch.nonzero((got != want).any(-1)).flatten().tolist()
+    if device == "cpu":                                    # the fallback did happen
+        probs = thresholds.softmax_rows(x)
+        floor = thresholds.order_keys(torch.where(probs > 0, probs, 1.0).min(dim=-1, keepdim=True)
+                                      .values).to(torch.int64) - 1
+        top = thresholds.order_keys(probs.max(dim=-1, keepdim=True).values).to(torch.int64) + 1
+        lo, hi = thresholds._top_p_bracket(probs, p[:, None], floor, top)
+        fell_back = (lo == floor) if bias > 0 else (hi == top)
+        assert fell_back[:12].any() and (hi - lo > 1)[:12].any()
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("candidates", [64, 8])
 def test_candidates_match_the_reference_min_p_top_k_top_p(device, candidates):
