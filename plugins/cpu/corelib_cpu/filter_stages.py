@@ -237,13 +237,26 @@ class FilterStages:
         (``select.typical_candidates``); returns the rows left for the whole-row path (the
         others, and rows the candidates cannot settle). Candidate values are updated in place."""
         cand = x.cand
-        place = {row: j for j, row in enumerate(cand.rows)}
-        at = [place[row] for row in rows if row in place]
-        if not at:
-            return rows
-        index = torch.tensor(at, dtype=torch.long) if len(at) < len(cand.rows) else None
-        values = cand.values if index is None else cand.values[index]
-        found = typical_candidates(values, typical_p[cand.index if index is None else cand.index[index]])
+        arrays = cand.arrays()
+        if arrays is not None and len(rows) == len(cand.rows) == x.plan.n:
+            # every row of the block, its candidates in the chain's buffers (a few-row step):
+            # the kernel reads and writes lent buffers, and the race reads its result as is
+            at, index = list(range(len(rows))), None
+            shape = tuple(cand.values.shape)
+            kept, kept_array = self.workspace.pair("typical_values", shape)
+            settled, settled_array = self.workspace.pair("typical_settled", shape[:1], torch.bool)
+            found = typical_candidates(cand.values, typical_p, arrays[0], (kept, settled, kept_array, settled_array))
+            if found is not None and settled_array.all():
+                cand.values, cand.views = kept, (kept, cand.ids, kept_array, arrays[1])
+                return []
+        else:
+            place = {row: j for j, row in enumerate(cand.rows)}
+            at = [place[row] for row in rows if row in place]
+            if not at:
+                return rows
+            index = torch.tensor(at, dtype=torch.long) if len(at) < len(cand.rows) else None
+            values = cand.values if index is None else cand.values[index]
+            found = typical_candidates(values, typical_p[cand.index if index is None else cand.index[index]])
         if found is None:
             return rows
         kept, settled = found

@@ -300,23 +300,30 @@ def first_max_at(x: torch.Tensor, maxima: torch.Tensor, top: torch.Tensor, group
 
 
 def typical_of_candidates(values: torch.Tensor, typical_p: torch.Tensor, mass_margin: float,
-                          score_margin: float, lowest: float):
+                          score_margin: float, lowest: float, values_array=None, out: Optional[tuple] = None):
     """Step 13a on candidate rows by the compiled kernel: (values with the tokens outside the
     typical set at -inf, settled bool ``[n]``) from the candidates float32 ``[n, W]`` (-inf =
     dropped; every token outside them is dropped too) and typical_p float32 ``[n]`` (1 keeps
     all). The reference's rule (``corelib.filter_stages.typical_keep``) in float64 on the
     candidates; a row is settled where no decision lies within the margins of the
     reference's float32 rounding (see ``select.typical_candidates``). None where the
-    compiled path does not run (the caller then reads whole rows)."""
+    compiled path does not run (the caller then reads whole rows).
+
+    ``values_array``: values' numpy view when the caller has it; ``out``: (values, settled,
+    their numpy views), buffers of those shapes the caller lends (``Workspace.pair``)."""
     kernels = _compiled()
     if kernels is None:
         return None
-    import torch
-    n, W = values.shape
-    out, settled = torch.empty((n, W)), torch.empty(n, dtype=torch.bool)
-    kernels["candidate_typical"](values.contiguous().numpy(), typical_p.contiguous().numpy(), float(mass_margin),
-                                 float(score_margin), float(lowest), out.numpy(), settled.numpy())
-    return out, settled
+    if out is None:
+        import torch
+        n, W = values.shape
+        kept, settled = torch.empty((n, W)), torch.empty(n, dtype=torch.bool)
+        out = (kept, settled, kept.numpy(), settled.numpy())
+    if values_array is None:
+        values_array = values.contiguous().numpy()
+    kernels["candidate_typical"](values_array, typical_p.contiguous().numpy(), float(mass_margin),
+                                 float(score_margin), float(lowest), out[2], out[3])
+    return out[0], out[1]
 
 
 def count_at_least(x: torch.Tensor, value: torch.Tensor):

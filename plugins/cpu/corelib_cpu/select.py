@@ -152,26 +152,39 @@ def nucleus_of_candidates(values: torch.Tensor, probs: torch.Tensor, top_p: torc
 
 # Typical-p on candidates: the reference's float32 log-softmax, entropy and probabilities
 # over the whole row move a token's log p and the entropy by a few 1e-6 (log p down to
-# ``TYPICAL_LOWEST``, entropies up to the log of the vocabulary), its masses by as much; a row
-# is settled by the candidates alone when every decision is farther than these from flipping.
+# ``TYPICAL_LOWEST``), its masses by as much; a row is settled by the candidates alone when
+# every decision is farther than these from flipping.
 TYPICAL_MASS_MARGIN = 2.0 ** -14
-#: relative to 1 + H + |log p|
-TYPICAL_SCORE_MARGIN = 2.0 ** -12
+
+
+def typical_score_margin(W: int) -> float:
+    """How far (relative to 1 + H + |log p|) a candidate's score must lie from the threshold
+    token's for a row of W candidates to be settled. Every token outside the candidates is
+    -inf in the reference's row (p = 0: it adds nothing to a sum), so its float32 sums have at
+    most W nonzero terms. Its log p = x - max - log(sum) is off by a few ulps of |x - max| +
+    log(sum), so by at most 4 * 2^-24 of 1 + |log p| (W <= 2^20); its entropy, a sum of at
+    most W terms p log p, by (W - 1) ulps of H from the order, plus sum p * (its log p's error),
+    at most 4 * 2^-24 of 1 + H + |log p| weighted by p. So a score |log p + H| is off by less
+    than E = (W + 8) * 2^-23 of 1 + H + |log p|. Two scores that close have |log p| within 2H
+    of each other, so the threshold token's error is at most 3E of the other token's 1 + H +
+    |log p|: 4E for the pair; the margin is twice that."""
+    return (W + 8) * 2.0 ** -20
 #: float32's exp underflows towards 0 below about -87: a kept candidate below this log p
 #: leaves its row to the reference (whose p there would be 0 and its score inf)
 TYPICAL_LOWEST = -80.0
 
 
-def typical_candidates(values: torch.Tensor, typical_p: torch.Tensor):
+def typical_candidates(values: torch.Tensor, typical_p: torch.Tensor, values_array=None,
+                       out: Optional[tuple] = None):
     """Step 13a on candidate rows from their candidates alone: values float32 [n, W]
     (-inf = dropped, every token outside the candidates dropped too), typical_p float32 [n]
     (1 keeps all). Returns ``(values with the tokens outside the typical set at -inf,
     settled bool [n])`` by the compiled kernel (``kernels.typical_of_candidates``: the
     reference's rule in float64, a row settled where no decision lies within the margins
     above); None where the compiled path does not run (the caller reads whole rows, the
-    reference's computation)."""
-    return kernels.typical_of_candidates(values, typical_p, TYPICAL_MASS_MARGIN, TYPICAL_SCORE_MARGIN,
-                                         TYPICAL_LOWEST)
+    reference's computation). ``values_array``, ``out``: see ``kernels.typical_of_candidates``."""
+    return kernels.typical_of_candidates(values, typical_p, TYPICAL_MASS_MARGIN, typical_score_margin(values.shape[-1]),
+                                         TYPICAL_LOWEST, values_array, out)
 
 
 def top_p_tolerance(W: int) -> float:

@@ -210,13 +210,16 @@ def test_top_k_top_p_requests_draw_the_same_tokens_on_both_paths(monkeypatch, se
 @pytest.mark.parametrize("rows", [1, 2])
 @pytest.mark.parametrize("seeded", [False, True])
 def test_few_row_top_k_steps_draw_the_same_tokens_on_both_paths(monkeypatch, V, rows, seeded):
-    """Blocks of one or two top-k rows (the chain kernel and the race write into the
-    workspace's buffers, the group maxima too where V is a multiple of the group): the same
+    """Blocks of one or two top-k rows (the chain kernel, typical-p on the candidates and the
+    race write into the workspace's buffers, the group maxima too where V is a multiple of
+    the group): the same
     tokens as the torch path, step after step, seeded or from the same generator, and the
     buffers reused across steps and across two batches of different widths."""
     logits = torch.randn((8, V), generator=torch.Generator().manual_seed(V)) * 2
     chains = [dict(top_k=40, top_p=0.95, min_p=0.05, temperature=0.8), dict(top_k=50, top_p=0.95, temperature=0.7),
               dict(top_k=40), dict(top_k=7, temperature=1.3)]
+    if seeded:   # the torch path reads typical-p's rows whole and draws them another way
+        chains += [dict(top_k=40, typical_p=0.9), dict(top_k=50, top_p=0.95, typical_p=0.5, temperature=0.7)]
 
     def tokens():
         sampler = corelib_cpu.CpuSampler(generator=torch.Generator().manual_seed(3))

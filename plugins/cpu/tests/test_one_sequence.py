@@ -215,3 +215,36 @@ def test_few_row_blocks_flag_nan_inf_and_empty_rows_as_the_reference(params):
             assert torch.equal(got.token_ids[~want.valid], want.token_ids[~want.valid]), (rows, r)
             if "seed" in params or params.get("temperature") == 0.0:
                 assert torch.equal(got.token_ids, want.token_ids), (rows, r)
+
+
+@pytest.mark.skipif(not kernels.wanted(), reason="the candidates' typical-p is compiled only")
+def test_typical_on_candidates_settles_by_the_candidates_margin_and_keeps_the_references_set():
+    """The score margin follows the candidates' count (``select.typical_score_margin``): rows
+    whose nearest score lies between it and the old fixed margin (2^-12) are settled now, and
+    every row's kept set is still the reference's, on language-model-like rows, rows rounded
+    to bfloat16 (ties) and flat rows, over many top-k, temperatures and typical_p."""
+    from corelib.filter_stages import typical_keep
+    from corelib_cpu.select import TYPICAL_LOWEST, TYPICAL_MASS_MARGIN, typical_candidates
+    V = 4096
+    g = torch.Generator().manual_seed(35)
+    newly, settled_rows = 0, 0
+    for r in range(500):
+        k = int(torch.randint(2, 200, (1,), generator=g))
+        t = float(torch.empty(1).uniform_(0.3, 2.0, generator=g))
+        tp = float(torch.empty(1).uniform_(0.05, 0.99, generator=g))
+        row = rows_of_every_kind(V, seed=r)[(0, 1, 2)[r % 3]] / t
+        kth = torch.topk(row, k).values[-1]
+        values = torch.sort(row[row >= kth], descending=True).values[None]     # ties at the k-th kept
+        cand = torch.cat([values, torch.full((1, 8), NEG_INF)], dim=1)
+        found = typical_candidates(cand, torch.tensor([tp]))
+        old = kernels.typical_of_candidates(cand, torch.tensor([tp]), TYPICAL_MASS_MARGIN, 2.0 ** -12, TYPICAL_LOWEST)
+        if not bool(found[1][0]):
+            continue
+        settled_rows += 1
+        newly += not bool(old[1][0])
+        masked = torch.full((1, V), NEG_INF)
+        masked[0, row >= kth] = row[row >= kth]
+        want = typical_keep(masked, torch.tensor([tp])) & torch.isfinite(masked)
+        kept_values = found[0][0][torch.isfinite(found[0][0])]
+        assert torch.equal(torch.sort(masked[want]).values, torch.sort(kept_values).values), f"row {r}"
+    assert settled_rows >= 400 and newly >= 8, (settled_rows, newly)
