@@ -9,8 +9,10 @@ Two ways to find the thresholds:
 - ``top_k_top_p_candidates``: one ``topk`` with a static K gives each row's K largest logits,
   enough for top-k when every row's k <= K and for top-p over what top-k kept.
 - ``top_k_by_bisection`` and ``top_p_by_bisection``: an exact bisection over the float32 bit
-  patterns (32 and 30 passes over the vocabulary, each a compare and a sum) for any k or
-  nucleus size; ``top_k_by_candidates`` when only top-p needs it.
+  patterns (up to 32 and 30 passes over the vocabulary, each a compare and a sum) for any k
+  or nucleus size; ``top_k_by_candidates`` when only top-p needs it. Counts, and top-p's
+  search for its bracket, use ``column_sum``, a reduction XLA:CPU vectorises; top-p's kept
+  set is decided by the row's own float32 sum (``_holds_mass``).
 
 Shapes: ``B`` rows, ``V`` vocabulary. Inputs are float32 ``[B, V]`` with no NaN and at least
 one finite logit per row (the sampler neutralises bad rows first).
@@ -95,8 +97,8 @@ def top_k_by_bisection(x: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
     # counts summed in float32 (exact below 2**24): an int sum is int64 in torch, which
     # XLA:CPU may widen into an s64 [B, V] copy at every pass
     kth = _bisect_largest(lo, hi, KEY_BISECTION_STEPS,
-                          lambda t, x, k: (x >= t).to(torch.float32).sum(dim=-1, keepdim=True) >= k,
-                          (x, k.to(torch.float32)), "top_k")
+                          lambda t, x, k: column_sum((x >= t).to(torch.float32)) >= k,
+                          (_padded(x, NEG_INF), k.to(torch.float32)), "top_k")
     return torch.where((x >= kth) | (k == 0), x, NEG_INF)
 
 
@@ -169,14 +171,30 @@ def _holds_mass(t: torch.Tensor, probs: torch.Tensor, p: torch.Tensor) -> torch.
 
 def _rough_mass(probs: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
     """float32 ``[B, 1]``: the mass of ``{probs >= t}`` (probs float32 ``[B, V]``, V a
-    multiple of ``_ROUGH_ROWS``; t float32 ``[B, 1]``), summed as ``[B, 32, V / 32]`` over the
-    32 first. That reduction keeps the minor dimension, which XLA:CPU vectorises with the
-    compare and select fused in; the row's own sum is a select written out and a tree of
-    scalar reduce-windows. The zero column keeps XLA from merging the two sums back into one
-    over the row (which it then lowers as the row's own sum)."""
-    B, V = probs.shape
-    part = torch.where(probs >= t, probs, 0.0).reshape(B, _ROUGH_ROWS, V // _ROUGH_ROWS).sum(dim=1)
+    multiple of ``_ROUGH_ROWS``; t float32 ``[B, 1]``), by ``column_sum``: not the order of
+    the row's own sum, so its rounding differs."""
+    return column_sum(torch.where(probs >= t, probs, 0.0))
+
+
+def column_sum(v: torch.Tensor) -> torch.Tensor:
+    """float32 ``[B, 1]``: the sums of v's rows (float32 ``[B, V]``, V a multiple of
+    ``_ROUGH_ROWS``, typically an unmaterialised expression), summed as ``[B, 32, V / 32]``
+    over the 32 first. That reduction keeps the minor dimension, which XLA:CPU vectorises with
+    v's compare and select fused in (about a quarter of the time of the row's own sum, which
+    it lowers as v written out and a tree of scalar reduce-windows). Its order is not the
+    row's sum's: the same sums for integer-valued terms (counts, exact below 2**24), others
+    may round differently. The zero column keeps XLA from merging the two sums back into one
+    over the row."""
+    B, V = v.shape
+    part = v.reshape(B, _ROUGH_ROWS, V // _ROUGH_ROWS).sum(dim=1)
     return torch.cat([part, torch.zeros_like(part[:, :1])], dim=1).sum(dim=-1, keepdim=True)
+
+
+def _padded(x: torch.Tensor, value: float) -> torch.Tensor:
+    """x float32 ``[B, V]`` with columns of ``value`` appended up to a multiple of
+    ``_ROUGH_ROWS`` (``column_sum``'s shape); x itself when V is one."""
+    pad = (-x.shape[-1]) % _ROUGH_ROWS
+    return torch.cat([x, torch.full_like(x[:, :pad], value)], dim=1) if pad else x
 
 
 def _top_p_bracket(probs: torch.Tensor, p: torch.Tensor, floor: torch.Tensor,
@@ -188,9 +206,7 @@ def _top_p_bracket(probs: torch.Tensor, p: torch.Tensor, floor: torch.Tensor,
     A bisection over [floor, hi) with ``_rough_mass`` keeps the largest probe whose rough mass
     clears p by ``_ROUGH_MARGIN`` and the smallest that falls short of it by as much; two
     exact passes check those two, and where one fails its side of the whole range is kept."""
-    B, V = probs.shape
-    pad = (-V) % _ROUGH_ROWS
-    padded = torch.cat([probs, torch.zeros_like(probs[:, :pad])], dim=1) if pad else probs
+    padded = _padded(probs, 0.0)
 
     def rough(lo, hi, low, high, open_, padded, p):
         mid = torch.bitwise_right_shift(lo + hi, 1)

@@ -49,8 +49,9 @@ def _assert_same_kept(got: torch.Tensor, want: torch.Tensor, what: str, params) 
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_top_k_by_bisection_matches_the_reference(device):
-    x = _logits(1000, seed=1)
+@pytest.mark.parametrize("V", [1000, 4096])        # padded to column_sum's shape, and not
+def test_top_k_by_bisection_matches_the_reference(device, V):
+    x = _logits(V, seed=1)
     k = torch.tensor([1, 5, 50, 200, 0, 7, 1, 64, 300, 999, 3, 1000], dtype=torch.int32)
     want = REF.apply_top_k(x, SimpleNamespace(top_k=k))
     got = thresholds.top_k_by_bisection(x.to(_device(device)), k.to(_device(device)))
