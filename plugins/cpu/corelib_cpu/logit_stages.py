@@ -61,7 +61,8 @@ class LogitStages:
         expanded to rows, verify's flat slots). Never writes ``logits``."""
         bp = s.plan
         if s.logits_rows is None:
-            rows = logits[bp.r0:bp.r1]
+            # a one-block step reads the caller's tensor itself (a slice is two operator calls)
+            rows = logits if bp.r0 == 0 and bp.r1 == logits.shape[0] else logits[bp.r0:bp.r1]
             if rows.dtype == torch.float32 and rows.is_contiguous():
                 return Block(s, rows, owned=False, workspace=self.workspace)
         x = self.workspace.take("x", (bp.n, logits.shape[1]))

@@ -11,6 +11,7 @@ import torch
 from corelib import Logprobs, StepState
 from corelib.sampler import NEG_INF
 
+from . import kernels
 from .block import Block
 from .rowops import count_at_least, top_values
 
@@ -31,8 +32,9 @@ class LogprobStage:
         V = logprobs.shape[-1]
         safe = token_ids.clamp(min=0)[:, None]
         sampled = logprobs.gather(1, safe)                                  # (n, 1)
-        ranks = count_at_least(logprobs, sampled,
-                               self.workspace.take("ranks", tuple(logprobs.shape)))
+        # the compiled count needs no buffer (a take is two operator calls per step)
+        buffer = None if kernels.wanted() else self.workspace.take("ranks", tuple(logprobs.shape))
+        ranks = count_at_least(logprobs, sampled, buffer)
         ids, values = [safe], [sampled]
         available = min(num_logprobs, V)
         if available > 0:
