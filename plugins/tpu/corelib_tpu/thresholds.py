@@ -194,7 +194,9 @@ def _padded(x: torch.Tensor, value: float) -> torch.Tensor:
     """x float32 ``[B, V]`` with columns of ``value`` appended up to a multiple of
     ``_ROUGH_ROWS`` (``column_sum``'s shape); x itself when V is one."""
     pad = (-x.shape[-1]) % _ROUGH_ROWS
-    return torch.cat([x, torch.full_like(x[:, :pad], value)], dim=1) if pad else x
+    # from a column of x, so that the padding is traced (a tensor of its own would enter a
+    # loop's trace as a constant input), and expanded, as V may be below pad
+    return torch.cat([x, torch.full_like(x[:, :1], value).expand(-1, pad)], dim=1) if pad else x
 
 
 def _top_p_bracket(probs: torch.Tensor, p: torch.Tensor, floor: torch.Tensor,

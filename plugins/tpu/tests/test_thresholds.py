@@ -49,10 +49,10 @@ def _assert_same_kept(got: torch.Tensor, want: torch.Tensor, what: str, params) 
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("V", [1000, 4096])        # padded to column_sum's shape, and not
+@pytest.mark.parametrize("V", [1000, 4096, 8])     # padded to column_sum's shape, and not
 def test_top_k_by_bisection_matches_the_reference(device, V):
     x = _logits(V, seed=1)
-    k = torch.tensor([1, 5, 50, 200, 0, 7, 1, 64, 300, 999, 3, 1000], dtype=torch.int32)
+    k = torch.tensor([1, 5, 50, 200, 0, 7, 1, 64, 300, 999, 3, 1000], dtype=torch.int32).clamp(max=V + 1)
     want = REF.apply_top_k(x, SimpleNamespace(top_k=k))
     got = thresholds.top_k_by_bisection(x.to(_device(device)), k.to(_device(device)))
     _assert_same_kept(got, want, "top_k_by_bisection", lambda r: f"k={int(k[r])}")
@@ -111,7 +111,7 @@ def _nucleus_rows(V: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("V", [1000, 50257, 128256])
+@pytest.mark.parametrize("V", [1000, 50257, 128256, 8])
 def test_the_rough_search_keeps_the_whole_range_bisections_sets(device, V):
     """The rough search only picks the bracket: the kept sets are, bit for bit, those of one
     exact bisection over each row's whole range (the same float32 mass decides both), for
