@@ -22,7 +22,8 @@ costs about six times as much.) The fill is timed with the chain (it is part of 
 per-token cost: about 0.2 ms at V = 128256, roughly twice a single C loop's), and its own
 cost is printed.
 
-The calls take turns in one process, each round on the next of ``--rows`` logit rows, the
+The calls take turns in one process (each round starting with the next of them), each round
+on the next of ``--rows`` logit rows, the
 core's cache flushed before every call (``harness.CacheFlush``: a model's forward pass would
 evict it); one torch thread by default (llama.cpp's samplers use one); medians of
 ``--tokens`` rounds. The ratio is corelib / llama.cpp: at most 1 means corelib is as fast.
@@ -235,9 +236,15 @@ def time_chain(llama_cpp, chain: Chain, logits: torch.Tensor, tokens: int, clock
     # the rounds are driven here, one at a time, through it
     times: dict = {name: [] for name in calls}
     interleaved(calls, repeats=0, warmup=3)
+    names = list(calls)
     for i in range(tokens):
         at[0] = i % R
-        for name, ms in interleaved(calls, repeats=1, warmup=0, clock=clock, before=flush).items():
+        # each round starts with the next call: a call right after another call of the same
+        # code finds more of it warm (branch predictors, the L3 the flush leaves) than one right
+        # after llama.cpp's, so a fixed order would favour the second corelib call
+        turn = names[i % len(names):] + names[:i % len(names)]
+        for name, ms in interleaved({n: calls[n] for n in turn}, repeats=1, warmup=0, clock=clock,
+                                    before=flush).items():
             times[name] += ms
     llama.close()
     med = {name: statistics.median(t) for name, t in times.items()}
