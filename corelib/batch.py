@@ -24,7 +24,7 @@ import torch
 from . import catalog, pipeline, thinking
 from .batch_selectors import SelectorRows
 from .batch_stages import CustomStageRows, _stage_key  # noqa: F401  (the TPU plugin reads _stage_key here)
-from .batch_steps import StepStates
+from .batch_steps import RequestFlags, StepStates
 from .batch_store import _MIN_CAPACITY, RowStore
 from .bitmask import bitmask_width
 from .history import advance_matches
@@ -57,6 +57,7 @@ class _Request:
     params: SamplingParams
     rows: list[int]
     flags: frozenset = frozenset()      # pipeline.request_flags(params)
+    summary: Optional[RequestFlags] = None      # RequestFlags.of(params, vocab_size)
 
 
 class SamplingBatch(StepStates, RowStore, CustomStageRows, SelectorRows):
@@ -97,7 +98,9 @@ class SamplingBatch(StepStates, RowStore, CustomStageRows, SelectorRows):
         self._pending: dict[str, list] = {}
         self._pending_first = 0
         self._tensors: dict[str, torch.Tensor] = {}
-        self._scalar_blocks: dict[torch.dtype, torch.Tensor] = {}   # see RowStore._first_rows
+        # dtype -> (its scalar columns' block [columns, capacity], their neutral values
+        # [columns, 1]), on the batch's device: see RowStore._first_rows
+        self._scalar_blocks: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
         self._request_index: Optional[torch.Tensor] = None
         self._flags: Optional[dict] = None
         self._min_rows: Optional[list[int]] = None
@@ -226,7 +229,8 @@ class SamplingBatch(StepStates, RowStore, CustomStageRows, SelectorRows):
             self._reset_rows(rows)
             raise
 
-        self._requests[request_id] = _Request(request_id, params, rows, pipeline.request_flags(params))
+        self._requests[request_id] = _Request(request_id, params, rows, pipeline.request_flags(params),
+                                              RequestFlags.of(params, self.vocab_size))
         for child, out in enumerate(outputs):
             self._row_keys.append((request_id, child))
             self._row_params.append(params)

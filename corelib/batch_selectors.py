@@ -9,7 +9,7 @@ inherits it.
 from __future__ import annotations
 
 import math
-from typing import Optional, Sequence
+from typing import Optional
 
 import torch
 
@@ -98,9 +98,9 @@ class SelectorRows:
             return 0
         return self._orders.setdefault(order, len(self._orders) + 1)
 
-    def _filter_orders(self, random: Sequence[SamplingParams]) -> tuple:
-        """StepState.filter_orders: (number, names) of each non-default order random rows run."""
-        used = {p.filter_order for p in random} - {None}
+    def _filter_orders(self, used: set) -> tuple:
+        """StepState.filter_orders: (number, names) of each non-default order (``used``: the
+        orders random rows run) in the batch's numbering."""
         return tuple(sorted((self._orders[order], order) for order in used))
 
 

@@ -7,15 +7,47 @@ requests join or leave. ``SamplingBatch`` mixes it in; the tensors are the row s
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 
 from . import pipeline
-from .params import ALL_LOGPROBS
+from .params import ALL_LOGPROBS, SamplingParams
 from .step_state import DENSE_ROW_STATE
 from .step_state import STATE_FIELDS as _STATE_FIELDS
 from .step_state import StepState
+
+
+class RequestFlags(NamedTuple):
+    """What one request's rows add to a step's host flags (``StepStates._compute_flags``),
+    computed once when it joins: with one pass over these per join or leave, not several
+    passes over every row's parameters."""
+    greedy: bool
+    seeded: bool
+    thinking: bool
+    selector: bool
+    kept: bool
+    logprobs: Optional[int]         # entries asked for (every token: vocab_size); None: none
+    top_k: int                      # 0: off
+    top_p_alone: bool               # top-p without top-k
+    filter_order: Optional[tuple[str, ...]]
+
+    @classmethod
+    def of(cls, params: SamplingParams, vocab_size: int) -> "RequestFlags":
+        greedy = params.is_greedy
+        top_k = params.effective_top_k
+        logprobs = params.logprobs
+        return cls(
+            greedy=greedy,
+            seeded=params.seed is not None,
+            thinking=params.uses_thinking_budget,
+            selector=params.uses_mirostat or params.uses_adaptive_p,
+            kept=params.return_kept,
+            logprobs=vocab_size if logprobs == ALL_LOGPROBS else logprobs,
+            top_k=top_k,
+            top_p_alone=params.top_p < 1.0 and top_k == 0,
+            filter_order=None if greedy else params.filter_order,
+        )
 
 
 class StepStates:
@@ -125,30 +157,48 @@ class StepStates:
         )
 
     def _compute_flags(self) -> dict:
-        """Host flags that change only when requests join or leave."""
-        params = self._row_params
-        random = [p for p in params if not p.is_greedy]
-        logprobs = [self.vocab_size if p.logprobs == ALL_LOGPROBS else p.logprobs
-                    for p in params if p.logprobs is not None]
+        """Host flags that change only when requests join or leave: one pass over the
+        requests' summaries (``RequestFlags``, made once per request at ``add``)."""
+        requests = self._requests.values()
         flags = dict.fromkeys(pipeline.computed_flags(), False)
-        for request in self._requests.values():
-            for flag in request.flags:
-                flags[flag] = True
+        flags.update(dict.fromkeys(frozenset().union(*(r.flags for r in requests)), True))
+        rows = random = 0
+        any_seeded = any_unseeded = any_thinking = any_selector = any_kept = False
+        top_p_alone, all_top_k, max_top_k = False, True, 0
+        num_logprobs, orders = None, set()
+        for request in requests:
+            r, n = request.summary, len(request.rows)
+            rows += n
+            any_thinking |= r.thinking
+            any_kept |= r.kept
+            if r.logprobs is not None:
+                num_logprobs = r.logprobs if num_logprobs is None else max(num_logprobs, r.logprobs)
+            if r.greedy:
+                continue
+            random += n
+            any_seeded |= r.seeded
+            any_unseeded |= not r.seeded
+            any_selector |= r.selector
+            top_p_alone |= r.top_p_alone
+            all_top_k &= r.top_k > 0
+            max_top_k = max(max_top_k, r.top_k)
+            if r.filter_order is not None:
+                orders.add(r.filter_order)
         return dict(
             **flags,
-            any_greedy=len(random) < len(params),
-            all_greedy=bool(params) and not random,
-            any_random=bool(random),
-            any_seeded=any(p.seed is not None for p in random),
-            any_unseeded=any(p.seed is None for p in random),
-            any_thinking=any(p.uses_thinking_budget for p in params),
-            any_selector=any(p.uses_mirostat or p.uses_adaptive_p for p in random),
-            any_kept=any(p.return_kept for p in params),
-            filter_orders=self._filter_orders(random),
-            max_top_k=max((p.effective_top_k for p in random), default=0),
-            any_top_p_without_top_k=any(p.top_p < 1.0 and p.effective_top_k == 0 for p in random),
-            all_random_top_k=bool(random) and all(p.effective_top_k > 0 for p in random),
-            num_logprobs=max(logprobs) if logprobs else None,
+            any_greedy=random < rows,
+            all_greedy=rows > 0 and random == 0,
+            any_random=random > 0,
+            any_seeded=any_seeded,
+            any_unseeded=any_unseeded,
+            any_thinking=any_thinking,
+            any_selector=any_selector,
+            any_kept=any_kept,
+            filter_orders=self._filter_orders(orders),
+            max_top_k=max_top_k,
+            any_top_p_without_top_k=top_p_alone,
+            all_random_top_k=random > 0 and all_top_k,
+            num_logprobs=num_logprobs,
         )
 
     def _min_tokens_pending(self) -> bool:

@@ -78,11 +78,12 @@ class RowStore:
         # where one per column made a new batch cost about forty small torch calls.
         store = self._tensors               # rows added since the last read written first
         for dtype, (names, neutrals) in _SCALAR_BLOCKS.items():
-            block = neutrals.to(self.device).expand(-1, capacity).contiguous()
-            old = self._scalar_blocks.get(dtype)
-            if old is not None:
+            neutral = neutrals.to(self.device)
+            block = neutral.expand(-1, capacity).contiguous()
+            if dtype in self._scalar_blocks:
+                old = self._scalar_blocks[dtype][0]
                 block[:, :old.shape[1]] = old
-            self._scalar_blocks[dtype] = block
+            self._scalar_blocks[dtype] = (block, neutral)
             store.update(zip(names, block.unbind(0)))
         for name, tensor in list(store.items()):
             if name in _SCALARS:
@@ -100,7 +101,7 @@ class RowStore:
         if not blocks:          # a subclass that allocates its tensors its own way
             return {name: tensor[:n] for name, tensor in self._tensors.items()}
         first = {name: tensor[:n] for name, tensor in self._tensors.items() if name not in _SCALARS}
-        for dtype, block in blocks.items():
+        for dtype, (block, _) in blocks.items():
             first.update(zip(_SCALAR_BLOCKS[dtype][0], block[:, :n].unbind(0)))
         return first
 
@@ -355,19 +356,26 @@ class RowStore:
         waiting. Subclasses with state of their own override this (and call it) to move that
         state too."""
         s, d = (upload(rows, self.device, torch.long) for rows in (src, dst))
-        idle = self._idle_scalars
-        for name, tensor in self._tensors.items():
-            if name not in idle:
-                tensor.index_copy_(0, d, tensor.index_select(0, s))
+        for name, tensor in self._unblocked_tensors():
+            tensor.index_copy_(0, d, tensor.index_select(0, s))
+        for block, _ in self._scalar_blocks.values():   # a row is a column of its block
+            block.index_copy_(1, d, block.index_select(1, s))
 
     def _reset_rows(self, rows: list[int]) -> None:
         if not rows:
             return
         sl = slice(rows[0], rows[-1] + 1)
-        idle = self._idle_scalars
-        for name, tensor in self._tensors.items():
-            if name not in idle:
-                tensor[sl] = _SCALARS[name][1] if name in _SCALARS else self._neutral[name]
+        for name, tensor in self._unblocked_tensors():
+            tensor[sl] = _SCALARS[name][1] if name in _SCALARS else self._neutral[name]
+        for block, neutral in self._scalar_blocks.values():
+            block[:, sl] = neutral
+
+    def _unblocked_tensors(self):
+        """(name, tensor) of the per-row tensors that rows move and reset one at a time: not
+        the scalar columns of ``_scalar_blocks`` (moved a block at a time), nor the stage
+        scalars no request has set (``_idle_scalars``: neutral in every row)."""
+        skip = _SCALARS if self._scalar_blocks else self._idle_scalars
+        return [(name, tensor) for name, tensor in self._tensors.items() if name not in skip]
 
     def _without_idle(self, values: dict[str, list]) -> dict[str, list]:
         """``values`` (name -> per-row values of rows being added) less the stage scalars that

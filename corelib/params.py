@@ -9,7 +9,6 @@ from pydantic import (
     ConfigDict,
     Field,
     StrictBool,
-    StrictFloat,
     StrictInt,
     field_validator,
     model_validator,

@@ -320,7 +320,7 @@ def _auto_select(statuses: list[BackendStatus]) -> BackendStatus:
     candidates = [s for s in statuses if s.auto]
     if not candidates:
         raise BackendUnavailableError(
-            f"no backend is available; discovered: "
+            "no backend is available; discovered: "
             + "; ".join(f"{s.name}: {s.reason or 'unavailable'}" for s in statuses)
         )
     return max(candidates, key=lambda s: (s.priority, s.name))

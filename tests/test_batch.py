@@ -286,6 +286,50 @@ def test_flags_follow_the_live_requests(batch):
     assert not s.any_penalties and s.num_logprobs is None
 
 
+def test_host_flags_match_the_live_rows_through_joins_and_leaves(batch):
+    """Each step's host flags are those of the rows in the batch at that moment, however
+    requests of every kind joined and left (n > 1 included)."""
+    kinds = [
+        SamplingParams(temperature=0.0, logprobs=2),
+        SamplingParams(seed=3, top_k=5, n=2),
+        SamplingParams(top_p=0.8),
+        SamplingParams(top_k=-1, top_p=0.9, logprobs=-1),
+        SamplingParams(mirostat_tau=5.0, seed=1),
+        SamplingParams(top_k=4, sampler_order=["top_p", "top_k"], top_p=0.9, return_kept=True),
+        SamplingParams(temperature=0.0, sampler_order=["top_p", "top_k", "temperature"], top_p=0.5,
+                       top_k=2),
+    ]
+    rng = random.Random(5)
+    live: dict[str, SamplingParams] = {}
+    for step in range(60):
+        if live and rng.random() < 0.4:
+            batch.remove(rng.choice(sorted(live)))
+            live.pop(next(r for r in live if r not in batch.request_ids))
+        else:
+            live[f"r{step}"] = params = rng.choice(kinds)
+            batch.add(f"r{step}", params)
+        s = batch.step_state()
+        rows = [p for p in live.values() for _ in range(p.n)]
+        random_rows = [p for p in rows if p.temperature > 0]
+        asked = [V if p.logprobs == -1 else p.logprobs for p in rows if p.logprobs is not None]
+        expected = dict(
+            any_greedy=len(random_rows) < len(rows), all_greedy=bool(rows) and not random_rows,
+            any_random=bool(random_rows),
+            any_seeded=any(p.seed is not None for p in random_rows),
+            any_unseeded=any(p.seed is None for p in random_rows),
+            any_selector=any(p.mirostat_tau > 0 for p in random_rows),
+            any_kept=any(p.return_kept for p in rows),
+            max_top_k=max((max(p.top_k, 0) for p in random_rows), default=0),
+            any_top_p_without_top_k=any(p.top_p < 1 and p.top_k <= 0 for p in random_rows),
+            all_random_top_k=bool(random_rows) and all(p.top_k > 0 for p in random_rows),
+            num_logprobs=max(asked) if asked else None,
+            orders=len({p.filter_order for p in random_rows} - {None}),
+        )
+        got = {name: getattr(s, name) for name in expected if name != "orders"}
+        got["orders"] = len(s.filter_orders)
+        assert got == expected, (step, sorted(live))
+
+
 def test_min_tokens_flag_turns_off_once_reached(batch):
     batch.add("m", SamplingParams(min_tokens=2))
     assert batch.step_state().any_min_tokens
