@@ -246,7 +246,8 @@ class FilterStages:
             kept, kept_array = self.workspace.pair("typical_values", shape)
             settled, settled_array = self.workspace.pair("typical_settled", shape[:1], torch.bool)
             found = typical_candidates(cand.values, typical_p, arrays[0], (kept, settled, kept_array, settled_array))
-            if found is not None and settled_array.all():
+            # a list of one or two flags: cheaper than numpy's reduction of them
+            if found is not None and all(settled_array.tolist()):
                 cand.values, cand.views = kept, (kept, cand.ids, kept_array, arrays[1])
                 return []
         else:
