@@ -27,7 +27,6 @@ at once. Without vLLM only the corelib samplers are timed.
     .venv-vllm/bin/python benchmarks/host_cost.py --steps 400 --batch-sizes 32
     python benchmarks/host_cost.py --profile penalties:32           # cProfile of the cpu step
     python benchmarks/host_cost.py --digest                         # seeded tokens' digest
-    python benchmarks/host_cost.py --batch-only --clock thread      # the batch's own costs
 
 ``--digest`` prints a hash of the tokens every seeded configuration draws over the steps (a
 change in a seeded token changes it): compare it between revisions.
@@ -240,41 +239,6 @@ def bench_mirror(B: int, steps: int, churn: bool, clock) -> float:
     return statistics.median(times)
 
 
-def bench_batch_churn(B: int, steps: int, clock) -> tuple[float, float, float]:
-    """Median ms of the cpu backend's batch alone (no vLLM): one seeded request of B leaving
-    and one joining, then the step state (what a step after a join or a leave pays before
-    sampling); a new batch, one request added and its first step state (B = 1); and one
-    ``append`` of B ids."""
-    sampler = corelib.get_sampler("cpu")
-    batch = sampler.new_batch(V)
-    for i in range(B):
-        batch.add(f"req-{i}", row_params("seeded", i), prompt_token_ids=prompt_of(i))
-    batch.step_state()
-    gen = torch.Generator().manual_seed(0)
-    churn, fresh, append = [], [], []
-    ids = torch.randint(0, V, (B,), generator=gen)
-    for i in range(steps + 5):
-        leaving = batch.request_ids[int(torch.randint(B, (1,), generator=gen))]
-
-        def rejoin():
-            batch.remove(leaving)
-            batch.add(leaving, row_params("seeded", B + i), prompt_token_ids=prompt_of(i))
-            batch.step_state()
-
-        def new_one():
-            one = sampler.new_batch(V)
-            one.add("one", row_params("seeded", i), prompt_token_ids=prompt_of(i))
-            one.step_state()
-            return one
-
-        cells = (timed_call(rejoin, clock=clock)[0], timed_call(new_one, clock=clock)[0],
-                 timed_call(batch.append, ids, clock=clock)[0])
-        if i >= 5:
-            for column, value in zip((churn, fresh, append), cells):
-                column.append(value)
-    return statistics.median(churn), statistics.median(fresh), statistics.median(append)
-
-
 # ---------------------------------------------------------------------- profile, digest
 def profile(name: str, B: int, steps: int, top: int = 25) -> str:
     step = corelib_step(corelib.get_sampler("cpu"), name, B)
@@ -323,8 +287,6 @@ def main(argv=None) -> int:
     parser.add_argument("--threads", type=int, default=1)
     add_clock_argument(parser)
     parser.add_argument("--no-mirror", action="store_true", help="skip the adapter's sync")
-    parser.add_argument("--batch-only", action="store_true",
-                        help="only the cpu batch's own join/leave, new-batch and append costs")
     parser.add_argument("--profile", metavar="CONFIG:B", help="cProfile the cpu step")
     parser.add_argument("--digest", action="store_true", help="seeded tokens' digest")
     args = parser.parse_args(argv)
@@ -339,17 +301,6 @@ def main(argv=None) -> int:
         print(profile(name, int(B), args.steps))
         return 0
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
-    if args.batch_only:
-        print(f"{machine_description()}; V = {V}; median of {args.steps} ({args.clock} clock); "
-              f"load {load_average():.1f}")
-        print("cpu batch alone (ms): one of B leaves and one joins, then the step state; a new "
-              "batch, one request and its first step state; append of B ids")
-        print("| B | one leaves, one joins | new batch of one | append |")
-        print("|---|---|---|---|")
-        for B in batch_sizes:
-            churn, fresh, append = bench_batch_churn(B, args.steps, clock)
-            print(f"| {B} | {churn:.3f} | {fresh:.3f} | {append:.4f} |")
-        return 0
     names = [n for n, s in SHORT.items() if s in args.configs.split(",")]
     vllm = load_vllm()
     print(f"{machine_description()}; {torch.get_num_threads()} torch thread(s); V = {V}; "
