@@ -1,5 +1,7 @@
 """What requests joining and leaving cost the core's batch, against another git revision: the
-host work an engine pays between steps (``add``, ``remove``, the flags the next step reads).
+host work an engine pays between steps (``add``, ``remove``, the flags the next step reads,
+the first step state after a join, the ``append`` after it, and a new batch of one request
+with its first state, for a caller that makes a batch per call).
 
 The other revision's ``corelib`` is extracted with ``git archive`` into a temporary folder and
 run in a second interpreter (two versions of one package cannot share a process); the two
@@ -38,15 +40,27 @@ def clock(fn):
 def median(xs):
     xs = sorted(xs); return xs[len(xs) // 2]
 
-flags, removes, adds = [], [], []
+def new_batch_of_one():
+    one = corelib.Sampler().new_batch(512)
+    one.add("one", params[0])
+    one.step_state()
+
+flags, removes, adds, states, appends, fresh = [], [], [], [], [], []
+ids = torch.arange(rows) % 512
 for _ in range(5):
     for i in range(rows):
         removes.append(clock(lambda: batch.remove(f"r{i}")))
         adds.append(clock(lambda: batch.add(f"r{i}", params[i])))
+        states.append(clock(batch.step_state))
+        appends.append(clock(lambda: batch.append(ids)))
+        if i % 8 == 0:
+            fresh.append(clock(new_batch_of_one))
     for _ in range(50):
         batch._changed()
         flags.append(clock(batch._compute_flags))
-print("RESULT " + json.dumps({"flags": median(flags), "remove": median(removes), "add": median(adds)}))
+print("RESULT " + json.dumps({"flags": median(flags), "remove": median(removes), "add": median(adds),
+                              "state": median(states), "append": median(appends),
+                              "fresh": median(fresh)}))
 """
 
 
@@ -65,11 +79,12 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as folder:
         extract_revision(args.base, folder, "corelib")
         print(f"B = {args.rows} requests; us per call (thread CPU time), base {args.base} / this checkout")
-        print("| round | flags after a change | remove | add |")
-        print("|---|---|---|---|")
+        print("| round | flags after a change | remove | add | first step state after a join | "
+              "append (after it) | new batch of one, its first state |")
+        print("|---|---|---|---|---|---|---|")
         for r in range(args.rounds):
             base, current = measure(folder, args.rows), measure(REPOSITORY, args.rows)
-            cells = [f"{base[k]:.0f} / {current[k]:.0f}" for k in ("flags", "remove", "add")]
+            cells = [f"{base[k]:.0f} / {current[k]:.0f}" for k in ("flags", "remove", "add", "state", "append", "fresh")]
             print(f"| {r + 1} | " + " | ".join(cells) + " |")
 
 
