@@ -169,6 +169,8 @@ def typical_score_margin(W: int) -> float:
     of each other, so the threshold token's error is at most 3E of the other token's 1 + H +
     |log p|: 4E for the pair; the margin is twice that."""
     return (W + 8) * 2.0 ** -20
+
+
 #: float32's exp underflows towards 0 below about -87: a kept candidate below this log p
 #: leaves its row to the reference (whose p there would be 0 and its score inf)
 TYPICAL_LOWEST = -80.0
@@ -183,8 +185,9 @@ def typical_candidates(values: torch.Tensor, typical_p: torch.Tensor, values_arr
     reference's rule in float64, a row settled where no decision lies within the margins
     above); None where the compiled path does not run (the caller reads whole rows, the
     reference's computation). ``values_array``, ``out``: see ``kernels.typical_of_candidates``."""
-    return kernels.typical_of_candidates(values, typical_p, TYPICAL_MASS_MARGIN, typical_score_margin(values.shape[-1]),
-                                         TYPICAL_LOWEST, values_array, out)
+    return kernels.typical_of_candidates(values, typical_p, TYPICAL_MASS_MARGIN,
+                                         typical_score_margin(values.shape[-1]), TYPICAL_LOWEST,
+                                         values_array, out)
 
 
 def top_p_tolerance(W: int) -> float:

@@ -132,9 +132,7 @@ def top_p_by_bisection(x: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     passes where the bracket is narrow, as where a check fails it falls back to a side of the
     whole range.
     """
-    weights = torch.exp(x - x.max(dim=-1, keepdim=True).values)
-    total = weights.sum(dim=-1, keepdim=True)
-    probs = weights / total                                 # softmax_rows's formula and bits
+    probs, total = softmax_and_total(x)
     p = top_p[:, None]
     # Above the largest probability no mass is left. The largest is weights' largest, exp(0),
     # over total: 1 / total with a margin for an exp that rounds 0 up, in place of a max pass.
@@ -353,8 +351,15 @@ def narrow_of_code(code: torch.Tensor, k: int, greedy: torch.Tensor) -> torch.Te
 
 def softmax_rows(x: torch.Tensor) -> torch.Tensor:
     """float32 ``[B, V]`` probabilities ``exp(x - max) / sum`` (the reference's formula)."""
+    return softmax_and_total(x)[0]
+
+
+def softmax_and_total(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(float32 ``[B, V]`` probabilities as ``softmax_rows``, float32 ``[B, 1]`` the sum of
+    ``exp(x - max)`` they divide by: 1 / total is the largest probability)."""
     weights = torch.exp(x - x.max(dim=-1, keepdim=True).values)
-    return weights / weights.sum(dim=-1, keepdim=True)
+    total = weights.sum(dim=-1, keepdim=True)
+    return weights / total, total
 
 
 def first_argmax(x: torch.Tensor) -> torch.Tensor:
