@@ -105,11 +105,21 @@ class Sampler(Verification, Scoring, LogitStages, FilterStages):
         Split from ``sample`` so a backend can capture it (CUDA graphs) or trace it (XLA)."""
         x, raw, valid = self.prepare(logits, batch, s)                     # steps 1-8a
         token_ids, final, filtered = self.choose_tokens(x, s)              # steps 9-14
-        valid = valid & self.drawn_is_finite(x, final, token_ids, s)
+        valid, flagged = self.flag_invalid(valid, self.drawn_is_finite(x, final, token_ids, s),
+                                           token_ids)
         logprobs = self.step_logprobs(raw, x, final, token_ids, s)         # step 15
         kept = self.kept_set(x, final, token_ids, valid, s) if s.any_kept else None
-        token_ids = torch.where(valid, token_ids, INVALID_TOKEN)
-        return SamplerOutput(token_ids, valid, logprobs, filtered, kept)
+        return SamplerOutput(flagged, valid, logprobs, filtered, kept)
+
+    def flag_invalid(self, valid: torch.Tensor, finite: torch.Tensor,
+                     token_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The step's output flags: (bool [B] valid rows, ``valid`` from steps 1-8a and
+        ``drawn_is_finite`` both true; int64 [B] ``token_ids`` with ``INVALID_TOKEN`` at the
+        other rows). The caller owns both: neither may be a tensor that a later step writes (a
+        reused buffer, the batch's state). A backend that knows on the host that every row
+        is valid may return a fresh all-true ``valid`` and ``token_ids`` as they are."""
+        valid = valid & finite
+        return valid, torch.where(valid, token_ids, INVALID_TOKEN)
 
     def choose_tokens(self, x: torch.Tensor, s: StepState) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
         """Steps 9-14: (int64 [B] token ids, float32 [B, V] final logits, the log-probabilities

@@ -17,6 +17,7 @@ step numbers of the contract's stage order) and names the row, its request and i
 
 from __future__ import annotations
 
+import dataclasses
 import zlib
 from typing import Optional, Sequence
 
@@ -258,6 +259,36 @@ class ConformanceSuite(KeptConformance, FourthReleaseConformance, VerifyConforma
             violation("copy", f"sample() modified the caller's logits at token ids {changed} "
                               f"(row 0, request 'a', params {params_text(params)})")
 
+    @pytest.mark.parametrize("rows", [1, 2, 5])
+    def test_outputs_belong_to_the_caller(self, sampler, rows):
+        kinds = [SamplingParams(seed=41, top_k=3, logprobs=2, return_kept=True),
+                 SamplingParams(temperature=0.0, logprobs=2, return_kept=True),
+                 SamplingParams(seed=43, top_p=0.8, min_p=0.02, logprobs=2, return_kept=True),
+                 SamplingParams(top_k=5, logprobs=2),
+                 SamplingParams(seed=45, logprobs=2, return_kept=True)]
+        requests = [(f"r{i}", kinds[i], PROMPT, None) for i in range(rows)]
+        batch = self.build(sampler, requests)
+        held: dict[str, torch.Tensor] = {}
+        out = sampler.sample(self.on(sampler, self.logits(rows, seed=5)), batch)
+        held.update(output_tensors("sample", out))
+        batch.append(out.token_ids)
+        drafts = self.on(sampler, torch.tensor([[3, 4]] * rows))
+        out = sampler.verify(self.on(sampler, self.logits(rows * 3, seed=6).view(rows, 3, -1)), batch, drafts)
+        held.update(output_tensors("verify", out))
+        batch.append(out.token_ids)
+        held.update(output_tensors("score", sampler.score(
+            self.on(sampler, self.logits(rows, seed=7)), batch, self.on(sampler, torch.arange(rows)))))
+        copies = {name: t.detach().cpu().clone() for name, t in held.items()}
+        for seed in (8, 9):
+            logits = -self.logits(rows, seed=seed)
+            logits[0, 1] = float("nan") if seed == 9 else logits[0, 1]   # a flagged row too
+            out = sampler.sample(self.on(sampler, logits), batch)
+            batch.append(out.token_ids)
+        for name, tensor in held.items():
+            if not same_values(tensor.cpu(), copies[name]):
+                violation("outputs", f"{name} changed after two more steps ({rows} rows: "
+                                     f"{', '.join(params_text(p) for p in kinds[:rows])})")
+
     @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["float16", "bfloat16"])
     def test_low_precision_logits(self, sampler, reference, dtype):
         requests = [("g", SamplingParams(temperature=0.0, repetition_penalty=1.2), PROMPT, OUTPUT),
@@ -439,3 +470,24 @@ class ConformanceSuite(KeptConformance, FourthReleaseConformance, VerifyConforma
         if batch.generated_counts() != [0, 0]:
             violation("flagged_append", f"a refused append changed the generated counts to "
                                         f"{batch.generated_counts()}")
+
+
+def output_tensors(call: str, out) -> dict[str, torch.Tensor]:
+    """Every tensor of an output (``SamplerOutput``, ``VerifyOutput``, ``ScoreOutput``, with
+    their ``Logprobs``) by a name such as ``"sample: out.logprobs.ranks"``."""
+    found: dict[str, torch.Tensor] = {}
+    for field in dataclasses.fields(out):
+        value = getattr(out, field.name)
+        if isinstance(value, torch.Tensor):
+            found[f"{call}: out.{field.name}"] = value
+        elif dataclasses.is_dataclass(value):
+            for name, tensor in output_tensors(call, value).items():
+                found[name.replace("out.", f"out.{field.name}.", 1)] = tensor
+    return found
+
+
+def same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal shapes and values, NaN equal to NaN (a verify slot that emitted nothing)."""
+    if a.is_floating_point():
+        return torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(0.0), b.nan_to_num(0.0))
+    return torch.equal(a, b)

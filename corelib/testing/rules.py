@@ -36,6 +36,7 @@ RULES: dict[str, str] = {
     "per_request": "per-request logits ([num_requests, V] serves every child of a request)",
     "bad_rows": "bad rows (NaN/+inf or fully masked rows are flagged with id -1, others untouched)",
     "flagged_append": "a flagged row in append (-1 is no token this step: the row's position, counts, windows, DRY history and stage state stay as they were)",
+    "outputs": "outputs (the tensors sample, verify and score return belong to the caller: a later step leaves them as they were)",
     "dtype": "step 2 (logits of any float dtype are upcast to float32 first)",
     "new_samplers": "steps 8a-13b (DRY, top-n-sigma, typical-p, XTC together)",
     "bitmask": "step 3 (token_bitmask: only tokens whose bit is set may be kept or drawn)",
