@@ -44,6 +44,7 @@ _FEW_ROWS = 16
 # Rows, children and positions are int32 on the device (and in the seeded-draw recipe).
 _INT32_MAX = pipeline.INT32_MAX
 MAX_ROWS = _INT32_MAX
+_JUST_INT = {int}                  # the types of a list of plain ints (bools are not)
 
 
 class UnknownRequestError(KeyError, ValueError):
@@ -536,6 +537,10 @@ class SamplingBatch(StepStates, RowStore, CustomStageRows, SelectorRows):
         if isinstance(ids, torch.Tensor):
             ids = ids.tolist()
         ids = list(ids)
+        # One check per list in C loops for the common case (a long prompt joins in a fraction
+        # of the per-token loop's time); the loop below finds the offending id for the message.
+        if not ids or (set(map(type, ids)) == _JUST_INT and min(ids) >= 0 and max(ids) < self.vocab_size):
+            return ids
         for t in ids:
             if isinstance(t, bool) or not isinstance(t, int):
                 raise TypeError(f"request {request_id!r}: {what} must hold ints, got {t!r}")

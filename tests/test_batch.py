@@ -2,6 +2,7 @@
 
 import random
 
+import numpy as np
 import pytest
 import torch
 
@@ -149,6 +150,25 @@ def test_out_of_range_parameter_ids_are_rejected_at_add(batch, params):
     with pytest.raises(ValueError, match="out of range for vocab_size=32"):
         batch.add("bad", params)
     assert batch.rows == []
+
+
+@pytest.mark.parametrize("ids, error, fragment", [
+    ([1] * 500 + [True], TypeError, "prompt_token_ids must hold ints, got True"),
+    ([1] * 500 + [2.0], TypeError, "must hold ints, got 2.0"),
+    ([3, np.int64(4)], TypeError, "must hold ints, got np.int64(4)"),
+    ([1] * 500 + [32], ValueError, "token id 32, out of range for vocab_size=32"),
+    ([5, -1, 40], ValueError, "token id -1, out of range"),
+    (torch.tensor([1, 2, 33]), ValueError, "token id 33, out of range"),
+    (torch.tensor([1.0]), TypeError, "must hold ints, got 1.0"),
+])
+def test_prompt_and_output_ids_are_checked_whole(batch, ids, error, fragment):
+    for where in ("prompt_token_ids", "output_token_ids"):
+        with pytest.raises(error) as err:
+            batch.add("bad", SamplingParams(), **{where: ids})
+        assert fragment.replace("prompt_token_ids", where) in str(err.value)
+        assert batch.rows == []
+    assert batch.add("good", SamplingParams(), prompt_token_ids=list(range(32)) * 50,
+                     output_token_ids=torch.tensor([31, 0])) == [0]
 
 
 def test_append_needs_one_token_per_row(batch):

@@ -36,6 +36,7 @@ A vLLM feature that would change sampling and that corelib does not implement is
 from __future__ import annotations
 
 import copy
+import functools
 import json
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -108,6 +109,7 @@ def thinking_markers(reasoning_config: Any,
     return markers
 
 
+@functools.lru_cache(maxsize=None)       # one entry per vLLM params class: made once per process
 def extra_args_fields(vllm_params_type: type) -> frozenset[str]:
     """The ``corelib.SamplingParams`` fields ``extra_args`` may set: those that
     ``vllm_params_type`` (vLLM's ``SamplingParams``, a msgspec struct) does not have, except
@@ -223,7 +225,9 @@ def _extra_fields(params: Any) -> dict[str, Any]:
     """corelib's fields in ``params.extra_args``: the dict under ``"corelib"`` (every key in it
     must be one), and the names of those fields at the top level (the spelling from before that
     key). Other top-level keys belong to other code and are not read."""
-    extra = params.extra_args or {}
+    extra = params.extra_args
+    if not extra:
+        return {}
     nested = _corelib_dict(extra.get(CORELIB_KEY, {}))
     allowed = extra_args_fields(type(params))
     fields = {}
