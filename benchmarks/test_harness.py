@@ -128,3 +128,15 @@ def test_vllm_metadata_matches_the_parameters():
     assert plain.top_k is None and plain.no_penalties and plain.generators == {}
     with pytest.raises(ValueError, match="prompts"):
         harness.vllm_metadata(vllm, B, dict(presence_penalty=0.2))
+
+
+def test_thread_share_counts_only_calls_large_enough_to_split():
+    from thread_share import GRAIN, bound, large_call_share
+
+    big = torch.randn(64 * GRAIN)
+    small = torch.randn(64)
+    _, big_share = large_call_share(lambda: [big.exp() for _ in range(4)], calls=3)
+    _, small_share = large_call_share(lambda: [small.exp() for _ in range(200)], calls=3)
+    assert big_share > 0.8
+    assert small_share < 0.05
+    assert bound(0.0, 8) == 1.0 and bound(1.0, 8) == 8.0 and abs(bound(0.5, 2) - 4 / 3) < 1e-12
