@@ -14,7 +14,10 @@ The kernels:
   which is most of a step at B = 1, in two. Top-k divides and compares in float32, the same
   bits; top-p computes the candidates' softmax in float64 instead of float32, which only
   moves it closer to the exact values, so the error bound that proves a settled row's
-  nucleus to be the reference's still holds (the kept candidates are the same).
+  nucleus to be the reference's still holds (the kept candidates are the same);
+- step 15's top-N and rank in one pass per row (``top_and_rank``): comparisons and integer
+  counts only, so the same values and counts as torch's; the top-N's order among equal
+  values is fixed (lowest id first) and the torch path (``rowops.top_logprobs``) keeps it.
 
 In torch the hash is 13 operator calls, each a pass over ``[rows, V]`` that writes its result
 to memory; compiled, it is one pass that keeps each value in a register. The hash is integer
@@ -75,7 +78,7 @@ def describe() -> str:
         return f"kernels: pure torch ({reason})"
     return ("kernels: numba (seeded noise and row keys, small-vocabulary draw, top values of a few rows, "
             "min-p candidates, top-k/top-p/typical of candidates, steps 11-13 of a few rows in one call, "
-            "logprob ranks, "
+            "logprobs (top-N and rank in one pass), "
             "quadratic smoothing, tail-free, kept-set packing, nucleus histogram)")
 
 
@@ -338,6 +341,33 @@ def count_at_least(x: torch.Tensor, value: torch.Tensor):
     out = torch.empty(x.shape[0], dtype=torch.long)
     kernels["count_at_least"](x.numpy(), value.reshape(-1).contiguous().numpy(), out.numpy())
     return out
+
+
+#: Up to this many top-N logprobs, ``top_and_rank`` inserts into a sorted array; past it a
+#: row's insertions cost more than the torch path's search.
+TOP_AND_RANK_WIDTH = 64
+
+
+def top_and_rank(x: torch.Tensor, token_ids: torch.Tensor, width: int):
+    """Step 15 in one compiled pass per row: (ids int64 ``[n, width + 1]``, values float32
+    ``[n, width + 1]``, ranks int64 ``[n]``) for x float32 ``[n, V]`` log-probabilities and
+    token_ids int64 ``[n]`` (negative ids read id 0): column 0 the sampled token and its
+    value, then the ``width`` largest values, descending, among equal values the lowest id
+    first (``rowops.top_logprobs``' order), and the rank ``(x >= sampled).sum(-1)``. None
+    where the compiled path does not run, a row holds a NaN, an id is >= V, or ``width`` is
+    above ``TOP_AND_RANK_WIDTH`` or not below V
+    (every token: the reference's order, ``rowops.top_logprobs``)."""
+    kernels = _compiled()
+    V = x.shape[1]
+    if kernels is None or not x.is_contiguous() or not 0 <= width <= TOP_AND_RANK_WIDTH or width >= V:
+        return None
+    import torch
+    n = x.shape[0]
+    ids, values = torch.empty((n, width + 1), dtype=torch.long), torch.empty((n, width + 1))
+    ranks = torch.empty(n, dtype=torch.long)
+    if not kernels["top_and_rank"](x.numpy(), token_ids.numpy(), ids.numpy(), values.numpy(), ranks.numpy()):
+        return None
+    return ids, values, ranks
 
 
 def _ones(n: int):

@@ -79,6 +79,62 @@ def top_values(x: torch.Tensor, width: int, maxima: Optional[torch.Tensor] = Non
     return values, cols.gather(1, at), group_top[:, -1]
 
 
+def top_logprobs(x: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Step 15's top-N: the ``width`` (<= V) largest values of each row of x float32 [n, V],
+    descending, and their ids (int64 [n, width]), among equal values the lowest id first, so
+    the ids never depend on the block or the path (``kernels.top_and_rank`` keeps this order).
+    Rows holding a NaN, and every row when ``width`` is V (every token's logprob), take
+    ``torch.topk``'s answer, the reference's call (NaN first; its own order among ties). The
+    values are torch.topk's. Not in place.
+
+    Through the group maxima where :func:`searches_groups`: the groups searched are the
+    ``width`` largest maxima, among equal maxima the lowest groups; a value tied at the
+    ``width``-th place outside them lies in a group of maximum equal to it and of a higher
+    index than every such group searched, each of which holds a tie of lower ids, so the
+    lowest ids among the ties are all searched."""
+    n, V = x.shape
+    if width >= V:      # every token: the reference's own call, so its order among ties
+        found = torch.topk(x, V, dim=-1)
+        return found.values, found.indices
+    search = searches_groups(V, width)
+    maxima = group_maxima(x) if search else x.amax(dim=-1, keepdim=True)
+    nan = torch.isnan(maxima).any(dim=-1, keepdim=True)             # (n, 1)
+    if bool(nan.any()):
+        found = torch.topk(x, width, dim=-1)
+        values, ids = top_logprobs(x.masked_fill(nan, 0.0), width)
+        return torch.where(nan, found.values, values), torch.where(nan, found.indices, ids)
+    if not search:
+        return _first_largest(x, width)
+    _, groups = _first_largest(maxima, width)
+    cols = group_columns(groups.sort(dim=-1).values, V)            # ids ascending
+    picked = x.gather(1, cols)
+    if V % GROUP:                  # a short last group (searched last): hide its clamped repeats
+        picked = picked.masked_fill(cols.diff(dim=-1, prepend=cols[:, :1] - 1) == 0, float("-inf"))
+    values, at = _first_largest(picked, width)
+    return values, cols.gather(1, at)
+
+
+def _first_largest(x: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``width`` (< L) largest values of each row of x float32 [n, L] holding no NaN,
+    descending, and their positions, among equal values the lowest position first."""
+    L = x.shape[1]
+    floor = torch.topk(x, width, dim=-1)
+    at = floor.indices
+    floor = floor.values[:, -1:]
+    if bool(((x >= floor).sum(dim=-1) > width).any()):
+        # ties at the width-th place past the set found: the lowest positions among them
+        above = x > floor
+        equal = x == floor
+        keep = above | (equal & (equal.cumsum(dim=-1) <= width - above.sum(dim=-1, keepdim=True)))
+        key = keep * torch.arange(L, 0, -1)          # distinct per kept entry, largest first
+        at = torch.topk(key, width, dim=-1).values.neg_().add_(L)
+    else:
+        at = at.sort(dim=-1).values
+    # positions ascending, so a stable sort by value puts the lowest first among equals
+    values, order = torch.sort(x.gather(1, at), dim=-1, descending=True, stable=True)
+    return values, at.gather(1, order)
+
+
 def searches_groups(V: int, width: int) -> bool:
     """Whether :func:`top_values` finds ``width`` values of a V-token row through its group
     maxima (else ``torch.topk`` of the row: as few groups as values wanted, or a small row)."""

@@ -286,7 +286,7 @@ def test_info_names_the_path():
     else:
         assert described == ("kernels: numba (seeded noise and row keys, small-vocabulary draw, top values of a few "
                              "rows, min-p candidates, top-k/top-p/typical of candidates, steps 11-13 of a few rows in one call, "
-                             "logprob ranks, "
+                             "logprobs (top-N and rank in one pass), "
                              "quadratic smoothing, tail-free, kept-set packing, nucleus histogram)")
 
 
