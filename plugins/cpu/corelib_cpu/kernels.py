@@ -353,10 +353,10 @@ def top_and_rank(x: torch.Tensor, token_ids: torch.Tensor, width: int):
     ``[n, width + 1]``, ranks int64 ``[n]``) for x float32 ``[n, V]`` log-probabilities and
     token_ids int64 ``[n]`` (negative ids read id 0): column 0 the sampled token and its
     value, then the ``width`` largest values, descending, among equal values the lowest id
-    first (``rowops.top_logprobs``' order), and the rank ``(x >= sampled).sum(-1)``. None
-    where the compiled path does not run, a row holds a NaN, an id is >= V, or ``width`` is
-    above ``TOP_AND_RANK_WIDTH`` or not below V
-    (every token: the reference's order, ``rowops.top_logprobs``)."""
+    first (the contract's order, as ``rowops.top_logprobs``), and the rank ``(x >=
+    sampled).sum(-1)``. None where the compiled path does not run, a row holds a NaN (the
+    torch path ranks it as +inf), an id is >= V, or ``width`` is above
+    ``TOP_AND_RANK_WIDTH`` or not below V (every token: a stable sort)."""
     kernels = _compiled()
     V = x.shape[1]
     if kernels is None or not x.is_contiguous() or not 0 <= width <= TOP_AND_RANK_WIDTH or width >= V:

@@ -80,12 +80,12 @@ def top_values(x: torch.Tensor, width: int, maxima: Optional[torch.Tensor] = Non
 
 
 def top_logprobs(x: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Step 15's top-N: the ``width`` (<= V) largest values of each row of x float32 [n, V],
-    descending, and their ids (int64 [n, width]), among equal values the lowest id first, so
-    the ids never depend on the block or the path (``kernels.top_and_rank`` keeps this order).
-    Rows holding a NaN, and every row when ``width`` is V (every token's logprob), take
-    ``torch.topk``'s answer, the reference's call (NaN first; its own order among ties). The
-    values are torch.topk's. Not in place.
+    """Step 15's top-N in the contract's order: the ``width`` (<= V) largest values of each
+    row of x float32 [n, V], descending, and their ids (int64 [n, width]), among equal values
+    the lowest id first, so the ids never depend on the block or the path
+    (``kernels.top_and_rank`` keeps this order). A NaN (a flagged row's) ranks as +inf does,
+    ties with it in id order, and is returned as it is; every token (``width`` = V) is the
+    stable descending sort, NaN first. The values are torch.topk's. Not in place.
 
     Through the group maxima where :func:`searches_groups`: the groups searched are the
     ``width`` largest maxima, among equal maxima the lowest groups; a value tied at the
@@ -93,16 +93,13 @@ def top_logprobs(x: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tenso
     index than every such group searched, each of which holds a tie of lower ids, so the
     lowest ids among the ties are all searched."""
     n, V = x.shape
-    if width >= V:      # every token: the reference's own call, so its order among ties
-        found = torch.topk(x, V, dim=-1)
-        return found.values, found.indices
+    if width >= V:
+        return torch.sort(x, dim=-1, descending=True, stable=True)
     search = searches_groups(V, width)
-    maxima = group_maxima(x) if search else x.amax(dim=-1, keepdim=True)
-    nan = torch.isnan(maxima).any(dim=-1, keepdim=True)             # (n, 1)
-    if bool(nan.any()):
-        found = torch.topk(x, width, dim=-1)
-        values, ids = top_logprobs(x.masked_fill(nan, 0.0), width)
-        return torch.where(nan, found.values, values), torch.where(nan, found.indices, ids)
+    maxima = group_maxima(x) if search else x.amax(dim=-1)
+    if bool(torch.isnan(maxima).any()):
+        _, ids = top_logprobs(torch.where(torch.isnan(x), float("inf"), x), width)
+        return x.gather(1, ids), ids
     if not search:
         return _first_largest(x, width)
     _, groups = _first_largest(maxima, width)

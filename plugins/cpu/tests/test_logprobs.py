@@ -159,27 +159,31 @@ def test_top_logprobs_ties_come_lowest_id_first_on_both_paths(kernel_path, V):
             assert torch.equal(signs, torch.signbit(x[5, got.token_ids[5, 1:]]))
 
 
-def test_top_logprobs_rows_with_nan_are_torch_topks(kernel_path):
-    """A row holding a NaN (flagged, but its logprobs are still returned) gets torch.topk's
-    answer on both paths, and the other rows of its block keep the lowest-id order; the
-    compiled pass hands any block with such a row to the torch path."""
+def test_top_logprobs_rank_nan_as_inf_in_id_order(kernel_path):
+    """A row holding a NaN (flagged, but its logprobs are still returned) lists its NaNs and
+    +infs first, in id order, then the rest as any row, its values as they are, on both paths
+    (the compiled pass hands any block with such a row to the torch path); the other rows of
+    the block are unchanged by it. Every token's list (N = V) is the stable sort."""
     from corelib_cpu import kernels
     from corelib_cpu.logprob_stage import LogprobStage
     from corelib_cpu.workspace import Workspace
 
     x = _tied_rows(5000, 3)[:3].clone()
-    x[1, 17] = float("nan")
+    x[1, [17, 4000]] = float("nan")
+    x[1, [30, 2000]] = float("inf")
     sampled = torch.tensor([4, 17, 9])
     assert kernels.top_and_rank(x, sampled, 5) is None
     stage = LogprobStage()
     stage.workspace = Workspace()
-    got = stage.gather_logprobs(x, sampled, 5)
-    nan_row = torch.topk(x[1], 5)
-    assert torch.equal(got.token_ids[1, 1:], nan_row.indices)
-    assert torch.allclose(got.logprobs[1, 1:], nan_row.values, equal_nan=True)
-    want_values, want_ids = _stable_top(x[[0, 2]], 5)
-    assert torch.equal(got.token_ids[[0, 2], 1:], want_ids)
+    got = stage.gather_logprobs(x, sampled, 6)
+    assert got.token_ids[1, 1:5].tolist() == [17, 30, 2000, 4000]
+    keyed = torch.where(torch.isnan(x), float("inf"), x)
+    _, want_ids = _stable_top(keyed, 6)
+    assert torch.equal(got.token_ids[:, 1:], want_ids)
+    assert torch.equal(got.logprobs[:, 1:].nan_to_num(), x.gather(1, want_ids).nan_to_num())
     assert torch.equal(got.ranks, (x >= x.gather(1, sampled[:, None])).sum(dim=-1))
+    every = stage.gather_logprobs(x, sampled, 5000)
+    assert torch.equal(every.token_ids[:, 1:], torch.sort(x, dim=-1, descending=True, stable=True).indices)
 
 
 @pytest.mark.parametrize("mode", ["raw", "processed"])
