@@ -30,6 +30,7 @@ from .filter_stages import (FilterStages, dynamic_divisor, min_p_drops, nucleus_
                             typical_keep)
 from .logit_stages import NEG_INF, LogitStages, penalised  # noqa: F401
 from .outputs import Logprobs, SamplerOutput, VerifyOutput, raise_on_flagged, slot_logprobs  # noqa: F401
+from .ranking import top_entries
 from .scoring import Scoring
 from .verification import (  # noqa: F401
     VERIFY_METHODS,
@@ -418,7 +419,7 @@ class Sampler(Verification, Scoring, LogitStages, FilterStages):
         return Logprobs(torch.cat(ids, dim=1), torch.cat(values, dim=1), ranks)
 
     def top_logprobs(self, logprobs: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The ``n`` (<= V) best entries of float32 [B, V] log-probabilities, best first:
+        """The ``n`` (<= V) best entries of float32 [B, V] log-probabilities, best first and
+        among equal values the lowest id first (the contract's order: ``ranking.top_entries``):
         (float32 [B, n] values, int64 [B, n] ids). Not in place."""
-        top = torch.topk(logprobs, n, dim=-1)
-        return top.values, top.indices
+        return top_entries(logprobs, n)

@@ -365,6 +365,35 @@ class ConformanceSuite(KeptConformance, FourthReleaseConformance, VerifyConforma
         if bool((got.logprobs.logprobs[0, 1:-1].cpu() < got.logprobs.logprobs[0, 2:].cpu()).any()):
             violation("logprobs", f"logprobs=-1: columns 1..V must be in descending order (mode {mode!r})")
 
+    @pytest.mark.parametrize("mode", ["raw", "processed"])
+    def test_top_logprobs_list_equal_values_in_id_order(self, sampler, mode):
+        V = self.vocab_size
+        gen = torch.Generator().manual_seed(23)
+        # whole numbers: equal logits have equal logprobs, different ones never round together
+        logits = torch.randint(-6, 7, (3, V), generator=gen).float()
+        logits[:, [200 % V, 13, 77 % V, 5]] = 9.0           # a tie at the top
+        logits[:, [150 % V, 9, 60 % V, 31, 240 % V]] = 8.0   # a tie across the 6th place
+        requests = [("g", SamplingParams(temperature=0.0, logprobs=6), PROMPT, None),
+                    ("k", SamplingParams(seed=5, top_k=3, logprobs=12), PROMPT, None),
+                    ("all", SamplingParams(seed=6, top_k=40, logprobs=-1), PROMPT, None)]
+        batch = self.build(sampler, requests, logprobs_mode=mode)
+        out = sampler.sample(self.on(sampler, logits), batch)
+        for row, (rid, params, _, _) in enumerate(requests):
+            width = V if params.logprobs == -1 else params.logprobs
+            value = logits[row].tolist()
+            if mode == "processed" and params.top_k:     # the kept set (ties kept), the rest -inf
+                kth = sorted(value, reverse=True)[params.top_k - 1]
+                value = [v if v >= kth else float("-inf") for v in value]
+            want = sorted(range(V), key=lambda i: (-value[i], i))[:width]
+            got = out.logprobs.token_ids[row, 1:width + 1].cpu().tolist()
+            if got != want:
+                first = next(i for i, (a, b) in enumerate(zip(got, want)) if a != b)
+                violation("logprobs", f"top-{width} of {self.describe(batch, row)}, mode {mode!r}: "
+                                      f"place {first + 1} holds id {got[first]}, the order (best "
+                                      f"first, equal values by increasing id) puts {want[first]} "
+                                      f"there (got {got[max(0, first - 2):first + 3]}, want "
+                                      f"{want[max(0, first - 2):first + 3]})")
+
     def test_logprobs_beyond_the_vocabulary_raise_at_add(self, sampler):
         batch = self.build(sampler, [])
         try:
