@@ -28,7 +28,7 @@ import torch
 from corelib.noise import gumbel_from_uniform, gumbel_from_uniform_, seeded_gumbel_into, token_offsets
 
 from . import kernels
-from .rowops import GROUP, first_argmax, group_maxima, is_finite
+from .rowops import GROUP, all_true, first_argmax, group_maxima, is_finite
 
 # Tokens per block of the inverse-CDF search: the second search reads one block per row.
 CDF_BLOCK = 256
@@ -90,8 +90,10 @@ def candidate_winners(values: torch.Tensor, ids: torch.Tensor, keys: Optional[to
     winners); None where the compiled path does not run (nothing drawn).
 
     ``arrays``: the numpy views of (values, ids) when the caller has them
-    (``Candidates.arrays``), and ``workspace`` then lends the scores' buffer (a pair), so the
-    step converts no tensor for the race."""
+    (``Candidates.arrays``), and ``workspace`` then lends the scores' and the flags' buffers
+    (pairs), so the step converts no tensor for the race; the flags are then
+    ``rowops.all_true(n)`` when every winner is finite, else the workspace's buffer (read
+    within the step only)."""
     if not kernels.wanted():
         return None
     if arrays is None or workspace is None:
@@ -107,7 +109,14 @@ def candidate_winners(values: torch.Tensor, ids: torch.Tensor, keys: Optional[to
         gumbel_from_uniform_(scores, values)
     else:
         return kernels.race_winners(values, seeded_scores(values, keys, ids), ids, True, None)
-    return kernels.race_winners(values, scores, ids, keys is not None, (arrays[0], scores_array, arrays[1]))
+    finite = workspace.pair("race_finite", (values.shape[0],), torch.bool)
+    won = kernels.race_winners(values, scores, ids, keys is not None, (arrays[0], scores_array, arrays[1]),
+                               finite)
+    if won is None:
+        return None
+    # every winner finite, read on the host (numpy, no operator call): the shared all-true
+    # mark lets flag_invalid skip its two passes; else the buffer, read within the step
+    return won[0], (all_true(values.shape[0]) if finite[1].all() else won[1])
 
 
 def race_unseeded_candidates(values: torch.Tensor, generator: Optional[torch.Generator]) -> torch.Tensor:

@@ -263,7 +263,7 @@ def candidate_chain(x: torch.Tensor, maxima: torch.Tensor, group: int, params: t
 
 
 def race_winners(values: torch.Tensor, scores: torch.Tensor, ids: torch.Tensor, seeded: bool,
-                 arrays: Optional[tuple] = None):
+                 arrays: Optional[tuple] = None, finite_out: Optional[tuple] = None):
     """The winners of candidate races in one compiled call where torch makes four to six:
     (ids int64 ``[n]``, finite bool ``[n]``: whether the winner's value is finite) from the
     candidates' values float32 ``[n, W]``, their ids int64 ``[n, W]`` and ``scores`` float32
@@ -272,7 +272,9 @@ def race_winners(values: torch.Tensor, scores: torch.Tensor, ids: torch.Tensor, 
     winner the lowest id among the largest (``draw.race_seeded_candidates``). The same
     float32 subtraction and comparisons, so the same winners. None where the compiled path
     does not run. ``arrays``: the numpy views of (values, scores, ids) when the caller has
-    them (contiguous), so none is converted here."""
+    them (contiguous), so none is converted here; ``finite_out``: a bool ``[n]`` buffer and
+    its numpy view (``Workspace.pair``) to write the finite flags into, returned in place of
+    a new tensor."""
     kernels = _compiled()
     if kernels is None:
         return None
@@ -280,9 +282,12 @@ def race_winners(values: torch.Tensor, scores: torch.Tensor, ids: torch.Tensor, 
     if arrays is None:
         arrays = (values.contiguous().numpy(), scores.contiguous().numpy(), ids.contiguous().numpy())
     n = values.shape[0]
-    out, finite = torch.empty(n, dtype=torch.long), torch.empty(n, dtype=torch.bool)
-    kernels["race_winners"](arrays[0], arrays[1], arrays[2], seeded, out.numpy(), finite.numpy())
-    return out, finite
+    out = torch.empty(n, dtype=torch.long)
+    if finite_out is None:
+        finite = torch.empty(n, dtype=torch.bool)
+        finite_out = (finite, finite.numpy())
+    kernels["race_winners"](arrays[0], arrays[1], arrays[2], seeded, out.numpy(), finite_out[1])
+    return out, finite_out[0]
 
 
 def first_max_at(x: torch.Tensor, maxima: torch.Tensor, top: torch.Tensor, group: int):

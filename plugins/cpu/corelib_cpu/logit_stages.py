@@ -32,22 +32,12 @@ from .bitmask import apply_bitmask_rows
 from .block import Block, SourceRows
 from .filters import dry_
 from .plan import reads_logits_once
-from .rowops import is_finite
+from .rowops import all_true, is_finite
 from .state import BlockState
 
 _TRUE = torch.tensor(True)
 #: Blocks of up to this many rows check their rows' maxima on the host (``any_token_left``).
 FEW_ROWS = 2
-_ALL_TRUE: dict = {}
-
-
-def _all_true(n: int) -> torch.Tensor:
-    """bool [n] all True, made once per n (read only: the template combines it into new
-    tensors)."""
-    out = _ALL_TRUE.get(n)
-    if out is None:
-        out = _ALL_TRUE[n] = torch.ones(n, dtype=torch.bool)
-    return out
 
 
 class LogitStages:
@@ -171,12 +161,13 @@ class LogitStages:
             # check of its result would be four operator calls
             if all(-math.inf < v < math.inf for v in top.tolist()):
                 x.all_valid = True
-                return _all_true(top.shape[0])
+                return all_true(top.shape[0])
         return is_finite(top) if x.finite_pending else top > NEG_INF
 
     def neutralise_rows(self, x: Block, valid: torch.Tensor) -> Block:
         """Invalid rows become zeros (uniform), in place, so they cannot disturb later stages;
         when every row is valid, the maxima just read are kept for later stages."""
+        self.workspace.rows_valid = x.all_valid            # for flag_invalid
         if not x.all_valid and not bool(valid.all()):
             x.own().masked_fill_(~valid[:, None], 0.0)
             x.changed()

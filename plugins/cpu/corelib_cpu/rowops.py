@@ -190,6 +190,18 @@ def count_at_least(x: torch.Tensor, value: torch.Tensor,
     return steps.sum(dim=-1).to(torch.long)
 
 
+_ALL_TRUE: dict = {}
+
+
+def all_true(n: int) -> torch.Tensor:
+    """bool [n] all True, made once per n (read only: callers combine it into new tensors).
+    Also a mark: a step's flags that are this tensor are known on the host to be all true."""
+    out = _ALL_TRUE.get(n)
+    if out is None:
+        out = _ALL_TRUE[n] = torch.ones(n, dtype=torch.bool)
+    return out
+
+
 def is_finite(x: torch.Tensor) -> torch.Tensor:
     """bool, x's shape: neither NaN nor +-inf (``torch.isfinite``'s answer). ``x - x`` is 0
     for finite values and NaN otherwise: two operator calls where torch.isfinite makes

@@ -26,6 +26,9 @@ class Workspace(threading.local):
     def __init__(self):
         self._buffers: dict[tuple[str, torch.dtype], torch.Tensor] = {}
         self._pairs: dict[tuple, tuple] = {}
+        #: This thread's block in progress had every row valid, known on the host
+        #: (``neutralise_rows`` sets it, ``flag_invalid`` reads it).
+        self.rows_valid = False
 
     def take(self, name: str, shape: tuple[int, ...], dtype: torch.dtype = torch.float32) -> torch.Tensor:
         numel = 1

@@ -283,3 +283,43 @@ def test_typical_score_margin_bounds_the_references_rounding():
         worst = max(worst, float(error.max()) / E)
     assert worst > 0.0       # the rows do round: the bound is tested, not vacuous (the
     # largest error measured is about 2% of E: the bound holds with room)
+
+
+@pytest.mark.parametrize("params", [dict(top_k=40), dict(temperature=0.0), dict(top_k=40, seed=4)],
+                         ids=["top_k", "greedy", "top_k seeded"])
+def test_one_row_steps_known_valid_on_the_host_return_flags_of_their_own(params):
+    """A one-row step whose rows the host knows to be valid returns new all-true flags and the
+    drawn ids (``CpuSampler.flag_invalid``): the caller may write them without touching the
+    next step's; a row flagged between two such steps (NaN logits, then a drawn logit that
+    overflowed float32) is flagged as the reference flags it, on the same sampler and batch."""
+    V = 70000
+    g = torch.Generator().manual_seed(6)
+    good = torch.randn((1, V), generator=g)
+    nan = good.clone()
+    nan[0, 11] = float("nan")
+    huge = good.clone()
+    huge[0, :3] = 3e38          # finite logits whose division by the temperature overflows
+    cpu = CpuSampler()
+    mine, ref = cpu.new_batch(V), REFERENCE.new_batch(V)
+    both = dict(params, temperature=params.get("temperature", 0.5))
+    mine.add("r", SamplingParams(**both))
+    ref.add("r", SamplingParams(**both))
+    earlier, valid = None, []
+    for step, logits in enumerate((good, nan, good, huge, good)):
+        got, want = cpu.sample(logits, mine), REFERENCE.sample(logits, ref)
+        valid.append(bool(got.valid[0]))
+        assert torch.equal(got.valid, want.valid), step
+        assert torch.equal(got.token_ids[~want.valid], want.token_ids[~want.valid]), step
+        if "seed" in params or both["temperature"] == 0.0:
+            assert torch.equal(got.token_ids, want.token_ids), step
+        if earlier is not None:
+            keep = (earlier.valid.clone(), earlier.token_ids.clone())
+            got.valid.fill_(False)
+            got.token_ids.fill_(-7)
+            assert torch.equal(earlier.valid, keep[0]) and torch.equal(earlier.token_ids, keep[1]), step
+        earlier = got
+        append = want.token_ids.clamp(min=0)
+        mine.append(append)
+        ref.append(append)
+    assert valid[0] and not valid[1] and valid[2] and valid[4]
+    assert valid[3] == (both["temperature"] == 0.0)      # greedy rows divide by nothing
