@@ -148,6 +148,8 @@ class Block:
                                                  # the selectors read
     _maxima: Optional[torch.Tensor] = None
     _maxima_array: object = None                 # numpy view of _maxima (a workspace pair's)
+    top_pair: Optional[tuple] = None             # (tensor, numpy array): a workspace pair that
+                                                 # holds the row maxima while it is ``top``
 
     @property
     def x(self) -> torch.Tensor:

@@ -281,30 +281,40 @@ def race_winners(values: torch.Tensor, scores: torch.Tensor, ids: torch.Tensor, 
     import torch
     if arrays is None:
         arrays = (values.contiguous().numpy(), scores.contiguous().numpy(), ids.contiguous().numpy())
+    import numpy
     n = values.shape[0]
-    out = torch.empty(n, dtype=torch.long)
+    # the ids go to the caller: a new array each call, made by numpy (torch.empty and its
+    # numpy view would be two operator calls)
+    out = numpy.empty(n, dtype=numpy.int64)
     if finite_out is None:
         finite = torch.empty(n, dtype=torch.bool)
         finite_out = (finite, finite.numpy())
-    kernels["race_winners"](arrays[0], arrays[1], arrays[2], seeded, out.numpy(), finite_out[1])
-    return out, finite_out[0]
+    kernels["race_winners"](arrays[0], arrays[1], arrays[2], seeded, out, finite_out[1])
+    return torch.from_numpy(out), finite_out[0]
 
 
-def first_max_at(x: torch.Tensor, maxima: torch.Tensor, top: torch.Tensor, group: int):
+def first_max_at(x: torch.Tensor, maxima: torch.Tensor, top: torch.Tensor, group: int,
+                 arrays: Optional[tuple] = None):
     """``rowops.first_argmax``'s search in one compiled call where torch makes about eight:
     int64 ``[n]``, the lowest index of each row's maximum ``top`` (float32 ``[n]`` or ``[n,
     1]``, no NaN) in x float32 ``[n, V]`` (contiguous), found through its group maxima
     float32 ``[n, G]`` (groups of ``group`` tokens). Exact comparisons, so torch.argmax's
-    answer. None where the compiled path does not run or a row does not hold ``top``."""
+    answer. None where the compiled path does not run or a row does not hold ``top``.
+    ``arrays``: (maxima, top) as numpy arrays (top's ``[n]``) when the caller has them
+    (each tensor-to-numpy conversion is an operator call or two)."""
     kernels = _compiled()
     if kernels is None or not x.is_contiguous():
         return None
+    import numpy
     import torch
-    out = torch.empty(x.shape[0], dtype=torch.long)
-    if not kernels["first_max_at"](x.numpy(), maxima.contiguous().numpy(), top.reshape(-1).contiguous().numpy(),
-                                   group, out.numpy()):
+    if arrays is None:
+        arrays = (maxima.contiguous().numpy(), top.reshape(-1).contiguous().numpy())
+    # a new array each call (the ids go to the caller), made by numpy: torch.empty and its
+    # numpy view would be two operator calls
+    out = numpy.empty(x.shape[0], dtype=numpy.int64)
+    if not kernels["first_max_at"](x.numpy(), arrays[0], arrays[1], group, out):
         return None
-    return out
+    return torch.from_numpy(out)
 
 
 def typical_of_candidates(values: torch.Tensor, typical_p: torch.Tensor, mass_margin: float,

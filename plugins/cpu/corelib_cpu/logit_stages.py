@@ -151,6 +151,9 @@ class LogitStages:
         later = (s.any_bias or s.any_penalties or s.any_dry
                  or bool(s.stages and s.stages_at("after_penalties")))
         wants_maxima = (bp.any_greedy or bp.candidates_only) and not later
+        if wants_maxima and x.finite is None and x.finite_pending and self.rows_valid_on_host(x):
+            x.all_valid = True
+            return all_true(x.top.shape[0])
         top = x.maxima().amax(dim=-1) if wants_maxima else x.x.amax(dim=-1)
         x.row_max = top
         if x.finite is not None:                    # see finite_rows
@@ -164,6 +167,29 @@ class LogitStages:
                 return all_true(top.shape[0])
         return is_finite(top) if x.finite_pending else top > NEG_INF
 
+    def rows_valid_on_host(self, x: Block) -> bool:
+        """Whether every row of a few-row block has a finite, nonzero maximum, read from the
+        group maxima's numpy view into a workspace pair (no operator call: amax, its host
+        read and the [n, 1] view are three or four, much of a B = 1 step). If so, ``x.top``
+        (float32 [n, 1]) and ``x.top_pair`` hold those maxima for later stages. Rows with a
+        NaN, an infinity or a zero maximum answer False and take the torch path: the NaN and
+        infinity checks stay the tensor ones, and numpy's max may return the other zero of
+        a row holding both +0 and -0, where the race's and step 10's bits read that sign."""
+        n = x.x.shape[0] if x.unread is None else x.unread.rows.shape[0]
+        if n > FEW_ROWS:
+            return False
+        x.maxima()
+        maxima = x.maxima_array()
+        if maxima is None:
+            return False
+        pair = self.workspace.pair("row_max", (n, 1))
+        top = pair[1][:, 0]
+        maxima.max(axis=1, out=top)
+        if not all(-math.inf < v < math.inf and v != 0.0 for v in top.tolist()):
+            return False
+        x.top, x.top_pair = pair[0], pair
+        return True
+
     def neutralise_rows(self, x: Block, valid: torch.Tensor) -> Block:
         """Invalid rows become zeros (uniform), in place, so they cannot disturb later stages;
         when every row is valid, the maxima just read are kept for later stages."""
@@ -171,7 +197,7 @@ class LogitStages:
         if not x.all_valid and not bool(valid.all()):
             x.own().masked_fill_(~valid[:, None], 0.0)
             x.changed()
-        else:
+        elif x.top_pair is None or x.top is not x.top_pair[0]:
             x.top = x.row_max[:, None]
         return x
 

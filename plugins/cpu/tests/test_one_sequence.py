@@ -323,3 +323,35 @@ def test_one_row_steps_known_valid_on_the_host_return_flags_of_their_own(params)
         ref.append(append)
     assert valid[0] and not valid[1] and valid[2] and valid[4]
     assert valid[3] == (both["temperature"] == 0.0)      # greedy rows divide by nothing
+
+
+@pytest.mark.parametrize("params", [dict(temperature=0.0), dict(top_k=40, seed=5), dict(top_k=3, temperature=0.5, seed=6),
+                                    dict(min_p=0.05, seed=7), dict(top_k=40, min_p=0.05, top_p=0.9, temperature=0.8)],
+                         ids=["greedy", "top_k seeded", "top_k T seeded", "min_p seeded", "defaults"])
+def test_one_row_maxima_read_on_the_host_keep_the_references_bits(params):
+    """One-row blocks read their row maximum from the group maxima's numpy view
+    (``rows_valid_on_host``); a row whose maximum is zero, held as +0 and -0 in either
+    order, a row of one finite token, and ordinary rows give the reference's kept logits (the
+    sign of zero included) and, seeded or greedy, its tokens."""
+    V = 70000
+    g = torch.Generator().manual_seed(8)
+    rows = []
+    for first, second in ((0.0, -0.0), (-0.0, 0.0), (-0.0, -0.0)):
+        row = -torch.rand(V, generator=g) * 5.0 - 0.5
+        row[300], row[40000] = first, second
+        rows.append(row)
+    lone = torch.full((V,), NEG_INF)
+    lone[12345] = -3.0
+    rows += [lone, torch.randn(V, generator=g), torch.randn(V, generator=g) * 4.0 - 20.0]
+    for r, row in enumerate(rows):
+        row = row[None, :]
+        cpu = CpuSampler()
+        mine = one_request(cpu, V, SamplingParams(**params))
+        ref = one_request(REFERENCE, V, SamplingParams(**params))
+        got, want = cpu.processed_logits(row, mine), REFERENCE.processed_logits(row, ref)
+        assert torch.equal(got, want) and torch.equal(torch.signbit(got), torch.signbit(want)), r
+        for step in range(3):
+            a, b = cpu.step(row, mine), REFERENCE.step(row, ref)
+            assert torch.equal(a.valid, b.valid), (r, step)
+            if "seed" in params or params.get("temperature") == 0.0:
+                assert torch.equal(a.token_ids, b.token_ids), (r, step)
