@@ -13,8 +13,8 @@ Prints, per cell, both medians and base / current (above 1: the current code is 
 
 ``--one-sequence`` times ``step`` (sample + append) of a batch of one request for the chains
 of ``llama_cpp_compare.py`` (``--only`` picks them by name), unseeded and seeded, each call on
-the next of 16 logit rows with the cache flushed before it, and checks that both sides drew
-the same seeded tokens over the whole run.
+the next of 16 logit rows with the cache flushed before it (``--warm``: not flushed), and
+checks that both sides drew the same seeded tokens over the whole run.
 """
 
 from __future__ import annotations
@@ -74,7 +74,8 @@ def one_sequence(Base, args, clock) -> None:
             interleaved(calls, repeats=0, warmup=3)
             for i in range(args.repeats):
                 at[0] = i % rows.shape[0]
-                for name, ms in interleaved(calls, repeats=1, warmup=0, clock=clock, before=flush).items():
+                timed = interleaved(calls, repeats=1, warmup=0, clock=clock, before=None if args.warm else flush)
+                for name, ms in timed.items():
                     times[name] += ms
             b, n = medians(times)["base"], medians(times)["now"]
             same = f"  seeded tokens equal: {tokens['base'] == tokens['now']}" if seed is not None else ""
@@ -93,6 +94,8 @@ def main(argv=None) -> int:
                         help="B = 1 step (sample + append) of llama_cpp_compare.py's chains")
     parser.add_argument("--only", action="append", default=[],
                         help="with --one-sequence: the chains whose name contains this (repeatable)")
+    parser.add_argument("--warm", action="store_true",
+                        help="with --one-sequence: no cache flush before each step (the step's code and data warm)")
     add_run_arguments(parser, 5, "timed calls per cell and side")
     args = parser.parse_args(argv)
     clock = run_settings(args, parser)
