@@ -30,9 +30,10 @@ def top_entries(x: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
     boundary = torch.topk(keyed, n, dim=-1).values[:, -1:]                     # (B, 1)
     above = keyed > boundary
     tied = keyed == boundary
-    room = n - above.sum(dim=-1, keepdim=True)                                 # ties to take
-    chosen = above | (tied & (tied.cumsum(dim=-1) <= room))                    # n per row
-    place = torch.where(chosen, chosen.cumsum(dim=-1) - 1, n)                  # n: the spill column
+    # counts as int64 before the running sums: XLA keeps a bool cumsum bool
+    room = n - above.to(torch.long).sum(dim=-1, keepdim=True)                  # ties to take
+    chosen = above | (tied & (tied.to(torch.long).cumsum(dim=-1) <= room))     # n per row
+    place = torch.where(chosen, chosen.to(torch.long).cumsum(dim=-1) - 1, n)   # n: the spill column
     ids = torch.zeros((B, n + 1), dtype=torch.long, device=x.device)
     ids.scatter_(1, place, torch.arange(V, device=x.device).expand(B, V))
     ids = ids[:, :n]                                                           # ascending

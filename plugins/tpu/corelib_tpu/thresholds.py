@@ -23,6 +23,7 @@ from __future__ import annotations
 import math
 
 import torch
+from corelib.ranking import top_entries as ordered_top
 
 from . import xla
 from .xla import bitcast, iota
@@ -396,14 +397,16 @@ def top_entries(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     maxima hold the k largest values (any value outside them is at most its own chunk's
     maximum, at most the k-th largest chunk maximum), so one ``topk`` over the chunk maxima
     and one over those k chunks' k * L tokens give them. Candidates stay in id order, so
-    where ``topk`` is stable (XLA's is) equal values come lower id first. A vocabulary of
-    fewer than k chunks takes one ``topk``.
+    where ``topk`` is stable (XLA's is) equal values come lower id first, the contract's
+    order (a chunk left out that holds the k-th largest value t has maximum t, else k chunks
+    of maxima above t would hold k values above t, so the chunks taken with maximum t come
+    before it and hold ties of lower ids). A vocabulary of fewer than k chunks takes the
+    core's ``ranking.top_entries``, which keeps that order without a stable ``topk``.
     """
     B, V = x.shape
     L, C = _chunking(V, max(1, 2 * math.isqrt(max(1, V // max(k, 1)))))
     if C < k or k * L >= V:
-        top = torch.topk(x, k, dim=-1)
-        return top.values, top.indices
+        return ordered_top(x, k)
     chunk_max = _chunk_max(x, L, C)                                       # (B, C')
     chunks = torch.topk(chunk_max, k, dim=-1).indices.sort(dim=-1).values  # (B, k), id order
     ids = (chunks[:, :, None] * L + iota(L, torch.int64, x.device)).reshape(B, k * L)
