@@ -400,13 +400,19 @@ def top_entries(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     where ``topk`` is stable (XLA's is) equal values come lower id first, the contract's
     order (a chunk left out that holds the k-th largest value t has maximum t, else k chunks
     of maxima above t would hold k values above t, so the chunks taken with maximum t come
-    before it and hold ties of lower ids). A vocabulary of fewer than k chunks takes the
-    core's ``ranking.top_entries``, which keeps that order without a stable ``topk``.
+    before it and hold ties of lower ids). A vocabulary of fewer than k chunks takes one
+    ``topk``; every token (k = V: ``logprobs=-1``), where XLA's ``topk`` does not keep that
+    order, takes the core's ``ranking.top_entries`` (a stable sort). Only k = V: the
+    documented warm-up ends a thousand memory maps under the default ``vm.max_map_count``,
+    and the ordered search in the step graphs' top-k route took it past.
     """
     B, V = x.shape
+    if k >= V:
+        return ordered_top(x, k)
     L, C = _chunking(V, max(1, 2 * math.isqrt(max(1, V // max(k, 1)))))
     if C < k or k * L >= V:
-        return ordered_top(x, k)
+        top = torch.topk(x, k, dim=-1)
+        return top.values, top.indices
     chunk_max = _chunk_max(x, L, C)                                       # (B, C')
     chunks = torch.topk(chunk_max, k, dim=-1).indices.sort(dim=-1).values  # (B, k), id order
     ids = (chunks[:, :, None] * L + iota(L, torch.int64, x.device)).reshape(B, k * L)
