@@ -264,7 +264,7 @@ class Sampler(Verification, Scoring, LogitStages, FilterStages):
         left = self.any_token_left(x)
         if forced is not None:      # step 8b forces its token even where steps 3-5 masked it
             left = left | (forced >= 0)
-        valid = finite & left
+        valid = self.valid_rows(finite, left)
         x = self.neutralise_rows(x, valid)
         x = self.run_group("adjust", x, s)                                 # steps 6-8a
         if s.stages:
@@ -272,6 +272,14 @@ class Sampler(Verification, Scoring, LogitStages, FilterStages):
         if forced is not None:
             x = self.apply_thinking_budget(x, forced)                      # step 8b
         return x, raw, valid
+
+    def valid_rows(self, finite: torch.Tensor, left: torch.Tensor) -> torch.Tensor:
+        """bool [B]: the rows ``prepare`` calls valid, ``finite`` (``finite_rows``) and
+        ``left`` (``any_token_left``, forced rows counted) both true. Every reader of the
+        result combines it into a new tensor, never writes it: a backend that knows on the
+        host that both are all true may return one of them as it is (one operator call fewer
+        per step)."""
+        return finite & left
 
     def filter(self, x: torch.Tensor, s: StepState) -> torch.Tensor:
         """Steps 10-13b and the custom stages after them, for every row (greedy rows' results

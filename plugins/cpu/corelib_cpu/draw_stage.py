@@ -20,10 +20,9 @@ from corelib.noise import token_offsets
 from .block import Block, Candidates, Cut, pick_rows, rows_of, runs
 from .draw import candidate_winners, draw_from_weights, draw_seeded_rows, race_seeded_candidates, race_unseeded_candidates
 from .plan import BlockPlan
-from .rowops import is_finite
+from .rowops import TRUE, is_finite
 from .select import nucleus_contains
 
-_TRUE = torch.tensor(True)
 
 
 class DrawStage:
@@ -90,7 +89,7 @@ class DrawStage:
         float32 overflowed after step 5."""
         if final.drawn_finite is None:                         # every row greedy
             if final.top is not None:     # x is still step 5's, whose valid rows' maxima are finite
-                return _TRUE
+                return TRUE
             return self.finite_at(final.x, token_ids)
         if not final.plan.any_greedy:
             return final.drawn_finite

@@ -32,10 +32,9 @@ from .bitmask import apply_bitmask_rows
 from .block import Block, SourceRows
 from .filters import dry_
 from .plan import reads_logits_once
-from .rowops import all_true, is_finite
+from .rowops import TRUE, all_true, is_finite
 from .state import BlockState
 
-_TRUE = torch.tensor(True)
 #: Blocks of up to this many rows check their rows' maxima on the host (``any_token_left``).
 FEW_ROWS = 2
 
@@ -104,7 +103,7 @@ class LogitStages:
         if x.state.any_thinking:
             x.finite = torch.ones(x.x.shape[0], dtype=torch.bool)
             return x.finite
-        return _TRUE
+        return TRUE
 
     def apply_allowed_ids(self, x: Block, s: StepState) -> Block:
         """Step 3: tokens outside a row's allowed set (``s.allowed_mask`` bool [n, V]) -> -inf,
@@ -189,6 +188,12 @@ class LogitStages:
             return False
         x.top, x.top_pair = pair[0], pair
         return True
+
+    def valid_rows(self, finite: torch.Tensor, left: torch.Tensor) -> torch.Tensor:
+        """``Sampler.valid_rows``: where ``finite_rows`` left its check to ``any_token_left``
+        (the shared ``TRUE``), ``left`` already holds both answers and is returned as it is
+        (no ``finite & left``: the template's readers never write it)."""
+        return left if finite is TRUE else finite & left
 
     def neutralise_rows(self, x: Block, valid: torch.Tensor) -> Block:
         """Invalid rows become zeros (uniform), in place, so they cannot disturb later stages;

@@ -192,6 +192,10 @@ def count_at_least(x: torch.Tensor, value: torch.Tensor,
     return steps.sum(dim=-1).to(torch.long)
 
 
+#: A 0-dim True, made once, read only (callers combine it into new tensors): the flags of a
+#: check the host has settled for every row or left to a later check (``finite_rows``, the
+#: greedy ``drawn_is_finite``). With :func:`all_true` the marks :func:`known_true` reads.
+TRUE = torch.tensor(True)
 _ALL_TRUE: dict = {}
 
 
@@ -202,6 +206,12 @@ def all_true(n: int) -> torch.Tensor:
     if out is None:
         out = _ALL_TRUE[n] = torch.ones(n, dtype=torch.bool)
     return out
+
+
+def known_true(flags: torch.Tensor) -> bool:
+    """Whether ``flags`` is one of the shared all-true marks (:data:`TRUE`, ``all_true(n)``):
+    an identity test, no operator call."""
+    return flags is TRUE or (flags.dim() == 1 and flags is _ALL_TRUE.get(flags.shape[0]))
 
 
 def is_finite(x: torch.Tensor) -> torch.Tensor:

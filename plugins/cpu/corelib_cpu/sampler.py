@@ -47,14 +47,13 @@ from corelib.sampler import NEG_INF, Drafts, VerifyOutput, nucleus_keep
 
 from .batch import CpuBatch
 from .block import Block
-from .draw_stage import _TRUE as _DRAWN_TRUE
 from .draw_stage import DrawStage
 from .filter_stages import FilterStages, sorted_desc
 from .joins import join_samples, join_verifications
 from .logit_stages import LogitStages
 from .logprob_stage import LogprobStage
 from .plan import StepPlan, make_plan, reads_logits_once
-from .rowops import all_true
+from .rowops import known_true
 from .scoring import Scoring
 from .state import BlockState, CpuStepState, block_states, cpu_state, rows_state
 from .verification import Verification, drafts_of, undrawn_slots
@@ -147,12 +146,11 @@ class CpuSampler(LogitStages, FilterStages, DrawStage, Verification, LogprobStag
     def flag_invalid(self, valid: torch.Tensor, finite: torch.Tensor,
                      token_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``Sampler.flag_invalid``; when the host already knows every row of the block is
-        valid (steps 1-8a: ``neutralise_rows``' flag; the draw: ``finite`` is the all-true
-        mark ``rowops.all_true`` or, every row greedy, the 0-dim True of ``drawn_is_finite``),
+        valid (steps 1-8a: ``neutralise_rows``' flag; the draw: ``finite`` is one of the
+        shared all-true marks, ``rowops.known_true``),
         a new all-true bool [n] and ``token_ids`` as they are (new, never a buffer): one
         operator call where the template's pair of passes is two."""
-        known = finite is _DRAWN_TRUE or (finite.dim() == 1 and finite is all_true(finite.shape[0]))
-        if known and self.workspace.rows_valid:
+        if known_true(finite) and self.workspace.rows_valid:
             return torch.ones(token_ids.shape[0], dtype=torch.bool), token_ids
         return Sampler.flag_invalid(self, valid, finite, token_ids)
 
