@@ -114,9 +114,9 @@ def candidate_winners(values: torch.Tensor, ids: torch.Tensor, keys: Optional[to
                                finite)
     if won is None:
         return None
-    # every winner finite, read on the host (numpy, no operator call): the shared all-true
+    # every winner finite, as the kernel answered (no operator call): the shared all-true
     # mark lets flag_invalid skip its two passes; else the buffer, read within the step
-    return won[0], (all_true(values.shape[0]) if finite[1].all() else won[1])
+    return won[0], (all_true(values.shape[0]) if won[2] else won[1])
 
 
 def race_unseeded_candidates(values: torch.Tensor, generator: Optional[torch.Generator]) -> torch.Tensor:

@@ -386,8 +386,10 @@ def compile_kernels() -> Optional[dict]:
         # of values - minus_noise (the float32 subtraction torch makes), the first largest,
         # a NaN first (torch.argmax). Seeded: minus_noise holds the race's scores; the lowest
         # id among those equal to the largest (NaN propagates, and then none is equal: the
-        # first column, as torch.where then argmin of the draw's torch path)
+        # first column, as torch.where then argmin of the draw's torch path). Returns whether
+        # every winner is finite (the caller reads no flag array on the host)
         n, W = values.shape
+        every = True
         for r in range(n):
             pos = 0
             if seeded:
@@ -416,6 +418,27 @@ def compile_kernels() -> Optional[dict]:
             out_ids[r] = ids[r, pos]
             w = values[r, pos]
             finite[r] = w == w and w != np.inf and w != -np.inf
+            every = every and finite[r]
+        return every
+
+    @numba.njit(cache=True, nogil=True)
+    def finite_row_maxima(maxima, out):  # pragma: no cover - runs compiled
+        # each row's maximum of its group maxima (exact comparisons: numpy's max for rows
+        # without NaN), and whether every one is finite and nonzero (a NaN row answers False
+        # at once: its maximum is not written)
+        n, G = maxima.shape
+        every = True
+        for r in range(n):
+            m = maxima[r, 0]
+            for g in range(G):
+                v = maxima[r, g]
+                if v != v:
+                    return False
+                if v > m:
+                    m = v
+            out[r] = m
+            every = every and m != 0.0 and m != np.inf and m != -np.inf
+        return every
 
     @numba.njit(cache=True, nogil=True)
     def first_max_at(x, maxima, top, group, out):  # pragma: no cover - runs compiled
@@ -576,7 +599,7 @@ def compile_kernels() -> Optional[dict]:
                 key_prefixes=key_prefixes,
                 count_at_least=count_at_least, top_and_rank=top_and_rank,
                 candidate_typical=candidate_typical,
-                first_max_at=first_max_at,
+                first_max_at=first_max_at, finite_row_maxima=finite_row_maxima,
                 race_winners=race_winners,
                 group_top_k=group_top_k, candidate_chain=candidate_chain,
                 candidate_min_p=candidate_min_p, collect_above=collect_above,

@@ -274,7 +274,8 @@ def race_winners(values: torch.Tensor, scores: torch.Tensor, ids: torch.Tensor, 
     does not run. ``arrays``: the numpy views of (values, scores, ids) when the caller has
     them (contiguous), so none is converted here; ``finite_out``: a bool ``[n]`` buffer and
     its numpy view (``Workspace.pair``) to write the finite flags into, returned in place of
-    a new tensor."""
+    a new tensor; then a third item says whether every winner is finite (read in the call:
+    the caller tests no flag array)."""
     kernels = _compiled()
     if kernels is None:
         return None
@@ -288,9 +289,23 @@ def race_winners(values: torch.Tensor, scores: torch.Tensor, ids: torch.Tensor, 
     out = numpy.empty(n, dtype=numpy.int64)
     if finite_out is None:
         finite = torch.empty(n, dtype=torch.bool)
-        finite_out = (finite, finite.numpy())
-    kernels["race_winners"](arrays[0], arrays[1], arrays[2], seeded, out, finite_out[1])
-    return torch.from_numpy(out), finite_out[0]
+        kernels["race_winners"](arrays[0], arrays[1], arrays[2], seeded, out, finite.numpy())
+        return torch.from_numpy(out), finite
+    every = kernels["race_winners"](arrays[0], arrays[1], arrays[2], seeded, out, finite_out[1])
+    return torch.from_numpy(out), finite_out[0], every
+
+
+def finite_row_maxima(maxima, out) -> Optional[bool]:
+    """Each row's maximum of its group maxima (float32 numpy ``[n, G]``) into ``out`` (float32
+    numpy ``[n]``) and whether every one is finite and nonzero, in one compiled call where
+    numpy's max, its host read and the test are several (each a code path a cold step reads
+    from memory). False as soon as a row holds a NaN (``out`` then partly written); None
+    where the compiled path does not run. The maxima written are numpy's (exact
+    comparisons, no NaN)."""
+    kernels = _compiled()
+    if kernels is None:
+        return None
+    return kernels["finite_row_maxima"](maxima, out)
 
 
 def first_max_at(x: torch.Tensor, maxima: torch.Tensor, top: torch.Tensor, group: int,

@@ -458,6 +458,48 @@ def test_race_winners_are_the_torch_races():
 
 
 @needs_numba
+def test_race_winners_say_whether_every_winner_is_finite():
+    """The lent-buffer race answers "every winner finite" in the kernel call: the shared
+    all-true mark then (flag_invalid skips its passes), else the per-row flags, which say
+    which winners are not finite."""
+    from corelib_cpu.draw import candidate_winners
+    from corelib_cpu.rowops import known_true
+    values = torch.randn((2, 8), generator=torch.Generator().manual_seed(3))
+    ids = torch.arange(16).reshape(2, 8)
+    for inf_row in (None, 0, 1):
+        v = values.clone()
+        if inf_row is not None:
+            v[inf_row] = float("inf")
+        won = candidate_winners(v, ids, None, torch.Generator().manual_seed(1), (v.numpy(), ids.numpy()),
+                                Workspace())
+        assert known_true(won[1]) == (inf_row is None)
+        assert won[1].tolist() == [row != inf_row for row in range(2)]
+
+
+@needs_numba
+def test_finite_row_maxima_are_numpys_and_flag_nan_inf_and_zero_rows():
+    """``kernels.finite_row_maxima``: numpy's row maxima of group maxima, True only when each
+    is finite and nonzero (a NaN anywhere, +-inf or a zero maximum: False)."""
+    import numpy
+    g = torch.Generator().manual_seed(8)
+    for case in range(8):
+        maxima = torch.randn((1 + case % 2, 1002), generator=g).numpy()
+        out = numpy.empty(maxima.shape[0], dtype=numpy.float32)
+        assert kernels.finite_row_maxima(maxima, out) is True
+        assert numpy.array_equal(out, maxima.max(axis=1))
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        maxima = numpy.full((2, 16), -1.0, dtype=numpy.float32)
+        maxima[1, 5] = bad
+        if bad == float("-inf"):
+            maxima[1] = bad                  # a row of -inf only: no token left
+        assert kernels.finite_row_maxima(maxima, numpy.empty(2, dtype=numpy.float32)) is False
+    for zero in (0.0, -0.0):
+        maxima = numpy.full((1, 16), -3.0, dtype=numpy.float32)
+        maxima[0, 9] = zero
+        assert kernels.finite_row_maxima(maxima, numpy.empty(1, dtype=numpy.float32)) is False
+
+
+@needs_numba
 @pytest.mark.parametrize("V", [70000, 128256])
 def test_first_max_at_is_torch_argmax(V):
     """``rowops.first_argmax`` of one or two rows through the compiled search: torch.argmax's
