@@ -308,6 +308,30 @@ def compile_kernels() -> Optional[dict]:
                     out[r, j] = -np.inf
             settled[r] = ok
 
+    @numba.njit(inline="always")
+    def wth_largest(m, W, best):          # pragma: no cover - runs compiled
+        # the W-th largest of m (no NaN; W <= len(m)), duplicates counted: the value
+        # np.partition puts at len(m) - W, found without its copies of m (an allocation and
+        # a select over every value, the larger part of a B = 1 chain call). best[:W] holds
+        # the W largest so far, ascending; a value enters when above best[0] (an equal one
+        # would leave the multiset as it is)
+        for i in range(W):                # the first W, by insertion
+            v = m[i]
+            j = i
+            while j > 0 and best[j - 1] > v:
+                best[j] = best[j - 1]
+                j -= 1
+            best[j] = v
+        for g in range(W, m.shape[0]):
+            v = m[g]
+            if v > best[0]:
+                j = 0
+                while j + 1 < W and best[j + 1] < v:
+                    best[j] = best[j + 1]
+                    j += 1
+                best[j] = v
+        return best[0]
+
     @numba.njit(cache=True, nogil=True)
     def top_group_values(x, maxima, group, values, ids, floor):  # pragma: no cover - compiled
         n, V = x.shape
@@ -321,7 +345,7 @@ def compile_kernels() -> Optional[dict]:
                 if m[g] != m[g]:          # NaN: torch.topk ranks it first; torch's path
                     return False
             # the W-th largest group maximum: every value of the row's W largest reaches it
-            fl = np.partition(m.copy(), G - W)[G - W]
+            fl = wth_largest(m, W, pool)
             c = 0
             for g in range(G):            # groups above it, then ties with it up to W
                 if m[g] > fl:

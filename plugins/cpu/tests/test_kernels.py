@@ -334,7 +334,7 @@ def test_nucleus_histogram_kernels_give_the_torch_paths_thresholds(monkeypatch):
 def test_top_group_values_are_torch_topks_values(V):
     """The compiled group search of ``rowops.top_values`` (rows <= KERNEL_ROWS): torch.topk's
     values, ids that hold them (distinct), the torch path's floor; rows of ties, of dropped
-    tokens, of one value throughout, and a short last group."""
+    tokens, of one value throughout, of sorted values, and a short last group."""
     from corelib_cpu import rowops
     g = torch.Generator().manual_seed(V)
     for case in range(20):
@@ -345,6 +345,8 @@ def test_top_group_values_are_torch_topks_values(V):
             x[:, : V // 3] = float("-inf")
         if case % 7 == 0:
             x[:] = 1.0
+        if case % 6 == 1:      # group maxima ascending (each enters the W largest), descending
+            x = x.sort(dim=-1, descending=case % 12 == 7).values.contiguous()
         W = (1, 8, 48, 58)[case % 4]
         maxima = rowops.group_maxima(x)
         if W >= maxima.shape[1]:               # top_values takes torch.topk itself there
