@@ -7,7 +7,10 @@ compilation error: Cannot allocate memory". The same buckets and K at V = 256 di
 way, so this test warms them at V = 256 in a fresh process and counts its memory maps after.
 
 The warm-up runs in a subprocess started when this module is collected: the suite compiles on
-one core, so the second core does this warm-up meanwhile and the test only collects its result."""
+one core, so the second core does this warm-up meanwhile and the test only collects its result.
+It runs in the caller's environment without the suite's own XLA settings (``tpu_support``): a
+cache of 96 graphs would drop most of the 325 this warm-up compiles, and with them their maps,
+so the count would not be what a user's process holds."""
 
 from __future__ import annotations
 
@@ -19,7 +22,7 @@ import sys
 
 from corelib_tpu.buckets import Buckets
 
-from tpu_support import XLA, needs_xla
+from tpu_support import XLA, needs_xla, user_environment
 
 DEFAULT_MAX_MAP_COUNT = 65530
 # a quarter of the limit left free: other libraries in an engine's process map memory too
@@ -40,7 +43,7 @@ print(json.dumps(dict(maps=count, buckets=list(report.buckets), graphs=report.gr
 def _start_warmup():
     run = subprocess.Popen([sys.executable, "-c", WARM], stdout=subprocess.PIPE,
                            stderr=subprocess.PIPE, text=True,
-                           env=dict(os.environ, PJRT_DEVICE="CPU"))
+                           env=dict(user_environment(), PJRT_DEVICE="CPU"))
     atexit.register(run.kill)
     return run
 
