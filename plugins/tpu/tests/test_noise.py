@@ -70,3 +70,55 @@ def test_shift_operator_is_not_used_because_xla_rounds_it():
     if torch.equal(on_xla, x >> 16):
         pytest.xfail("torch-xla now shifts int32 like the CPU")
     assert torch.equal(torch.bitwise_right_shift(x.to(xla_device()), 16).cpu(), x >> 16)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("xla", marks=needs_xla)])
+def test_the_race_bound_holds_at_every_uniform(device):
+    """``_score_bound`` is at least the race's float32 score at each of the 2**23 uniforms
+    the contract's noise can take, at logits from 0 to far beyond the noise's range of
+    either sign: the vocabulary-wide draw never skips a token that could win."""
+    from corelib_tpu.sampler import _score_bound
+    dev = xla_device() if device == "xla" else torch.device("cpu")
+    u = ((torch.arange(1 << 23, dtype=torch.float32) + 0.5) * 2.0 ** -23).view(8, -1).to(dev)
+    greedy = torch.zeros(8, dtype=torch.bool, device=dev)
+    gumbel = core.gumbel_from_uniform(u)
+    for x in (0.0, 3.7, -11.0, 1e4, -2e5):
+        bound = _score_bound(torch.full_like(u, x), u, greedy)
+        assert bool((bound >= x + gumbel).all().cpu()), x
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("xla", marks=needs_xla)])
+def test_the_bounded_race_draws_the_vocabulary_wide_argmax(device, monkeypatch):
+    """``_draw_over_vocabulary`` (exact scores at the columns of the largest bounds only)
+    draws ``first_argmax`` of the exact scores over the whole vocabulary: flat and peaked
+    rows, greedy rows, a row of one finite token (settled without the fallback); and
+    batches with tied greedy rows, +inf, NaN or an all -inf row, which fall back."""
+    from corelib_tpu import sampler
+    dev = xla_device() if device == "xla" else torch.device("cpu")
+    V = 32 * 40
+    gen = torch.Generator().manual_seed(11)
+    x = torch.cat([torch.randn((4, V), generator=gen) * 0.01,
+                   torch.randn((5, V), generator=gen) * 3, torch.full((1, V), float("-inf"))])
+    x[9, 900] = -3.0
+    keys = torch.randint(-(2**31), 2**31, (10,), dtype=torch.int32, generator=gen)
+    greedy = torch.tensor([False, True, False, False, False, False, True, False, False, True])
+    fallbacks = []
+    exact = sampler._first_argmax_of_race
+    if device == "cpu":
+        monkeypatch.setattr(sampler, "_first_argmax_of_race",
+                            lambda *a: fallbacks.append(1) or exact(*a))
+    for extra in (None, "ties", float("inf"), float("nan"), "empty"):
+        y, g = x.clone(), greedy.clone()
+        if extra == "empty":
+            y[3] = float("-inf")
+        elif extra == "ties":
+            y[2] = torch.randint(-2, 2, (V,), generator=gen).to(torch.float32)
+            g[2] = True
+        elif extra is not None:
+            y[2, 5] = extra
+        args = [t.to(dev) for t in (y, keys, g)]
+        got = sampler._draw_over_vocabulary(*args).cpu()
+        assert torch.equal(got, exact(*args).cpu()), extra
+        if device == "cpu":
+            assert len(fallbacks) == (extra is not None), extra
+            fallbacks.clear()
