@@ -19,14 +19,15 @@ from corelib_tpu.probe import probe
 #: default vm.max_map_count (65530).
 SUITE_XLA_SETTINGS = {"XLA_FLAGS": "--xla_backend_optimization_level=0",
                       "XLA_COMPILATION_CACHE_SIZE": "96"}
-_ADDED: dict[str, str] = {}
+_ADDED: set[str] = set()          # the names the suite set
 
 
 def apply_suite_xla_settings() -> None:
     """Set each of ``SUITE_XLA_SETTINGS`` the caller's environment leaves unset."""
     for name, value in SUITE_XLA_SETTINGS.items():
         if name not in os.environ:
-            os.environ[name] = _ADDED[name] = value
+            os.environ[name] = value
+            _ADDED.add(name)
 
 
 def user_environment() -> dict[str, str]:
