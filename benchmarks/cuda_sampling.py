@@ -18,6 +18,10 @@ it is measured, so a run cut short keeps every batch size it finished. Rows:
   path the backend uses by default);
 - ``cuda``: ``corelib.get_sampler("cuda")``-equivalent ``CudaSampler.sample`` (eager);
 - ``cuda-fast``: ``CudaSampler(top_k_first=True)`` (FlashInfer's fast path, exact-k ties);
+  ``cuda-fast`` and ``fi-bare`` run only with ``--top-k-first``: both call FlashInfer's top-k
+  module, whose first use on a machine without FlashInfer's precompiled kernels builds it with
+  nvcc for minutes (``plugins/cuda/gpu_check.sh`` builds it in the background and passes the
+  flag once it is built);
 - ``cuda-graph``: ``GraphedSampler`` replays of the default sampler;
 - ``cuda-torch``: the torch path (``use_flashinfer=False``), eager.
 
@@ -139,14 +143,17 @@ def flashinfer_module(device: torch.device):
 
 
 def run(device: torch.device, batch_sizes: list[int], V: int, iters: int, repeats: int,
-        emit: Callable[[dict], None] = lambda row: None) -> list[dict]:
+        emit: Callable[[dict], None] = lambda row: None, top_k_first: bool = False) -> list[dict]:
     samplers: dict[str, object] = {
         "reference": Sampler(device),
         "cuda": CudaSampler(device),
         "cuda-torch": CudaSampler(device, use_flashinfer=False),
     }
-    if samplers["cuda"].path == "flashinfer":
+    if top_k_first and samplers["cuda"].path == "flashinfer":
+        # its first construction on a machine builds FlashInfer's top-k module (minutes)
+        start = time.perf_counter()
         samplers["cuda-fast"] = CudaSampler(device, top_k_first=True)
+        print(f"# cuda-fast: constructed in {time.perf_counter() - start:.1f} s", file=sys.stderr)
     if device.type == "cuda":
         samplers["cuda-graph"] = GraphedSampler(samplers["cuda"])
     print(f"# cuda backend path: {samplers['cuda'].path} ({samplers['cuda'].path_reason})", file=sys.stderr)
@@ -161,7 +168,8 @@ def run(device: torch.device, batch_sizes: list[int], V: int, iters: int, repeat
         if fs is not None:
             k_rows = torch.full((B,), TOP_K, dtype=torch.int32, device=device)
             p_rows = torch.full((B,), TOP_P, dtype=torch.float32, device=device)
-            row["fi-bare"] = time_call(lambda: fs.top_k_top_p_sampling_from_logits(scaled, TOP_K, TOP_P), device, iters, repeats)
+            if top_k_first:   # scalar top_k at this V: FlashInfer's fast path, the top-k module
+                row["fi-bare"] = time_call(lambda: fs.top_k_top_p_sampling_from_logits(scaled, TOP_K, TOP_P), device, iters, repeats)
             row["fi-bare-rows"] = time_call(lambda: fs.top_k_top_p_sampling_from_logits(scaled, k_rows, p_rows), device, iters, repeats)
         for config, params in CONFIGS.items():
             for name, sampler in samplers.items():
@@ -304,6 +312,9 @@ def main(argv=None) -> int:
                         help="batch sizes of the engine-feature table ('' skips it)")
     parser.add_argument("--k", type=int, default=4, help="draft slots of the verify rows")
     parser.add_argument("--skip-main", action="store_true", help="only the engine-feature table")
+    parser.add_argument("--top-k-first", action="store_true",
+                        help="also time cuda-fast and fi-bare (FlashInfer's top-k module: minutes to "
+                             "build on its first use)")
     parser.add_argument("--json", default=None, help="also write the raw times here")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
@@ -334,7 +345,8 @@ def main(argv=None) -> int:
         print()
     if not args.skip_main:
         print(_head(SUMMARY_HEAD), flush=True)
-        run(device, batch_sizes, args.vocab, args.iters, args.repeats, emit("rows", summary_line))
+        run(device, batch_sizes, args.vocab, args.iters, args.repeats, emit("rows", summary_line),
+            top_k_first=args.top_k_first)
     return 0
 
 

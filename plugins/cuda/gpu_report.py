@@ -4,7 +4,7 @@ left in the output folder, so that it is right for a run cut short too:
     python plugins/cuda/gpu_report.py OUT
 
 ``sections.txt`` (one line per finished section, its rc), ``env.txt`` (versions, the path, the
-self-test times), ``junit-*.xml`` (pytest's reports: counts, failures, the multi-device test's
+self-test times), ``topk-build.txt`` (FlashInfer's top-k module's background build), ``junit-*.xml`` (pytest's reports: counts, failures, the multi-device test's
 outcome), ``tests-*.log`` (the graph stats line) and ``bench.log`` (the benchmark's table rows,
 printed as each batch size finished). Exit status 0 when every section finished with rc 0.
 """
@@ -40,6 +40,10 @@ def report(out: pathlib.Path) -> tuple[str, bool]:
     lines = ["== corelib-cuda GPU check =="]
     env = out / "env.txt"
     lines += env.read_text().splitlines()[:12] if env.exists() else ["(no start-up output)"]
+    topk = out / "topk-build.txt"
+    if topk.exists():
+        lines += [line for line in topk.read_text().splitlines() if "top-k module" in line][-1:] or \
+            ["FlashInfer's top-k module: its build printed no result"]
     sections = (out / "sections.txt").read_text().splitlines() if (out / "sections.txt").exists() else []
     lines += ["", "sections:"] + [f"  {s}" for s in sections]
     ok = bool(sections) and all(re.search(r"rc 0[;)]", s) for s in sections)
@@ -59,7 +63,7 @@ def report(out: pathlib.Path) -> tuple[str, bool]:
                 lines.append(f"  {outcome.upper()} {name}: {message}")
             if name.endswith(MULTI_DEVICE_TEST):
                 multi = f"{outcome}{': ' + message if message else ''}"
-    for name in ("gpu", "flashinfer", "conformance"):
+    for name in ("gpu", "flashinfer", "conformance", "top-k-first"):
         if (out / f"tests-{name}.log").exists() and not (out / f"junit-{name}.xml").exists():
             lines.append(f"tests-{name}: no JUnit XML (pytest did not finish its report)")
             ok = False

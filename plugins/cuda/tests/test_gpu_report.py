@@ -43,3 +43,15 @@ def test_a_clean_run_is_ok(tmp_path):
     (tmp_path / "sections.txt").write_text("setup: 20 s (limit 60 s, rc 0; 460 s of 480 left)\n")
     text, ok = gpu_report.report(tmp_path)
     assert ok and "no benchmark rows" in text and "not run" in text
+
+
+def test_the_top_k_modules_background_build_is_reported(tmp_path):
+    (tmp_path / "sections.txt").write_text("setup: 20 s (limit 60 s, rc 0; 460 s of 480 left)\n")
+    (tmp_path / "topk-build.txt").write_text(
+        "ninja: building\nFlashInfer's top-k module (top_k_first=True): built in 231.4 s\n")
+    text, ok = gpu_report.report(tmp_path)
+    assert ok and "top-k module (top_k_first=True): built in 231.4 s" in text
+    (tmp_path / "topk-build.txt").write_text("Traceback ...\nRuntimeError: nvcc failed\n")
+    assert "top-k module: its build printed no result" in gpu_report.report(tmp_path)[0]
+    (tmp_path / "tests-top-k-first.log").write_text("..\n")            # cut before its XML
+    assert "tests-top-k-first: no JUnit XML" in gpu_report.report(tmp_path)[0]
