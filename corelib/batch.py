@@ -29,6 +29,7 @@ from .batch_store import _MIN_CAPACITY, RowStore
 from .bitmask import bitmask_width
 from .history import advance_matches
 from .params import SamplingParams
+from .reductions import torch_row_sum
 from .stages import StageSpec
 from .step_state import OPTIONAL_NEUTRAL as _OPTIONAL_NEUTRAL
 from .step_state import StepState
@@ -70,6 +71,9 @@ class SamplingBatch(StepStates, RowStore, CustomStageRows, SelectorRows):
     #: The custom stages requests may name (``corelib.catalog``): ``new_batch`` sets the
     #: sampler's; a batch built directly reads the process-wide registry's.
     stage_catalog: catalog.StageCatalog = staticmethod(catalog.installed_stages)
+    #: The row sum ``append`` advances the selectors' state with (``Sampler.row_sum``):
+    #: ``new_batch`` sets the sampler's, so its steps and ``score`` sum the same way.
+    row_sum = staticmethod(torch_row_sum)
 
     def __init__(self, vocab_size: int, device: torch.device | str = "cpu",
                  eos_token_id: Optional[int] = None, logprobs_mode: str = "raw"):

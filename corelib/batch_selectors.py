@@ -62,7 +62,8 @@ class SelectorRows:
             for stage in pipeline.stateful_stages():
                 state = {f.name: t[f.name] for f in stage.state}
                 fields = {f.name: t[f.name] for f in stage.fields}
-                moved = getattr(selectors, stage.advance)(state, fields, logp[:, j], safe)
+                moved = getattr(selectors, stage.advance)(state, fields, logp[:, j], safe,
+                                                          row_sum=self.row_sum)
                 for name, value in moved.items():
                     t[name].copy_(torch.where(live, value, t[name]))
 

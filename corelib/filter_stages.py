@@ -13,6 +13,7 @@ from . import pipeline, selectors
 from .batch import StepState
 from .logit_stages import NEG_INF
 from .noise import STREAM_XTC, gumbel_from_uniform, row_keys, seeded_gumbel
+from .reductions import RowSum, torch_row_sum
 
 
 def min_p_drops(x: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
@@ -23,13 +24,14 @@ def min_p_drops(x: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     return probs < min_p[:, None] * probs.amax(dim=-1, keepdim=True)
 
 
-def typical_keep(x: torch.Tensor, typical_p: torch.Tensor) -> torch.Tensor:
+def typical_keep(x: torch.Tensor, typical_p: torch.Tensor,
+                 row_sum: RowSum = torch_row_sum) -> torch.Tensor:
     """Step 13a's kept set by a full sort: bool [B, V] for logits x float32 [B, V] and
-    typical_p float32 [B] (every row filtered, 1 included). Mass summed in float64. Not in
-    place."""
+    typical_p float32 [B] (every row filtered, 1 included). Mass summed in float64; the
+    entropy by ``row_sum`` (``Sampler.row_sum``). Not in place."""
     logp = torch.log_softmax(x, dim=-1)
     p = logp.exp()
-    entropy = -torch.where(p > 0, p * logp, 0.0).sum(dim=-1, keepdim=True)
+    entropy = -row_sum(torch.where(p > 0, p * logp, 0.0), keepdim=True)
     score = torch.where(p > 0, (-logp - entropy).abs(), float("inf"))
     order = torch.argsort(score, dim=-1, stable=True)
     ordered_p = p.gather(1, order).double()
@@ -56,16 +58,18 @@ def dynamic_divisor(entropy: torch.Tensor, kept: torch.Tensor, t: torch.Tensor,
     return torch.where(argmax_only, 1.0, t), argmax_only
 
 
-def tail_free_length(q: torch.Tensor, n: torch.Tensor, tfs: torch.Tensor) -> torch.Tensor:
+def tail_free_length(q: torch.Tensor, n: torch.Tensor, tfs: torch.Tensor,
+                     row_sum: RowSum = torch_row_sum) -> torch.Tensor:
     """Step 13c's kept length j (int64 [B, 1], >= 1): for each row's probabilities sorted in
     descending order, float64 ``q`` [B, M] (its first n kept, M >= 3 or the row's n <= M),
     the smallest j whose normalised second differences sum past ``tfs`` (float32 [B]), n - 2
     when none does. ``n`` int [B, 1] kept tokens (rows with n <= 2 keep everything: the
-    caller's test). Not in place."""
+    caller's test). The differences' total by ``row_sum`` (``Sampler.row_sum``). Not in
+    place."""
     second = (q[:, :-2] - 2.0 * q[:, 1:-1] + q[:, 2:]).abs()
     inside = torch.arange(second.shape[-1], device=q.device)[None, :] < n - 2
     second = torch.where(inside, second, 0.0)
-    total = second.sum(dim=-1, keepdim=True)
+    total = row_sum(second, keepdim=True)
     weights = torch.where(total > 1e-6, second / total.clamp(min=1e-300),
                           inside.double() / (n - 2).clamp(min=1).double())
     passed_before = (torch.cumsum(weights, dim=-1) <= tfs.double()[:, None]) & inside
@@ -115,7 +119,7 @@ class FilterStages:
         the static temperatures (greedy rows 1). Not in place."""
         logp = torch.log_softmax(x.detach(), dim=-1)     # T' is a constant for gradients
         p = logp.exp()
-        entropy = -torch.where(p > 0, p * logp, 0.0).sum(dim=-1)
+        entropy = -self.row_sum(torch.where(p > 0, p * logp, 0.0))
         # counted in float32 where that is exact (below 2^24 tokens): an int64 count made XLA
         # widen the comparison into an s64 [B, V] buffer
         kept = (x > NEG_INF).sum(dim=-1, dtype=torch.float32 if x.shape[-1] < 2 ** 24 else None)
@@ -126,8 +130,8 @@ class FilterStages:
         population standard deviation). ``top_n_sigma`` float32 [B], 0 = off. Not in place."""
         finite = torch.isfinite(x)
         count = finite.sum(dim=-1, keepdim=True).clamp(min=1).to(torch.float32)
-        mean = torch.where(finite, x, 0.0).sum(dim=-1, keepdim=True) / count
-        variance = torch.where(finite, (x - mean) ** 2, 0.0).sum(dim=-1, keepdim=True) / count
+        mean = self.row_sum(torch.where(finite, x, 0.0), keepdim=True) / count
+        variance = self.row_sum(torch.where(finite, (x - mean) ** 2, 0.0), keepdim=True) / count
         threshold = x.amax(dim=-1, keepdim=True) - s.top_n_sigma[:, None] * variance.sqrt()
         keep = (x >= threshold) | (s.top_n_sigma <= 0.0)[:, None]
         return x.masked_fill(~keep, NEG_INF)
@@ -166,7 +170,7 @@ class FilterStages:
         (``eta_cutoff`` float32 [B], 0 = off), never the most likely ones. Not in place."""
         logp = torch.log_softmax(x, dim=-1)
         p = logp.exp()
-        entropy = -torch.where(p > 0, p * logp, 0.0).sum(dim=-1, keepdim=True)
+        entropy = -self.row_sum(torch.where(p > 0, p * logp, 0.0), keepdim=True)
         eta = s.eta_cutoff[:, None]
         cutoff = torch.minimum(eta, eta.sqrt() * torch.exp(-entropy))
         most = p.amax(dim=-1, keepdim=True)
@@ -204,7 +208,7 @@ class FilterStages:
         keep the smallest set of lowest-score tokens whose mass >= typical_p (ties at the
         boundary kept, never fewer than one token). ``typical_p`` float32 [B], 1 = off. Mass
         summed in float64, by a full sort (the reference). Not in place."""
-        keep = typical_keep(x, s.typical_p) | (s.typical_p >= 1.0)[:, None]
+        keep = typical_keep(x, s.typical_p, self.row_sum) | (s.typical_p >= 1.0)[:, None]
         return x.masked_fill(~keep, NEG_INF)
 
     def apply_tfs(self, x: torch.Tensor, s: StepState) -> torch.Tensor:
@@ -219,7 +223,7 @@ class FilterStages:
         p = torch.softmax(x, dim=-1)
         q = torch.sort(p, dim=-1, descending=True).values.double()
         n = (x > NEG_INF).sum(dim=-1, keepdim=True)
-        threshold = q.gather(1, tail_free_length(q, n, s.tfs) - 1).to(p.dtype)
+        threshold = q.gather(1, tail_free_length(q, n, s.tfs, self.row_sum) - 1).to(p.dtype)
         keep = (p >= threshold) | (n <= 2) | (s.tfs >= 1.0)[:, None]
         return x.masked_fill(~keep, NEG_INF)
 
@@ -228,7 +232,7 @@ class FilterStages:
         / (V - 1) ("norm", V the vocabulary); ``p_less`` int32 [B]: ``pipeline.P_LESS_MODES``,
         0 = off. Never the most likely tokens. Not in place."""
         p = torch.softmax(x, dim=-1)
-        collision = (p * p).sum(dim=-1, keepdim=True)
+        collision = self.row_sum(p * p, keepdim=True)
         V = x.shape[-1]
         norm = (V * collision - 1.0) / max(V - 1, 1)
         mode = s.p_less[:, None]

@@ -31,6 +31,7 @@ from .filter_stages import (FilterStages, dynamic_divisor, min_p_drops, nucleus_
 from .logit_stages import NEG_INF, LogitStages, penalised  # noqa: F401
 from .outputs import Logprobs, SamplerOutput, VerifyOutput, raise_on_flagged, slot_logprobs  # noqa: F401
 from .ranking import top_entries
+from .reductions import torch_row_sum
 from .scoring import Scoring
 from .verification import (  # noqa: F401
     VERIFY_METHODS,
@@ -57,6 +58,16 @@ class Sampler(Verification, Scoring, LogitStages, FilterStages):
     #: The custom stages this sampler's batches may run (``corelib.catalog``): the registry
     #: that made it sets its own; a sampler built directly reads the process-wide registry's.
     stage_catalog: catalog.StageCatalog = staticmethod(catalog.installed_stages)
+    #: ``row_sum(values, keepdim=False)``: each row's sum over the last dimension of float
+    #: ``[B, V]`` values (float32 or float64), ``[B]`` (``[B, 1]`` with ``keepdim``), for every
+    #: float row sum that feeds a threshold, a mask or a constant (the entropies of dynamic
+    #: temperature, eta and typical-p, top-n-sigma's mean and variance, p-less's collision,
+    #: tail-free's total, mirostat's normaliser; ``corelib.reductions``). A backend overrides
+    #: it where a row's sum must have bits that depend on that row's values alone, never on how
+    #: many rows the tensor holds, so that ``score`` over ``B T`` rows equals ``B``-row steps
+    #: bitwise; it must stay differentiable. The reference's is ``torch.sum``; its batches
+    #: advance the selectors' state with the same sum (``new_batch``).
+    row_sum = staticmethod(torch_row_sum)
 
     def __init__(self, device: torch.device | str | None = None,
                  generator: Optional[torch.Generator] = None):
@@ -81,6 +92,7 @@ class Sampler(Verification, Scoring, LogitStages, FilterStages):
                   logprobs_mode: str = "raw") -> SamplingBatch:
         batch = self.batch_class(vocab_size, self.device, eos_token_id, logprobs_mode)
         batch.stage_catalog = self.stage_catalog
+        batch.row_sum = self.row_sum        # append advances the selectors with this sampler's sums
         return batch
 
     def sample(self, logits: torch.Tensor, batch: SamplingBatch,
@@ -166,7 +178,8 @@ class Sampler(Verification, Scoring, LogitStages, FilterStages):
                 now = {name: value[:, j] for name, value in state.items()}
                 ids = draft[:, j]
                 moved = getattr(selectors, stage.advance)(
-                    now, {n: v[:, j] for n, v in fields.items()}, logp[:, j], ids.clamp(min=0))
+                    now, {n: v[:, j] for n, v in fields.items()}, logp[:, j], ids.clamp(min=0),
+                    row_sum=self.row_sum)
                 for name, value in moved.items():
                     state[name][:, j + 1] = torch.where((ids >= 0) & ~s.greedy.view(rows, S)[:, j],
                                                         value, now[name])

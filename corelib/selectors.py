@@ -2,7 +2,9 @@
 a row's distribution, and how appending a token advances its state. Plain torch over ``[R]``
 and ``[R, V]`` tensors, shared by the reference stages (``Sampler.apply_mirostat``,
 ``apply_adaptive_p``), the batch (``append``) and ``verify``'s slots; the stage table
-(``corelib.pipeline``) names the ``advance_*`` functions (``Stage.advance``). Imports no other part of corelib.
+(``corelib.pipeline``) names the ``advance_*`` functions (``Stage.advance``), each called as ``advance(state, fields, logp, ids, row_sum=...)`` with
+the sampler's row sum (``Sampler.row_sum``; the batch's ``row_sum`` in ``append``). Imports no
+other part of corelib but ``corelib.reductions``.
 """
 
 from __future__ import annotations
@@ -10,6 +12,8 @@ from __future__ import annotations
 import math
 
 import torch
+
+from .reductions import RowSum, row_logsumexp, torch_row_sum
 
 #: Bits mirostat counts for an appended token it had dropped (its p' is 0).
 UNKEPT_BITS = 64.0
@@ -26,14 +30,15 @@ def mirostat_dropped(logp: torch.Tensor, mu: torch.Tensor, tau: torch.Tensor) ->
     return (-logp / _LN2 > mu[:, None]) & (logp < most) & (tau > 0)[:, None]
 
 
-def advance_mirostat(state: dict, fields: dict, logp: torch.Tensor, ids: torch.Tensor) -> dict:
+def advance_mirostat(state: dict, fields: dict, logp: torch.Tensor, ids: torch.Tensor,
+                     row_sum: RowSum = torch_row_sum) -> dict:
     """mu <- mu - eta * (-log2 p'_t - tau) for appended ids (int64 [R]), p'_t the token's
     probability in the renormalised distribution mirostat drew from (``logp`` float32 [R, V]:
     the distribution before mirostat); a token it had dropped counts ``UNKEPT_BITS``. Rows with
-    tau 0 keep their mu."""
+    tau 0 keep their mu. The renormalising sum by ``row_sum`` (``reductions.row_logsumexp``)."""
     mu, tau, eta = state["mirostat_mu"], fields["mirostat_tau"], fields["mirostat_eta"]
     kept = logp.masked_fill(mirostat_dropped(logp, mu, tau), float("-inf"))
-    drawn = kept.gather(1, ids[:, None])[:, 0] - torch.logsumexp(kept, dim=-1)
+    drawn = kept.gather(1, ids[:, None])[:, 0] - row_logsumexp(kept, row_sum)
     bits = torch.where(torch.isfinite(drawn), -drawn / _LN2, UNKEPT_BITS)
     return {"mirostat_mu": torch.where(tau > 0, mu - eta * (bits - tau), mu)}
 
@@ -48,10 +53,12 @@ def adaptive_logits(p: torch.Tensor, target: torch.Tensor, weighted: torch.Tenso
     return 5.0 - 10.0 * u * u / (1.0 + u)
 
 
-def advance_adaptive_p(state: dict, fields: dict, logp: torch.Tensor, ids: torch.Tensor) -> dict:
+def advance_adaptive_p(state: dict, fields: dict, logp: torch.Tensor, ids: torch.Tensor,
+                       row_sum: RowSum = torch_row_sum) -> dict:
     """w <- p_t + decay * w, s <- 1 + decay * s for appended ids (int64 [R]), p_t from ``logp``
     (float32 [R, V], the distribution before the transform). Rows that are off (target < 0)
-    keep theirs."""
+    keep theirs. ``row_sum``: unused (no sum over the vocabulary), taken as every advance
+    takes it."""
     on, decay = fields["adaptive_p_target"] >= 0, fields["adaptive_p_decay"]
     weighted, total = state["adaptive_p_weighted"], state["adaptive_p_total"]
     p_t = logp.gather(1, ids[:, None])[:, 0].exp()
