@@ -524,7 +524,8 @@ class FilterStages:
         values, values_array = self.workspace.pair("chain_values", (n, params[0]))
         ids, ids_array = self.workspace.pair("chain_ids", (n, params[0]), torch.long)
         views = (values, ids, values_array, ids_array)
-        if kernels.candidate_chain(blk.x, maxima, GROUP, params, views, blk.maxima_array()) is None:
+        scratch = self.workspace.pair("chain_scratch", (2, params[0]), torch.float64)[1]
+        if kernels.candidate_chain(blk.x, maxima, GROUP, params, views, blk.maxima_array(), scratch) is None:
             return False
         rows = bp.top_k_rows
         blk.cand = Candidates(rows, bp.index(rows), values, ids, views)

@@ -21,6 +21,10 @@ def compile_kernels() -> Optional[dict]:
     # corelib.noise's constants as unsigned 32-bit values, every one uint64: numba types
     # uint64 mixed with int64 as float64
     mask = np.uint64(0xFFFFFFFF)
+    # up to this many values per row, the group search inserts into its output (no pool
+    # of the picked groups' values and no sort: nothing allocated); past it, pool and sort
+    # (an insertion costs up to W moves)
+    INSERT_WIDTH = 64
     mul_1, mul_2, step = (np.uint64(c & 0xFFFFFFFF)
                           for c in (noise._MIX_MUL_1, noise._MIX_MUL_2, noise._TOKEN_STEP))
     s15, s16, top = np.uint64(15), np.uint64(16), np.uint64(32 - noise._UNIFORM_BITS)
@@ -88,18 +92,22 @@ def compile_kernels() -> Optional[dict]:
                     break
             ids[r] = pick
 
+    @numba.njit(inline="always")
+    def top_k_row(values, r, k, t, floor, whole, out):  # pragma: no cover - runs compiled
+        # row r of candidate_top_k (floor and t the row's float32 numbers): whether complete
+        W = values.shape[1]
+        kth = np.float32(values[r, k - 1] / t)
+        last = np.float32(values[r, W - 1] / t)
+        below = np.float32(floor / t)
+        for j in range(W):
+            v = np.float32(values[r, j] / t)
+            out[r, j] = -np.inf if v < kth else v
+        return whole or (last < kth and below < kth) or kth == -np.inf
+
     @numba.njit(cache=True, nogil=True)
     def candidate_top_k(values, k, temperature, floor, whole, out, complete):  # pragma: no cover
-        n, W = values.shape
-        for r in range(n):
-            t = temperature[r]
-            kth = np.float32(values[r, k[r] - 1] / t)
-            last = np.float32(values[r, W - 1] / t)
-            below = np.float32(floor[r] / t)
-            complete[r] = whole or (last < kth and below < kth) or kth == -np.inf
-            for j in range(W):
-                v = np.float32(values[r, j] / t)
-                out[r, j] = -np.inf if v < kth else v
+        for r in range(values.shape[0]):
+            complete[r] = top_k_row(values, r, k[r], temperature[r], floor[r], whole, out)
 
     @numba.njit(inline="always")
     def shifted_exp(row, out):            # pragma: no cover - runs compiled
@@ -115,38 +123,41 @@ def compile_kernels() -> Optional[dict]:
                 total += out[j]
         return high, total
 
+    @numba.njit(inline="always")
+    def top_p_row(values, r, top_p, tolerance, out, p):  # pragma: no cover - runs compiled
+        # row r of candidate_top_p (p: float64 scratch of W): whether settled
+        W = values.shape[1]
+        top = np.float64(top_p)
+        out[r, :] = values[r, :]
+        if top >= 1.0:
+            return True
+        high, total = shifted_exp(values[r], p)
+        if not (-np.inf < high < np.inf and 0.0 < total < np.inf):
+            return False
+        running, count, sums_gap = 0.0, 0, np.inf
+        for j in range(W):
+            p[j] /= total
+            if running < top:
+                count += 1
+            sums_gap = min(sums_gap, abs(running - top))
+            running += p[j]
+        last = max(count, 1) - 1
+        threshold, tied = p[last], values[r, last]
+        value_gap = np.inf
+        for j in range(W):
+            if values[r, j] != tied:
+                value_gap = min(value_gap, abs(p[j] - threshold) / max(threshold, 1e-300))
+        tiny = 0.0 < threshold < 2.0 ** -100
+        for j in range(W):
+            if not p[j] >= threshold:
+                out[r, j] = -np.inf
+        return min(sums_gap, value_gap) > tolerance and not tiny
+
     @numba.njit(cache=True, nogil=True)
     def candidate_top_p(values, top_p, tolerance, out, settled):  # pragma: no cover
-        n, W = values.shape
-        p = np.empty(W)
-        for r in range(n):
-            top = np.float64(top_p[r])
-            out[r, :] = values[r, :]
-            if top >= 1.0:
-                settled[r] = True
-                continue
-            settled[r] = False
-            high, total = shifted_exp(values[r], p)
-            if not (-np.inf < high < np.inf and 0.0 < total < np.inf):
-                continue
-            running, count, sums_gap = 0.0, 0, np.inf
-            for j in range(W):
-                p[j] /= total
-                if running < top:
-                    count += 1
-                sums_gap = min(sums_gap, abs(running - top))
-                running += p[j]
-            last = max(count, 1) - 1
-            threshold, tied = p[last], values[r, last]
-            value_gap = np.inf
-            for j in range(W):
-                if values[r, j] != tied:
-                    value_gap = min(value_gap, abs(p[j] - threshold) / max(threshold, 1e-300))
-            tiny = 0.0 < threshold < 2.0 ** -100
-            settled[r] = min(sums_gap, value_gap) > tolerance and not tiny
-            for j in range(W):
-                if not p[j] >= threshold:
-                    out[r, j] = -np.inf
+        p = np.empty(values.shape[1])
+        for r in range(values.shape[0]):
+            settled[r] = top_p_row(values, r, top_p[r], tolerance, out, p)
 
     @numba.njit(inline="always")
     def positive(bits):                   # pragma: no cover - runs compiled
@@ -289,24 +300,28 @@ def compile_kernels() -> Optional[dict]:
                     k += 1
         return k
 
+    @numba.njit(inline="always")
+    def min_p_row(values, r, min_p, margin, out):  # pragma: no cover - runs compiled
+        # row r of candidate_min_p: whether settled
+        top = np.float64(values[r, 0])
+        ok = top == top and top != np.inf and top != -np.inf
+        level = np.log(np.float64(min_p)) if min_p > 0 else 0.0
+        for j in range(values.shape[1]):
+            v = values[r, j]
+            out[r, j] = v
+            if v == -np.inf:
+                continue
+            distance = np.float64(v) - top - level
+            if not abs(distance) > margin:          # NaN too
+                ok = False
+            if min_p > 0 and distance < 0:
+                out[r, j] = -np.inf
+        return ok
+
     @numba.njit(cache=True, nogil=True)
     def candidate_min_p(values, min_p, margin, out, settled):  # pragma: no cover - compiled
-        n, W = values.shape
-        for r in range(n):
-            top = np.float64(values[r, 0])
-            ok = top == top and top != np.inf and top != -np.inf
-            level = np.log(np.float64(min_p[r])) if min_p[r] > 0 else 0.0
-            for j in range(W):
-                v = values[r, j]
-                out[r, j] = v
-                if v == -np.inf:
-                    continue
-                distance = np.float64(v) - top - level
-                if not abs(distance) > margin:          # NaN too
-                    ok = False
-                if min_p[r] > 0 and distance < 0:
-                    out[r, j] = -np.inf
-            settled[r] = ok
+        for r in range(values.shape[0]):
+            settled[r] = min_p_row(values, r, min_p[r], margin, out)
 
     @numba.njit(inline="always")
     def wth_largest(m, W, best):          # pragma: no cover - runs compiled
@@ -332,18 +347,68 @@ def compile_kernels() -> Optional[dict]:
                 best[j] = v
         return best[0]
 
+    @numba.njit(inline="always")
+    def insert_group(x, r, start, stop, fl, values, ids, filled):  # pragma: no cover - compiled
+        # the values >= fl of x[r, start:stop] into the row's W largest so far (values[r,
+        # :filled], descending; an equal value goes after those it meets, so a full row
+        # keeps the earlier): the new count
+        W = values.shape[1]
+        for j in range(start, stop):
+            v = x[r, j]
+            if v < fl or (filled == W and not v > values[r, W - 1]):
+                continue
+            i = filled if filled < W else W - 1
+            while i > 0 and values[r, i - 1] < v:
+                values[r, i] = values[r, i - 1]
+                ids[r, i] = ids[r, i - 1]
+                i -= 1
+            values[r, i] = v
+            ids[r, i] = j
+            if filled < W:
+                filled += 1
+        return filled
+
+    @numba.njit(inline="always")
+    def row_top_values(x, r, m, group, values, ids, best):  # pragma: no cover - compiled
+        # the W largest values of row r (W = values.shape[1] <= INSERT_WIDTH), descending,
+        # and their ids, into values[r] and ids[r], found in the groups whose maximum
+        # reaches the W-th largest maximum (groups above it, then ties with it up to W) by
+        # insertion: no pool of their values, no sort, nothing allocated. best: scratch of
+        # W (any float dtype). Returns the floor (float32); NaN maxima are the caller's
+        V, G, W = x.shape[1], m.shape[0], values.shape[1]
+        fl = np.float32(wth_largest(m, W, best))
+        filled, c = 0, 0
+        for g in range(G):
+            if m[g] > fl:
+                filled = insert_group(x, r, g * group, min(g * group + group, V), fl, values, ids, filled)
+                c += 1
+        for g in range(G):
+            if c == W:
+                break
+            if m[g] == fl:
+                filled = insert_group(x, r, g * group, min(g * group + group, V), fl, values, ids, filled)
+                c += 1
+        return fl
+
     @numba.njit(cache=True, nogil=True)
     def top_group_values(x, maxima, group, values, ids, floor):  # pragma: no cover - compiled
         n, V = x.shape
         G, W = maxima.shape[1], values.shape[1]
-        picked = np.empty(W, dtype=np.int64)
-        pool = np.empty(W * group, dtype=np.float32)
-        where = np.empty(W * group, dtype=np.int64)
         for r in range(n):
             m = maxima[r]
             for g in range(G):
                 if m[g] != m[g]:          # NaN: torch.topk ranks it first; torch's path
                     return False
+        if W <= INSERT_WIDTH:             # few values: insertion, no buffers but one of W
+            best = np.empty(W, dtype=np.float32)
+            for r in range(n):
+                floor[r] = row_top_values(x, r, maxima[r], group, values, ids, best)
+            return True
+        picked = np.empty(W, dtype=np.int64)
+        pool = np.empty(W * group, dtype=np.float32)
+        where = np.empty(W * group, dtype=np.int64)
+        for r in range(n):
+            m = maxima[r]
             # the W-th largest group maximum: every value of the row's W largest reaches it
             fl = wth_largest(m, W, pool)
             c = 0
@@ -385,22 +450,33 @@ def compile_kernels() -> Optional[dict]:
 
     @numba.njit(cache=True, nogil=True)
     def candidate_chain(x, maxima, group, k, temperature, min_p, margin, top_p, tolerance,
-                        values, ids):  # pragma: no cover - runs compiled
+                        values, ids, scratch):  # pragma: no cover - runs compiled
         # group_top_k, then candidate_min_p (min_p of length 0: off) and candidate_top_p
         # (top_p of length 0: off) on its values in place (each reads a value before it
-        # writes it): those kernels' bits in one call. False as soon as a row is incomplete
-        # or unsettled: the caller then takes the kernels one by one, with their fallbacks.
-        n = x.shape[0]
-        ok = np.empty(n, dtype=np.bool_)
-        if not group_top_k(x, maxima, group, k, temperature, values, ids, ok) or not ok.all():
-            return False
-        if min_p.shape[0]:
-            candidate_min_p(values, min_p, margin, values, ok)
-            if not ok.all():
+        # writes it): those kernels' bits in one call, row by row (rows are independent).
+        # False as soon as a row is incomplete or unsettled: the caller then takes the
+        # kernels one by one, with their fallbacks. scratch: float64 [2, W] the caller lends
+        # (the W-th largest maximum's buffer, top-p's probabilities): with W <= INSERT_WIDTH
+        # nothing is allocated, so a cold call reads no fresh memory
+        n, G, W = x.shape[0], maxima.shape[1], values.shape[1]
+        if W > INSERT_WIDTH:               # the search's pool and sort (it allocates)
+            floor = np.empty(n, dtype=np.float32)
+            if not top_group_values(x, maxima, group, values, ids, floor):
                 return False
-        if top_p.shape[0]:
-            candidate_top_p(values, top_p, tolerance, values, ok)
-            if not ok.all():
+        for r in range(n):
+            if W <= INSERT_WIDTH:
+                m = maxima[r]
+                for g in range(G):
+                    if m[g] != m[g]:      # NaN: the torch path
+                        return False
+                fl = row_top_values(x, r, m, group, values, ids, scratch[0])
+            else:
+                fl = floor[r]
+            if not top_k_row(values, r, k[r], temperature[r], fl, False, values):
+                return False
+            if min_p.shape[0] and not min_p_row(values, r, min_p[r], margin, values):
+                return False
+            if top_p.shape[0] and not top_p_row(values, r, top_p[r], tolerance, values, scratch[1]):
                 return False
         return True
 

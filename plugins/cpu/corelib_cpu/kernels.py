@@ -233,7 +233,7 @@ def chain_params(width: int, k: torch.Tensor, temperature: Optional[torch.Tensor
 
 
 def candidate_chain(x: torch.Tensor, maxima: torch.Tensor, group: int, params: tuple,
-                    out: Optional[tuple] = None, maxima_array=None):
+                    out: Optional[tuple] = None, maxima_array=None, scratch=None):
     """Steps 11-13 on the candidates of every row of a few-row block in one compiled call:
     :func:`group_top_k`, then :func:`min_p_of_candidates` and :func:`top_p_of_candidates`
     on its values when asked, the same bodies in the same order, so their bits. x float32
@@ -245,7 +245,10 @@ def candidate_chain(x: torch.Tensor, maxima: torch.Tensor, group: int, params: t
 
     ``out``: (values, ids, their numpy views), buffers of those shapes the caller lends
     (``Workspace.pair``); ``maxima_array``: maxima's numpy view when the caller has it (each
-    conversion or allocation avoided is several operator calls of a B = 1 step)."""
+    conversion or allocation avoided is several operator calls of a B = 1 step);
+    ``scratch``: a float64 numpy ``[2, width]`` the kernel works in (made here when None).
+    Up to 64 candidate columns the kernel allocates nothing, so a step after the cache flush
+    reads no fresh memory (its scratch and outputs are the workspace's, in use every step)."""
     kernels = _compiled()
     width = params[0]
     if kernels is None or not x.is_contiguous() or width >= maxima.shape[1]:
@@ -257,7 +260,10 @@ def candidate_chain(x: torch.Tensor, maxima: torch.Tensor, group: int, params: t
         out = (values, ids, values.numpy(), ids.numpy())
     if maxima_array is None:
         maxima_array = maxima.contiguous().numpy()
-    if not kernels["candidate_chain"](x.numpy(), maxima_array, group, *params[1:], out[2], out[3]):
+    if scratch is None:
+        import numpy
+        scratch = numpy.empty((2, width))
+    if not kernels["candidate_chain"](x.numpy(), maxima_array, group, *params[1:], out[2], out[3], scratch):
         return None
     return out[0], out[1]
 

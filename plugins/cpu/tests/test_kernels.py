@@ -347,7 +347,7 @@ def test_top_group_values_are_torch_topks_values(V):
             x[:] = 1.0
         if case % 6 == 1:      # group maxima ascending (each enters the W largest), descending
             x = x.sort(dim=-1, descending=case % 12 == 7).values.contiguous()
-        W = (1, 8, 48, 58)[case % 4]
+        W = (1, 8, 48, 58, 100)[case % 5]        # up to 64 by insertion, 100 by pool and sort
         maxima = rowops.group_maxima(x)
         if W >= maxima.shape[1]:               # top_values takes torch.topk itself there
             assert kernels.top_group_values(x, maxima, W, rowops.GROUP) is None
@@ -401,7 +401,7 @@ def test_candidate_chain_is_the_steps_one_by_one(V):
             x = torch.round(x * 2) / 2                    # ties at the k-th value
         if case % 5 == 0:
             x[:, : V // 2] = float("-inf")
-        k = torch.randint(1, 50, (n,), generator=g)
+        k = torch.randint(1, 50 if case % 8 else 120, (n,), generator=g)   # width past 64: pool and sort
         width = int(k.max()) + 8
         t = None if case % 3 == 0 else torch.rand((n, 1), generator=g) + 0.3
         min_p = None if case % 2 else torch.rand(n, generator=g) * 0.2
