@@ -76,20 +76,25 @@ def flashinfer_choice(capability: Optional[tuple[int, int]]) -> PathChoice:
 
 def probe() -> Availability:
     """The backend's probe: available with a GPU; the reason names the active path of
-    unseeded rows and of the token bitmask (whose Triton kernel is launched once here, see
-    ``corelib_cuda.bitmask.choose_bitmask_path``)."""
+    unseeded rows, of the token bitmask and of the stages' row sums (whose Triton kernels are
+    launched once here, see ``corelib_cuda.bitmask.choose_bitmask_path`` and
+    ``corelib_cuda.row_sum.choose_row_sum_path``)."""
     gpu = cuda_availability()
     if not gpu.available:
         return gpu
     from .bitmask import choose_bitmask_path
+    from .row_sum import choose_row_sum_path
     choice = flashinfer_choice(torch.cuda.get_device_capability(0))
     bitmask = choose_bitmask_path(torch.device("cuda", 0))
-    return Availability(True, available_reason(choice, bitmask.description))
+    sums = choose_row_sum_path(torch.device("cuda", 0))
+    return Availability(True, available_reason(choice, bitmask.description, sums.description))
 
 
-def available_reason(choice: PathChoice, bitmask: str) -> str:
-    """What ``corelib info`` shows for an available backend: both paths."""
-    return f"{choice.reason}; token bitmask: {bitmask}"
+def available_reason(choice: PathChoice, bitmask: str, row_sums: Optional[str] = None) -> str:
+    """What ``corelib info`` shows for an available backend: the paths (the row sums' when
+    given)."""
+    reason = f"{choice.reason}; token bitmask: {bitmask}"
+    return reason if row_sums is None else f"{reason}; row sums: {row_sums}"
 
 
 @functools.lru_cache(maxsize=1)

@@ -26,6 +26,9 @@ class changes:
   result, so the set is the one the token came from;
 - ``score`` is the template's, differentiable: the in-place stages take the reference's form
   when the logits require grad;
+- every float row sum that feeds a threshold, mask or constant (``row_sum``, the core's hook)
+  is a Triton kernel on CUDA whose bits depend on the row alone (``corelib_cuda.row_sum``), so
+  ``score`` over ``B T`` rows equals ``B``-row steps bitwise, as the contract asks;
 - everything is fixed-shape and branches only on host flags, so a step (and a verify step) can
   be captured in a CUDA graph (see ``corelib_cuda.graph``).
 
@@ -48,6 +51,7 @@ from corelib.sampler import NEG_INF, Drafts, nucleus_keep, tail_free_length
 from .batch import CudaBatch, CudaStepState, FilterBounds
 from .bitmask import choose_bitmask_path
 from .race import choose_race_path
+from .row_sum import choose_row_sum_path
 from .probe import ENV_FLASHINFER
 
 
@@ -90,6 +94,8 @@ class CudaSampler(Sampler):
         self.bitmask = choose_bitmask_path(self.device)
         #: step 14's seeded race on this device, decided (and on CUDA launched once) now
         self.race = choose_race_path(self.device)
+        #: the stages' row sums on this device, decided (and on CUDA launched once) now
+        self.sums = choose_row_sum_path(self.device)
 
     def __repr__(self) -> str:
         return f"CudaSampler(device={str(self.device)!r}, path={self.path!r})"
@@ -158,6 +164,21 @@ class CudaSampler(Sampler):
     def bitmask_path(self) -> str:
         """How step 3 applies token bitmasks here: "triton", or "torch (why)"."""
         return self.bitmask.description
+
+    @property
+    def row_sum_path(self) -> str:
+        """How the stages sum rows here (``row_sum``): "triton" (bits that depend on the row
+        alone), or "torch (why)"."""
+        return self.sums.description
+
+    def row_sum(self, values: torch.Tensor, keepdim: bool = False) -> torch.Tensor:
+        """The core's hook (``corelib.Sampler.row_sum``): each row's sum over the last
+        dimension of float ``[B, V]`` values, ``[B]`` (``[B, 1]`` with ``keepdim``). On CUDA a
+        Triton kernel sums each row in one program in an order fixed by V alone, so a row's
+        bits do not depend on how many rows the tensor holds (torch's CUDA sum chooses its
+        layout from the row count); elsewhere, or where the kernel failed its first launch,
+        torch's sum (``row_sum_path`` says which). Differentiable; no host read."""
+        return self.sums.sum(values, keepdim=keepdim)
 
     # ------------------------------------------------------------------ template
     def step_state(self, logits: torch.Tensor, batch: SamplingBatch) -> StepState:
@@ -416,7 +437,7 @@ class CudaSampler(Sampler):
             return super().apply_typical_p(x, s)
         logp = torch.log_softmax(x, dim=-1)
         p = logp.exp()
-        entropy = -torch.where(p > 0, p * logp, 0.0).sum(dim=-1, keepdim=True)
+        entropy = -self.row_sum(torch.where(p > 0, p * logp, 0.0), keepdim=True)
         score = torch.where(p > 0, (-logp - entropy).abs(), float("inf"))
         threshold = self.typical_threshold(x, p, score, s.typical_p, bounds.max_top_k)
         keep = (score <= threshold) | (s.typical_p >= 1.0)[:, None]
@@ -448,7 +469,7 @@ class CudaSampler(Sampler):
         last = head[:, -1:]
         q = torch.cat([head, last, last], dim=-1).double()                # (B, K + 2)
         n = (x > NEG_INF).sum(dim=-1, keepdim=True)
-        j = tail_free_length(q, n, s.tfs)           # past K + 2 only inside the K-th's ties
+        j = tail_free_length(q, n, s.tfs, self.row_sum)     # past K + 2 only inside the K-th's ties
         threshold = q.gather(1, (j - 1).clamp(max=K + 1)).to(p.dtype)
         keep = (p >= threshold) | (n <= 2) | (s.tfs >= 1.0)[:, None]
         return x.masked_fill(~keep, NEG_INF)

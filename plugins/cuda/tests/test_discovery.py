@@ -107,12 +107,15 @@ def test_asked_for_by_name_it_builds_a_cuda_sampler():
 
 
 def test_the_status_of_an_available_backend_names_the_bitmask_path(monkeypatch):
-    """What ``corelib info`` shows with a GPU whose Triton launcher cannot be built: both paths,
-    the bitmask's with the reason its first launch failed. The GPU is simulated (availability
+    """What ``corelib info`` shows with a GPU whose Triton launcher cannot be built: its paths,
+    the bitmask's and the row sums' with the reason their first launch failed. The GPU is simulated (availability
     and capability); the launch check is the real one, on a launcher that fails."""
-    from corelib_cuda import bitmask, probe as probe_module
+    from corelib_cuda import bitmask, probe as probe_module, row_sum
 
     def failing_launcher(x, words):
+        raise RuntimeError("Failed to find C compiler")
+
+    def failing_sum(values):
         raise RuntimeError("Failed to find C compiler")
 
     monkeypatch.setenv(ENV_FLASHINFER, "0")
@@ -120,8 +123,12 @@ def test_the_status_of_an_available_backend_names_the_bitmask_path(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     monkeypatch.setattr(bitmask, "_cuda_path",
                         lambda device: bitmask.launch_checked(torch.device("cpu"), lambda: failing_launcher))
+    monkeypatch.setattr(row_sum, "_cuda_path",
+                        lambda device: row_sum.launch_checked(torch.device("cpu"), failing_sum))
     status = next(s for s in Registry(allow={"cuda"}).statuses() if s.name == "cuda")
     assert status.available
     assert status.reason == (f"torch path active because {ENV_FLASHINFER}='0' disables FlashInfer; "
                              f"token bitmask: torch (the Triton kernel failed its first launch: "
+                             f"RuntimeError: Failed to find C compiler); "
+                             f"row sums: torch (the Triton row sum failed its first launch: "
                              f"RuntimeError: Failed to find C compiler)")

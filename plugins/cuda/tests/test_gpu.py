@@ -261,6 +261,41 @@ def test_the_bitmask_runs_the_triton_kernel(torch_sampler):
     assert torch_sampler.bitmask_path == "triton"
 
 
+def test_the_row_sums_run_the_triton_kernel_with_the_bits_of_the_row_alone(torch_sampler):
+    """Where Triton imports, the row-sum kernel's first launch must succeed here; a row's sum
+    then has the same bits alone, among 8 and among 64 rows (what keeps ``score`` over
+    positions bitwise equal to single steps), within the kernel's bound of torch's sum, with
+    no host sync, and the same bits replayed from a CUDA graph."""
+    from corelib_cuda.bitmask import triton_import_error
+    from corelib_cuda.probe import probe
+    from corelib_cuda.row_sum import error_bound
+    assert f"row sums: {torch_sampler.row_sum_path}" in probe().reason
+    if triton_import_error() is not None:
+        pytest.skip(f"triton unavailable on this GPU machine: {triton_import_error()}")
+    assert torch_sampler.row_sum_path == "triton"
+    gen = torch.Generator().manual_seed(2)
+    for dtype in (torch.float32, torch.float64):
+        x = (torch.randn((64, 128256), generator=gen) * 3).to(dtype).cuda()
+        with no_host_sync("cuda"):
+            whole = torch_sampler.row_sum(x)
+            parts = [(i, torch_sampler.row_sum(x[i:i + 1])[0]) for i in (0, 7, 63)]
+            parts += [(i, torch_sampler.row_sum(x[56:64])[i - 56]) for i in (56, 63)]
+        for i, got in parts:
+            assert torch.equal(got.cpu(), whole[i].cpu()), (dtype, i)
+        off = (whole.double() - x.sum(dim=-1).double()).abs().cpu()
+        assert bool((off <= 2 * error_bound(x.cpu())).all()), dtype
+        static = x[:8].clone()
+        eager = torch_sampler.row_sum(static, keepdim=True)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = torch_sampler.row_sum(static, keepdim=True)
+        static.copy_(x[8:16])
+        graph.replay()
+        assert torch.equal(captured, torch_sampler.row_sum(x[8:16], keepdim=True)), dtype
+        assert torch.equal(eager, whole[:8, None]), dtype
+
+
 @pytest.mark.parametrize("with_probs", [False, True], ids=["match", "ratio"])
 def test_graph_verify_replays_never_sync(sampler, with_probs):
     runner = GraphedSampler(sampler, sizes=(16,))          # engine_requests' 13 rows
