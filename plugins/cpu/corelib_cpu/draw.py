@@ -87,35 +87,41 @@ def candidate_winners(values: torch.Tensor, ids: torch.Tensor, keys: Optional[to
     its value is finite, every row seeded (``keys`` int32 [n]: :func:`race_seeded_candidates`)
     or none (``keys`` None: :func:`race_unseeded_candidates` with ``generator``, the same
     uniforms), the winner picked by one compiled call (``kernels.race_winners``: the same
-    winners); None where the compiled path does not run (nothing drawn).
+    winners); None where the compiled path does not run (nothing drawn). The flags are
+    ``rowops.all_true(n)`` when every winner is finite (read within the step only).
+
+    The noise takes four calls: the uniforms (``torch.rand``, or the seeded hash in one
+    compiled call), then ``log``, ``neg`` and ``log`` in place; the race kernel subtracts it
+    from the values and stands in for the unseeded path's clamp of u = 0 (the torch path's
+    ``clamp_min`` and ``sub`` calls are not made).
 
     ``arrays``: the numpy views of (values, ids) when the caller has them
-    (``Candidates.arrays``), and ``workspace`` then lends the scores' and the flags' buffers
-    (pairs), so the step converts no tensor for the race; the flags are then
-    ``rowops.all_true(n)`` when every winner is finite, else the workspace's buffer (read
-    within the step only)."""
+    (``Candidates.arrays``), and ``workspace`` then lends the noise's and the flags' buffers
+    (pairs), so the step converts no tensor for the race."""
     if not kernels.wanted():
         return None
     if arrays is None or workspace is None:
-        if keys is None:
-            u = torch.rand(values.shape, generator=generator).clamp_min_(_TINY)
-            return kernels.race_winners(values, u.log_().neg_().log_(), ids, False)
-        return kernels.race_winners(values, seeded_scores(values, keys, ids), ids, True)
-    scores, scores_array = workspace.pair("race_scores", tuple(values.shape))
-    if keys is None:
-        # torch.rand into a buffer draws the same uniforms as torch.rand of that shape
-        torch.rand(values.shape, generator=generator, out=scores).clamp_min_(_TINY).log_().neg_().log_()
-    elif kernels.seeded_uniforms_into(scores, keys, ids, arrays[1], scores_array):
-        gumbel_from_uniform_(scores, values)
+        minus_noise = torch.empty(values.shape)
+        finite = None
+        arrays = None
     else:
-        return kernels.race_winners(values, seeded_scores(values, keys, ids), ids, True, None)
-    finite = workspace.pair("race_finite", (values.shape[0],), torch.bool)
-    won = kernels.race_winners(values, scores, ids, keys is not None, (arrays[0], scores_array, arrays[1]),
-                               finite)
+        minus_noise, noise_array = workspace.pair("race_scores", tuple(values.shape))
+        finite = workspace.pair("race_finite", (values.shape[0],), torch.bool)
+    if keys is None:
+        # torch.rand into a buffer draws the same uniforms as torch.rand of that shape; u = 0
+        # is left to the kernel (it reads the clamped value's noise there)
+        torch.rand(values.shape, generator=generator, out=minus_noise).log_().neg_().log_()
+    elif kernels.seeded_uniforms_into(minus_noise, keys, ids,
+                                      *(() if arrays is None else (arrays[1], noise_array))):
+        minus_noise.log_().neg_().log_()
+    else:                                  # the kernels failed to load: no race kernel either
+        return None
+    won = kernels.race_winners(values, minus_noise, ids, keys is not None,
+                               None if arrays is None else (arrays[0], noise_array, arrays[1]), finite)
     if won is None:
         return None
     # every winner finite, as the kernel answered (no operator call): the shared all-true
-    # mark lets flag_invalid skip its two passes; else the buffer, read within the step
+    # mark lets flag_invalid skip its two passes; else the flags, read within the step
     return won[0], (all_true(values.shape[0]) if won[2] else won[1])
 
 

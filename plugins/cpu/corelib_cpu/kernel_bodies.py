@@ -480,22 +480,30 @@ def compile_kernels() -> Optional[dict]:
                 return False
         return True
 
+    @numba.njit(inline="always")
+    def race_score(values, minus_noise, r, j, clamped):  # pragma: no cover - runs compiled
+        # values - minus_noise in float32, +inf noise (u = 0) read as ``clamped``
+        mn = minus_noise[r, j]
+        return np.float32(values[r, j] - (clamped if mn == np.inf else mn))
+
     @numba.njit(cache=True, nogil=True)
-    def race_winners(values, minus_noise, ids, seeded, out_ids, finite):  # pragma: no cover
-        # each row's winning candidate, its id and whether its value is finite. Unseeded:
-        # of values - minus_noise (the float32 subtraction torch makes), the first largest,
-        # a NaN first (torch.argmax). Seeded: minus_noise holds the race's scores; the lowest
-        # id among those equal to the largest (NaN propagates, and then none is equal: the
-        # first column, as torch.where then argmin of the draw's torch path). Returns whether
-        # every winner is finite (the caller reads no flag array on the host)
+    def race_winners(values, minus_noise, ids, seeded, clamped, out_ids, finite):  # pragma: no cover
+        # each row's winning candidate, its id and whether its value is finite, of the
+        # scores values - minus_noise (the float32 subtraction torch makes; minus_noise is
+        # log(-log(u)), and +inf, from u = 0, reads ``clamped``: the value of torch's path,
+        # which clamps u to the smallest normal first). Unseeded: the first largest score, a
+        # NaN first (torch.argmax). Seeded: the lowest id among those equal to the largest
+        # (NaN propagates, and then none is equal: the first column, as torch.where then
+        # argmin of the draw's torch path). Returns whether every winner is finite (the
+        # caller reads no flag array on the host)
         n, W = values.shape
         every = True
         for r in range(n):
             pos = 0
+            best = race_score(values, minus_noise, r, 0, clamped)
             if seeded:
-                best = minus_noise[r, 0]
                 for j in range(1, W):
-                    v = minus_noise[r, j]
+                    v = race_score(values, minus_noise, r, j, clamped)
                     if v != v or best != best:
                         best = np.float32(np.nan)
                     elif v > best:
@@ -503,18 +511,17 @@ def compile_kernels() -> Optional[dict]:
                 if best == best:
                     low = -1
                     for j in range(W):
-                        if minus_noise[r, j] == best and (low < 0 or ids[r, j] < low):
+                        v = race_score(values, minus_noise, r, j, clamped)
+                        if v == best and (low < 0 or ids[r, j] < low):
                             low, pos = ids[r, j], j
-            else:
-                best = np.float32(values[r, 0] - minus_noise[r, 0])
-                if best == best:
-                    for j in range(1, W):
-                        v = np.float32(values[r, j] - minus_noise[r, j])
-                        if v != v:
-                            pos = j
-                            break
-                        if v > best:
-                            best, pos = v, j
+            elif best == best:
+                for j in range(1, W):
+                    v = race_score(values, minus_noise, r, j, clamped)
+                    if v != v:
+                        pos = j
+                        break
+                    if v > best:
+                        best, pos = v, j
             out_ids[r] = ids[r, pos]
             w = values[r, pos]
             finite[r] = w == w and w != np.inf and w != -np.inf

@@ -268,37 +268,50 @@ def candidate_chain(x: torch.Tensor, maxima: torch.Tensor, group: int, params: t
     return out[0], out[1]
 
 
-def race_winners(values: torch.Tensor, scores: torch.Tensor, ids: torch.Tensor, seeded: bool,
+def race_winners(values: torch.Tensor, minus_noise: torch.Tensor, ids: torch.Tensor, seeded: bool,
                  arrays: Optional[tuple] = None, finite_out: Optional[tuple] = None):
     """The winners of candidate races in one compiled call where torch makes four to six:
-    (ids int64 ``[n]``, finite bool ``[n]``: whether the winner's value is finite) from the
-    candidates' values float32 ``[n, W]``, their ids int64 ``[n, W]`` and ``scores`` float32
-    ``[n, W]``: unseeded, ``-noise`` (``log(-log(u))``), the winner the first largest of
-    ``values - scores`` (``draw.race_unseeded_candidates``); seeded, the race's scores, the
-    winner the lowest id among the largest (``draw.race_seeded_candidates``). The same
-    float32 subtraction and comparisons, so the same winners. None where the compiled path
-    does not run. ``arrays``: the numpy views of (values, scores, ids) when the caller has
-    them (contiguous), so none is converted here; ``finite_out``: a bool ``[n]`` buffer and
-    its numpy view (``Workspace.pair``) to write the finite flags into, returned in place of
-    a new tensor; then a third item says whether every winner is finite (read in the call:
-    the caller tests no flag array)."""
+    (ids int64 ``[n]``, finite bool ``[n]``: whether the winner's value is finite, every:
+    whether all are, read in the call) from the candidates' values float32 ``[n, W]``, their
+    ids int64 ``[n, W]`` and their ``minus_noise`` float32 ``[n, W]``, ``log(-log(u))`` of
+    the race's uniforms, the uniforms of u = 0 included (they read +inf: the kernel takes
+    torch's value of the smallest normal in their place, as the torch path's clamp does, so
+    the caller makes no clamp call). The scores are the float32 ``values - minus_noise``
+    torch makes; unseeded, the winner the first largest (``draw.race_unseeded_candidates``);
+    seeded, the lowest id among the largest (``draw.race_seeded_candidates``). The same
+    subtraction and comparisons, so the same winners. None where the compiled path does not
+    run. ``arrays``: the numpy views of (values, minus_noise, ids) when the caller has them
+    (contiguous), so none is converted here; ``finite_out``: a bool ``[n]`` buffer and its
+    numpy view (``Workspace.pair``) to write the flags into, returned in place of a new
+    tensor."""
     kernels = _compiled()
     if kernels is None:
         return None
     import torch
     if arrays is None:
-        arrays = (values.contiguous().numpy(), scores.contiguous().numpy(), ids.contiguous().numpy())
+        arrays = (values.contiguous().numpy(), minus_noise.contiguous().numpy(), ids.contiguous().numpy())
     import numpy
     n = values.shape[0]
     # the ids go to the caller: a new array each call, made by numpy (torch.empty and its
     # numpy view would be two operator calls)
     out = numpy.empty(n, dtype=numpy.int64)
     if finite_out is None:
-        finite = torch.empty(n, dtype=torch.bool)
-        kernels["race_winners"](arrays[0], arrays[1], arrays[2], seeded, out, finite.numpy())
-        return torch.from_numpy(out), finite
-    every = kernels["race_winners"](arrays[0], arrays[1], arrays[2], seeded, out, finite_out[1])
+        flags = torch.empty(n, dtype=torch.bool)
+        finite_out = (flags, flags.numpy())
+    every = kernels["race_winners"](arrays[0], arrays[1], arrays[2], seeded, _clamped(), out, finite_out[1])
     return torch.from_numpy(out), finite_out[0], every
+
+
+def _clamped():
+    """numpy float32: ``log(-log(u))`` of u the smallest normal float32, by torch's functions
+    (the torch path clamps its uniforms there), made once."""
+    value = _state.get("clamped")
+    if value is None:
+        import numpy as np
+        import torch
+        tiny = torch.full((1,), torch.finfo(torch.float32).tiny)
+        value = _state["clamped"] = np.float32(tiny.log_().neg_().log_().item())
+    return value
 
 
 def finite_row_maxima(maxima, out) -> Optional[bool]:

@@ -457,6 +457,33 @@ def test_race_winners_are_the_torch_races():
     assert won[0].tolist() == [3, 1]                        # NaN: none equal, the first column
     won = kernels.race_winners(torch.ones((2, 6)), scores, tied_ids, False)
     assert won[0].tolist() == [9, 3]                        # NaN: the first NaN, as torch.argmax
+    assert len(won) == 3 and won[2] is True                 # one shape of answer on every path
+
+
+@needs_numba
+def test_race_winners_read_u_zero_as_the_clamped_uniform():
+    """The caller makes no clamp call: a uniform of 0 (its noise +inf) races as torch's path,
+    which clamps u to the smallest normal first, in both races."""
+    from corelib_cpu.draw import _TINY
+    g = torch.Generator().manual_seed(4)
+    values = torch.randn((3, 16), generator=g)
+    u = torch.rand((3, 16), generator=g)
+    u[0, 5] = u[1, 0] = u[2, 15] = 0.0
+    values[0, 5] = values[0].max() + 20.0                   # wins with the clamped noise only
+    ids = torch.stack([torch.randperm(100, generator=g)[:16] for _ in range(3)])
+    unclamped = u.clone().log_().neg_().log_()
+    assert bool(torch.isinf(unclamped).any())
+    clamped = u.clamp_min(_TINY).log_().neg_().log_()
+    scores = values - clamped
+    for seeded in (False, True):
+        won = kernels.race_winners(values, unclamped, ids, seeded)
+        if seeded:
+            best = scores.amax(dim=-1, keepdim=True)
+            want = torch.where(scores == best, ids, torch.iinfo(torch.long).max).amin(dim=-1)
+        else:
+            want = ids.gather(1, scores.argmax(dim=-1, keepdim=True))[:, 0]
+        assert torch.equal(won[0], want), seeded
+        assert int(won[0][0]) == int(ids[0, 5])
 
 
 @needs_numba
