@@ -24,11 +24,12 @@ MIN_P_IN_ROUTE = _FILTERS.index("min_p") + 1 == _FILTERS.index("top_k_top_p")
 TYPICAL_P_IN_XTC = _FILTERS.index("typical_p") + 1 == _FILTERS.index("xtc")
 
 
-def _reference(method: str, field: str):
+def _reference(sampler: Sampler, method: str, field: str):
     """A conditional's branch running the core's stage ``method`` (one that reads the single
-    per-row field ``field``) on its operands (x, the field's ``[B]`` tensor)."""
+    per-row field ``field``) on its operands (x, the field's ``[B]`` tensor), with ``sampler``'s
+    own parts (its ``row_sum``)."""
     def run(x: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
-        return getattr(Sampler, method)(None, x, SimpleNamespace(**{field: value}))
+        return getattr(Sampler, method)(sampler, x, SimpleNamespace(**{field: value}))
     return run
 
 
@@ -222,19 +223,19 @@ class FilterStages:
     def apply_top_a(self, x: torch.Tensor, s: XlaStepState) -> torch.Tensor:
         """Step 11a (the core's ``apply_top_a``: top_a float32 ``[B]``, 0 = off), in a
         conditional that runs only when some row uses it. Not in place."""
-        return xla.cond((s.top_a > 0).any(), _reference("apply_top_a", "top_a"), _unchanged,
+        return xla.cond((s.top_a > 0).any(), _reference(self, "apply_top_a", "top_a"), _unchanged,
                         [x, s.top_a], "top_a")
 
     def apply_epsilon(self, x: torch.Tensor, s: XlaStepState) -> torch.Tensor:
         """Step 11b (the core's ``apply_epsilon``: epsilon_cutoff float32 ``[B]``, 0 = off), in
         a conditional that runs only when some row uses it. Not in place."""
-        return xla.cond((s.epsilon_cutoff > 0).any(), _reference("apply_epsilon", "epsilon_cutoff"),
+        return xla.cond((s.epsilon_cutoff > 0).any(), _reference(self, "apply_epsilon", "epsilon_cutoff"),
                         _unchanged, [x, s.epsilon_cutoff], "epsilon")
 
     def apply_eta(self, x: torch.Tensor, s: XlaStepState) -> torch.Tensor:
         """Step 11c (the core's ``apply_eta``: eta_cutoff float32 ``[B]``, 0 = off), in a
         conditional that runs only when some row uses it. Not in place."""
-        return xla.cond((s.eta_cutoff > 0).any(), _reference("apply_eta", "eta_cutoff"),
+        return xla.cond((s.eta_cutoff > 0).any(), _reference(self, "apply_eta", "eta_cutoff"),
                         _unchanged, [x, s.eta_cutoff], "eta")
 
     def apply_tfs(self, x: torch.Tensor, s: XlaStepState) -> torch.Tensor:
@@ -242,13 +243,13 @@ class FilterStages:
         conditional that runs only when some row uses it. The one filter that sorts the
         vocabulary and sums in float64, as the reference does: its second differences need
         every kept probability in order. Not in place."""
-        return xla.cond((s.tfs < 1).any(), _reference("apply_tfs", "tfs"), _unchanged,
+        return xla.cond((s.tfs < 1).any(), _reference(self, "apply_tfs", "tfs"), _unchanged,
                         [x, s.tfs], "tfs")
 
     def apply_p_less(self, x: torch.Tensor, s: XlaStepState) -> torch.Tensor:
         """Step 13d, p-less (the core's ``apply_p_less``: p_less int32 ``[B]``, 0 = off, 1
         plain, 2 norm), in a conditional that runs only when some row uses it. Not in place."""
-        return xla.cond((s.p_less != pipeline.P_LESS_OFF).any(), _reference("apply_p_less", "p_less"),
+        return xla.cond((s.p_less != pipeline.P_LESS_OFF).any(), _reference(self, "apply_p_less", "p_less"),
                         _unchanged, [x, s.p_less], "p_less")
 
     def apply_mirostat(self, x: torch.Tensor, s: XlaStepState) -> torch.Tensor:
