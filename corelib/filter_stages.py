@@ -16,12 +16,6 @@ from .noise import STREAM_XTC, gumbel_from_uniform, row_keys, seeded_gumbel
 from .reductions import RowSum, torch_row_sum
 
 
-def _row_sum(sampler) -> RowSum:
-    """``sampler.row_sum`` (``Sampler.row_sum``); torch's for a stage called unbound with None
-    for its sampler (how a plugin runs a reference stage inside a traced conditional)."""
-    return torch_row_sum if sampler is None else sampler.row_sum
-
-
 def min_p_drops(x: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     """Step 11's dropped set: bool [B, V] for logits x float32 [B, V] and min_p float32 [B]
     (0 drops nothing): probability below min_p times the row's largest, by torch's softmax.
@@ -125,7 +119,7 @@ class FilterStages:
         the static temperatures (greedy rows 1). Not in place."""
         logp = torch.log_softmax(x.detach(), dim=-1)     # T' is a constant for gradients
         p = logp.exp()
-        entropy = -_row_sum(self)(torch.where(p > 0, p * logp, 0.0))
+        entropy = -self.row_sum(torch.where(p > 0, p * logp, 0.0))
         # counted in float32 where that is exact (below 2^24 tokens): an int64 count made XLA
         # widen the comparison into an s64 [B, V] buffer
         kept = (x > NEG_INF).sum(dim=-1, dtype=torch.float32 if x.shape[-1] < 2 ** 24 else None)
@@ -136,8 +130,8 @@ class FilterStages:
         population standard deviation). ``top_n_sigma`` float32 [B], 0 = off. Not in place."""
         finite = torch.isfinite(x)
         count = finite.sum(dim=-1, keepdim=True).clamp(min=1).to(torch.float32)
-        mean = _row_sum(self)(torch.where(finite, x, 0.0), keepdim=True) / count
-        variance = _row_sum(self)(torch.where(finite, (x - mean) ** 2, 0.0), keepdim=True) / count
+        mean = self.row_sum(torch.where(finite, x, 0.0), keepdim=True) / count
+        variance = self.row_sum(torch.where(finite, (x - mean) ** 2, 0.0), keepdim=True) / count
         threshold = x.amax(dim=-1, keepdim=True) - s.top_n_sigma[:, None] * variance.sqrt()
         keep = (x >= threshold) | (s.top_n_sigma <= 0.0)[:, None]
         return x.masked_fill(~keep, NEG_INF)
@@ -176,7 +170,7 @@ class FilterStages:
         (``eta_cutoff`` float32 [B], 0 = off), never the most likely ones. Not in place."""
         logp = torch.log_softmax(x, dim=-1)
         p = logp.exp()
-        entropy = -_row_sum(self)(torch.where(p > 0, p * logp, 0.0), keepdim=True)
+        entropy = -self.row_sum(torch.where(p > 0, p * logp, 0.0), keepdim=True)
         eta = s.eta_cutoff[:, None]
         cutoff = torch.minimum(eta, eta.sqrt() * torch.exp(-entropy))
         most = p.amax(dim=-1, keepdim=True)
@@ -214,7 +208,7 @@ class FilterStages:
         keep the smallest set of lowest-score tokens whose mass >= typical_p (ties at the
         boundary kept, never fewer than one token). ``typical_p`` float32 [B], 1 = off. Mass
         summed in float64, by a full sort (the reference). Not in place."""
-        keep = typical_keep(x, s.typical_p, _row_sum(self)) | (s.typical_p >= 1.0)[:, None]
+        keep = typical_keep(x, s.typical_p, self.row_sum) | (s.typical_p >= 1.0)[:, None]
         return x.masked_fill(~keep, NEG_INF)
 
     def apply_tfs(self, x: torch.Tensor, s: StepState) -> torch.Tensor:
@@ -229,7 +223,7 @@ class FilterStages:
         p = torch.softmax(x, dim=-1)
         q = torch.sort(p, dim=-1, descending=True).values.double()
         n = (x > NEG_INF).sum(dim=-1, keepdim=True)
-        threshold = q.gather(1, tail_free_length(q, n, s.tfs, _row_sum(self)) - 1).to(p.dtype)
+        threshold = q.gather(1, tail_free_length(q, n, s.tfs, self.row_sum) - 1).to(p.dtype)
         keep = (p >= threshold) | (n <= 2) | (s.tfs >= 1.0)[:, None]
         return x.masked_fill(~keep, NEG_INF)
 
@@ -238,7 +232,7 @@ class FilterStages:
         / (V - 1) ("norm", V the vocabulary); ``p_less`` int32 [B]: ``pipeline.P_LESS_MODES``,
         0 = off. Never the most likely tokens. Not in place."""
         p = torch.softmax(x, dim=-1)
-        collision = _row_sum(self)(p * p, keepdim=True)
+        collision = self.row_sum(p * p, keepdim=True)
         V = x.shape[-1]
         norm = (V * collision - 1.0) / max(V - 1, 1)
         mode = s.p_less[:, None]

@@ -121,14 +121,3 @@ def test_a_row_sum_hook_keeps_score_differentiable():
     out = sampler.score(x, batch, x.detach().argmax(-1))
     out.logprobs.sum().backward()
     assert torch.isfinite(x.grad).all() and x.grad.abs().sum() > 0
-
-
-def test_a_stage_called_unbound_without_a_sampler_sums_with_torch():
-    # a plugin may run a reference stage inside a traced conditional as Sampler.apply_x(None, ...)
-    from types import SimpleNamespace
-    x = logits_of(3, seed=10)
-    for method, field, value in (("apply_eta", "eta_cutoff", 0.02), ("apply_tfs", "tfs", 0.5),
-                                 ("apply_p_less", "p_less", 1)):
-        state = SimpleNamespace(**{field: torch.full((3,), value)})
-        assert torch.equal(getattr(Sampler, method)(None, x, state),
-                           getattr(Sampler, method)(Sampler("cpu"), x, state)), method
