@@ -27,7 +27,7 @@ import torch
 from corelib.bitmask import BITS, bitmask_width, pack_bitmask, unpack_bitmask
 from corelib.transfer import upload
 
-from .device import device_guard, path_for
+from .device import checked_kernel, describe, device_guard, path_for
 
 NEG_INF = float("-inf")
 #: Tokens per Triton program (32 words of the mask).
@@ -90,14 +90,8 @@ def _cuda_path(device: torch.device) -> BitmaskPath:
 def launch_checked(device: torch.device, build: Callable[[], Kernel]) -> BitmaskPath:
     """The path that ``build``'s launcher gives on ``device``: it must build (Triton imports)
     and its first launch must write exactly the torch expression's tokens."""
-    try:
-        kernel = build()
-    except Exception as exc:  # ImportError, or a Triton too old for this kernel
-        return BitmaskPath(None, f"torch (triton failed to import: {_describe(exc)})")
-    problem = first_launch_problem(kernel, device)
-    if problem is not None:
-        return BitmaskPath(None, f"torch (the Triton kernel failed its first launch: {problem})")
-    return BitmaskPath(kernel, "triton")
+    return BitmaskPath(*checked_kernel(build, lambda kernel: first_launch_problem(kernel, device),
+                                       "the Triton kernel"))
 
 
 def first_launch_problem(kernel: Kernel, device: torch.device) -> Optional[str]:
@@ -115,15 +109,10 @@ def first_launch_problem(kernel: Kernel, device: torch.device) -> Optional[str]:
             kernel(x, upload(words, device))
         got = x.cpu()
     except Exception as exc:  # no C compiler for the launcher, no Python.h, no libcuda, ...
-        return _describe(exc)
+        return describe(exc)
     if not torch.equal(got, want):
         return "it masked other tokens than the torch expression"
     return None
-
-
-def _describe(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0] if text else ''}"
 
 
 def triton_import_error() -> Optional[str]:
@@ -132,7 +121,7 @@ def triton_import_error() -> Optional[str]:
     try:
         _build_triton_kernel()
     except Exception as exc:
-        return _describe(exc)
+        return describe(exc)
     return None
 
 

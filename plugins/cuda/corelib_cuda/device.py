@@ -8,7 +8,7 @@ sampler on ``cuda:1`` while ``cuda:0`` is current, they must be guarded.
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, ContextManager, TypeVar
+from typing import Callable, ContextManager, Optional, TypeVar
 
 import torch
 
@@ -34,3 +34,26 @@ def path_for(device: torch.device | str, off_cuda: Callable[[torch.device], Path
     if device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     return on_cuda(device)
+
+
+Kernel = TypeVar("Kernel")
+
+
+def describe(exc: BaseException) -> str:
+    """An exception as a path's reason: its type and the first line of its message."""
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}"
+
+
+def checked_kernel(build: Callable[[], Kernel], first_launch_problem: Callable[[Kernel], Optional[str]],
+                   what: str) -> tuple[Optional[Kernel], str]:
+    """(the kernel, "triton") when ``build()`` gives it (Triton imports) and its first launch
+    shows no problem; else (None, "torch (why)"), ``what`` naming the kernel in the reason."""
+    try:
+        kernel = build()
+    except Exception as exc:  # ImportError, or a Triton too old for this kernel
+        return None, f"torch (triton failed to import: {describe(exc)})"
+    problem = first_launch_problem(kernel)
+    if problem is not None:
+        return None, f"torch ({what} failed its first launch: {problem})"
+    return kernel, "triton"

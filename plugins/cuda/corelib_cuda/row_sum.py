@@ -38,7 +38,7 @@ import torch
 from corelib.reductions import torch_row_sum
 from corelib.transfer import upload
 
-from .device import device_guard, path_for
+from .device import checked_kernel, describe, device_guard, path_for
 
 #: Lanes of the accumulator: each lane adds every BLOCK-th entry of the row. A power of two;
 #: the bits of every sum depend on it, so it never changes with the device or the row count.
@@ -138,15 +138,11 @@ def launch_checked(device: torch.device, kernel: Kernel,
     """The path ``kernel`` gives on ``device``: ``build`` (when given) must succeed (Triton
     imports), and its first launch must pass :func:`first_launch_problem`; else torch's sum,
     with why."""
-    if build is not None:
-        try:
+    def built() -> Kernel:
+        if build is not None:
             build()
-        except Exception as exc:  # ImportError, or a Triton too old for this kernel
-            return RowSumPath(None, f"torch (triton failed to import: {_describe(exc)})")
-    problem = first_launch_problem(kernel, device)
-    if problem is not None:
-        return RowSumPath(None, f"torch (the Triton row sum failed its first launch: {problem})")
-    return RowSumPath(kernel, "triton")
+        return kernel
+    return RowSumPath(*checked_kernel(built, lambda k: first_launch_problem(k, device), "the Triton row sum"))
 
 
 def first_launch_problem(kernel: Kernel, device: torch.device) -> Optional[str]:
@@ -176,17 +172,12 @@ def first_launch_problem(kernel: Kernel, device: torch.device) -> Optional[str]:
                     ((whole.double() - exact)[finite].abs() <= error_bound(values)[finite]).all())):
                 return f"its {dtype} sums are off the exact sums by more than the error bound"
     except Exception as exc:  # no C compiler for the launcher, no Python.h, no libcuda, ...
-        return _describe(exc)
+        return describe(exc)
     return None
 
 
 def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.dtype == b.dtype and torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
-
-
-def _describe(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0] if text else ''}"
 
 
 @functools.lru_cache(maxsize=1)
