@@ -72,9 +72,10 @@ class GraphRunner(Padding, Sampler):
                  buckets: Optional[Iterable[int]], max_rows: int, speculative_k: Iterable[int],
                  strict: bool, compile_cache):
         on_xla = device is None or xla.is_xla(device)
-        # both must come before the runtime starts: the XLA:CPU kernel emitter, then the
-        # persistent cache (before the process's first XLA computation)
-        self.cpu_codegen_chosen = xla.choose_cpu_codegen() if on_xla else False
+        # both must come before the runtime starts: the XLA:CPU code generation options, then
+        # the persistent cache (before the process's first XLA computation)
+        #: the XLA:CPU flags this sampler added to XLA_FLAGS (``xla.choose_cpu_codegen``)
+        self.cpu_codegen_chosen = xla.choose_cpu_codegen() if on_xla else ()
         self.compile_cache_dir = xla.compile_cache(compile_cache) if on_xla else None
         super().__init__(device if device is not None else xla.default_device(), generator)
         self.buckets = buckets if isinstance(buckets, Buckets) else Buckets(buckets, max_rows)

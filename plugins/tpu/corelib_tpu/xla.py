@@ -26,38 +26,46 @@ def is_xla(device: torch.device) -> bool:
     return torch.device(device).type == "xla"
 
 
-#: XLA:CPU's kernel emitter, chosen where the caller's XLA_FLAGS leave it open
-#: (``choose_cpu_codegen``).
-CPU_CODEGEN_FLAG = "--xla_cpu_use_fusion_emitters=false"
-#: torch-xla releases whose XLA knows that option (an unknown one in XLA_FLAGS aborts the process).
+#: XLA:CPU options the plugin chooses where the caller's XLA_FLAGS leave them open
+#: (``choose_cpu_codegen``): the option's name -> the flag added.
+CPU_CODEGEN_FLAGS = {
+    # the older kernel emitter: a graph's fusions in a few modules, not one module each
+    "xla_cpu_use_fusion_emitters": "--xla_cpu_use_fusion_emitters=false",
+    # a row reduction over V as one vectorised loop, not a tree of reduce-window kernels
+    "xla_disable_hlo_passes": "--xla_disable_hlo_passes=tree_reduction_rewriter",
+}
+#: torch-xla releases whose XLA knows those options (an unknown one in XLA_FLAGS aborts the process).
 CPU_CODEGEN_RELEASES = ("2.9.",)
 
 
-def choose_cpu_codegen() -> bool:
-    """On XLA:CPU (``PJRT_DEVICE=CPU``), before torch-xla's runtime starts, add
-    ``CPU_CODEGEN_FLAG`` to ``XLA_FLAGS`` unless they set that option already; returns whether
-    it did. XLA reads ``XLA_FLAGS`` once, when the runtime starts, so after that (a caller that
-    used XLA first) this changes nothing.
+def choose_cpu_codegen() -> tuple[str, ...]:
+    """On XLA:CPU (``PJRT_DEVICE=CPU``), before torch-xla's runtime starts, add each flag of
+    ``CPU_CODEGEN_FLAGS`` to ``XLA_FLAGS`` whose option they do not set already; returns the
+    flags added (empty: none). XLA reads ``XLA_FLAGS`` once, when the runtime starts, so after
+    that (a caller that used XLA first) this changes nothing.
 
     Why: XLA:CPU keeps the code of every compiled kernel in memory maps of its own (about three
     each) for as long as the graph lives, and the kernel's default ``vm.max_map_count`` is 65530.
     Its fusion emitters compile each fusion as a kernel apart; the older emitter puts a graph's
-    fusions into a few modules. A folded random step graph (hundreds of fusions, most of them in
-    its conditionals) maps about 1,140 regions with the first and 710 with the second, with the
-    same tokens and logprobs and no slower (docs/benchmarks-tpu.md), which is what lets the
-    documented warm-up fit a default-configured machine. A TPU keeps its executables on the
-    device: nothing is changed there."""
+    fusions into a few modules. Its tree reduction rewriter turns each reduction over a row of
+    V values into ceil(log32 V) levels of reduce-window kernels (three at V = 128256); a folded
+    random step graph holds about 90 row reductions (softmax maxima and sums, thresholds,
+    counts), most of them inside its filters' conditionals. With both flags the bucket-8 random
+    graph maps 442 regions at V = 128256 instead of 1,469 (1,965 with neither), which is what
+    lets the documented warm-up fit a default-configured machine (docs/benchmarks-tpu.md). A
+    TPU keeps its executables on the device: nothing is changed there."""
     if os.environ.get("PJRT_DEVICE", "").strip().upper() != "CPU":
-        return False
+        return ()
     flags = os.environ.get("XLA_FLAGS", "")
-    if "xla_cpu_use_fusion_emitters" in flags:
-        return False
+    missing = tuple(flag for option, flag in CPU_CODEGEN_FLAGS.items() if option not in flags)
+    if not missing:
+        return ()
     import torch_xla
     if (not torch_xla.__version__.startswith(CPU_CODEGEN_RELEASES)
             or torch_xla._XLAC._xla_runtime_is_initialized()):
-        return False
-    os.environ["XLA_FLAGS"] = f"{flags} {CPU_CODEGEN_FLAG}".strip()
-    return True
+        return ()
+    os.environ["XLA_FLAGS"] = " ".join((flags, *missing)).strip()
+    return missing
 
 
 def default_device() -> torch.device:
