@@ -48,8 +48,11 @@ CONFIGS = {
 
 
 def run(device, eager: bool) -> tuple[str, dict]:
+    """``device``: None for the default XLA device, chosen by the sampler itself (as a user's
+    first sampler does, after its XLA:CPU options: docs/tpu.md), or ``cpu``."""
     from corelib_tpu.sampler import TpuSampler
     sampler = TpuSampler(device, buckets=(8,), max_rows=8)
+    device = sampler.device
     gen = torch.Generator().manual_seed(0)
     h = hashlib.sha256()
     each = {}
@@ -82,12 +85,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--eager", action="store_true", help="run on the CPU device, eagerly")
     args = parser.parse_args()
-    if args.eager:
-        device = torch.device("cpu")
-    else:
-        from corelib_tpu.xla import default_device
-        device = default_device()
-    digest, each = run(device, args.eager)
+    digest, each = run(torch.device("cpu") if args.eager else None, args.eager)
     for name, value in each.items():
         print(f"{name:30s} {value}")
     print(digest)
