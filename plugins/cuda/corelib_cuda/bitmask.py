@@ -27,7 +27,7 @@ import torch
 from corelib.bitmask import BITS, bitmask_width, pack_bitmask, unpack_bitmask
 from corelib.transfer import upload
 
-from .device import checked_kernel, describe, device_guard, path_for
+from .device import OFF_CUDA, checked_kernel, describe, device_guard, path_for
 
 NEG_INF = float("-inf")
 #: Tokens per Triton program (32 words of the mask).
@@ -78,8 +78,7 @@ def choose_bitmask_path(device: torch.device | str) -> BitmaskPath:
     device where it imports and its first launch writes the right tokens, else the torch
     expression with the reason. The first call on a CUDA device launches and synchronises
     (a sampler makes it when it starts, never inside a step)."""
-    return path_for(device, lambda d: BitmaskPath(
-        None, f"torch (the device is {d.type}, the Triton kernel runs on CUDA only)"), _cuda_path)
+    return path_for(device, lambda d: BitmaskPath(None, OFF_CUDA.format(d.type)), _cuda_path)
 
 
 @functools.lru_cache(maxsize=None)

@@ -22,6 +22,9 @@ def device_guard(device: torch.device) -> ContextManager:
 
 Path = TypeVar("Path")
 
+#: A Triton kernel's path off CUDA, formatted with the device type.
+OFF_CUDA = "torch (the device is {}, the Triton kernel runs on CUDA only)"
+
 
 def path_for(device: torch.device | str, off_cuda: Callable[[torch.device], Path],
              on_cuda: Callable[[torch.device], Path]) -> Path:

@@ -27,7 +27,7 @@ import torch
 from corelib.noise import seeded_gumbel
 from corelib.transfer import upload
 
-from .device import device_guard, path_for
+from .device import OFF_CUDA, describe, device_guard, path_for
 
 #: Tokens per Triton program: V = 128256 makes 63 partial winners per row.
 BLOCK = 2048
@@ -75,14 +75,11 @@ class RacePath:
             return self.race(x, keys)
 
 
-TORCH = "torch (the device is {}, the Triton kernel runs on CUDA only)"
-
-
 def choose_race_path(device: torch.device | str) -> RacePath:
     """The seeded race of ``device``, decided once per device: the Triton kernel on a CUDA
     device where it imports and its first launch picks the torch expression's tokens, else the
     torch expression with the reason. The first call on a CUDA device launches and waits."""
-    return path_for(device, lambda d: RacePath(torch_seeded_race, TORCH.format(d.type)), _cuda_path)
+    return path_for(device, lambda d: RacePath(torch_seeded_race, OFF_CUDA.format(d.type)), _cuda_path)
 
 
 @functools.lru_cache(maxsize=None)
@@ -104,9 +101,7 @@ def launch_checked(device: torch.device, race: Race) -> RacePath:
         with device_guard(device):
             got = race(upload(x, device), upload(keys, device)).cpu()
     except Exception as exc:  # no Triton, no C compiler for its launcher, ...
-        text = str(exc).strip().splitlines()
-        return RacePath(torch_seeded_race, f"torch (the Triton race failed its first launch: "
-                                           f"{type(exc).__name__}: {text[0] if text else ''})")
+        return RacePath(torch_seeded_race, f"torch (the Triton race failed its first launch: {describe(exc)})")
     if not torch.equal(got, want):
         return RacePath(torch_seeded_race, "torch (the Triton race picked other tokens than the torch expression)")
     return RacePath(race, "triton")

@@ -38,7 +38,7 @@ import torch
 from corelib.reductions import torch_row_sum
 from corelib.transfer import upload
 
-from .device import checked_kernel, describe, device_guard, path_for
+from .device import OFF_CUDA, checked_kernel, describe, device_guard, path_for
 
 #: Lanes of the accumulator: each lane adds every BLOCK-th entry of the row. A power of two;
 #: the bits of every sum depend on it, so it never changes with the device or the row count.
@@ -112,15 +112,12 @@ class RowSumPath:
         return out.unsqueeze(-1) if keepdim else out
 
 
-TORCH = "torch (the device is {}, the Triton kernel runs on CUDA only)"
-
-
 def choose_row_sum_path(device: torch.device | str) -> RowSumPath:
     """The row sums of ``device``, decided once per device: the Triton kernel on a CUDA device
     where it imports and its first launch passes :func:`first_launch_problem`, else torch's sum
     with the reason. The first call on a CUDA device launches and waits (a sampler makes it
     when it starts, never inside a step)."""
-    return path_for(device, lambda d: RowSumPath(None, TORCH.format(d.type)), _cuda_path)
+    return path_for(device, lambda d: RowSumPath(None, OFF_CUDA.format(d.type)), _cuda_path)
 
 
 def row_sum_path(device: torch.device | str) -> str:
