@@ -193,6 +193,7 @@ def run(args: list[str], cwd: Path, env: dict | None = None) -> subprocess.Compl
     return result
 
 
+@pytest.mark.slow
 def test_renamed_template_builds_installs_and_passes_its_tests(tmp_path):
     name = "kitcheck"
     source = rename_template(tmp_path / name, name)

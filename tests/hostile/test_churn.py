@@ -78,6 +78,7 @@ def logits_for(key, step: int) -> torch.Tensor:
     return row
 
 
+@pytest.mark.slow
 def test_ten_thousand_operations_keep_the_state_of_a_rebuilt_batch(sampler, reference):
     rng = random.Random(20240607)
     batch = sampler.new_batch(V, eos_token_id=EOS)

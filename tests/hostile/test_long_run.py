@@ -15,6 +15,7 @@ import os
 import random
 import tracemalloc
 
+import pytest
 import torch
 
 from corelib import SamplingParams
@@ -100,6 +101,7 @@ class Workload:
         self.fill()
 
 
+@pytest.mark.slow
 def test_ten_thousand_steps_with_churn_do_not_grow_memory_or_drift(sampler, reference):
     work = Workload(sampler, seed=99)
     halves = [torch.zeros(V, dtype=torch.long), torch.zeros(V, dtype=torch.long)]
