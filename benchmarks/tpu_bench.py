@@ -210,7 +210,8 @@ VERIFY_CONFIGS = {
 def interleaved(fns: dict, reps: int) -> dict:
     """{label: [first call s, graphs it compiled, median wall s, [per-round wall s],
     [per-round CPU s]]}: the first call of each (compilation included) timed alone, then one
-    untimed warm round and ``reps`` interleaved rounds (``harness.interleaved``), each call's
+    untimed warm round and ``reps`` interleaved rounds (``harness.interleaved``), each round
+    starting with the next call in turn, each call's
     process CPU time (every XLA:CPU thread, none of the other jobs) recorded beside its wall
     time."""
     out = {}
@@ -225,8 +226,16 @@ def interleaved(fns: dict, reps: int) -> dict:
             fn()
             cpu[label].append(time.process_time() - start)
         return call
-    wall = harness.interleaved({label: with_cpu(label, fn) for label, fn in fns.items()}, reps,
-                               warmup=1)
+    calls = [(label, with_cpu(label, fn)) for label, fn in fns.items()]
+    for fn in dict(calls).values():                                        # the warm round
+        fn()
+    wall: dict = {label: [] for label in fns}
+    for round_ in range(reps):
+        # each round starts with the next call: a call that always follows the slowest one
+        # (the sort-based reference, a second of work) ran up to a fifth slower in that slot
+        turn = calls[round_ % len(calls):] + calls[:round_ % len(calls)]
+        for label, ms in harness.interleaved(dict(turn), 1, warmup=0).items():
+            wall[label] += ms
     for label in fns:
         out[label][3] = [ms / 1e3 for ms in wall[label]]
         out[label][4] = cpu[label][1:]                     # the warm round's left out
@@ -341,6 +350,7 @@ def _ablations():
     out (not valid samplers: for pricing the parts of a step only). Flags are switched off
     through ``with_bitmask``, the template's last hook before the stages."""
     import dataclasses
+    from corelib import pipeline
     from corelib_tpu import thresholds
     from corelib_tpu.sampler import TpuSampler
 
@@ -360,10 +370,14 @@ def _ablations():
             return x
 
     class NoFilterConds(TpuSampler):
-        # the conditionals of the filters few batches use (``FilterStages.run_group``'s runs)
-        def _few_rows_run(self, x, before, s, run):
-            # x None: step 10's division is still to come (the run's conditional makes it)
-            return self._static_temperature(before, s) if x is None else x
+        # the filter group's conditional on the filters few batches use
+        # (``FilterStages.run_group``): its branch without them, alone
+        def run_group(self, group, x, s):
+            if group != "filter":
+                return super().run_group(group, x, s)
+            lean = [stage for stage, flags in pipeline.flagged_stages_in(group)
+                    if stage.name in ("temperature", "top_k_top_p") and any(getattr(s, f) for f in flags)]
+            return self._filters_in_turn(x, dataclasses.replace(s, any_dynatemp=False), lean)
 
     return {
         "production": TpuSampler,

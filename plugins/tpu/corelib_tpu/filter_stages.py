@@ -50,6 +50,13 @@ def _rows_only(s: XlaStepState, rows: torch.Tensor) -> XlaStepState:
                                      for name, neutral in _FILTER_NEUTRAL.items()})
 
 
+def _row_tensors(s: XlaStepState) -> dict:
+    """The state's ``[B]`` tensors by field name: what a traced branch over the filter group
+    takes as operands (it reads nothing else)."""
+    return {f.name: getattr(s, f.name) for f in dataclasses.fields(s)
+            if isinstance(getattr(s, f.name), torch.Tensor) and getattr(s, f.name).dim() == 1}
+
+
 def _unchanged(x: torch.Tensor, *rest: torch.Tensor) -> torch.Tensor:
     """The branch of a conditional stage that no row uses: its logits as they are."""
     return x
@@ -72,6 +79,14 @@ def _dynatemp_rows(s: XlaStepState) -> torch.Tensor:
     """bool ``[B]``: the rows whose step 10 is the dynamic temperature."""
     return (s.dynatemp_range > 0) & ~s.greedy
 
+
+#: The smallest bucket whose ``sample`` graph runs the filter group in one conditional
+#: (``FilterStages.run_group``). Measured on XLA:CPU at V = 128256, that graph against the
+#: two conditionals around the route, same process, CPU time: B = 16, 32, 64 took 1.05-1.3x
+#: less (top-k + top-p 1.1-1.3x, flat top-p 1.05-1.1x), B = 1 the same, B = 8 about 1.5x
+#: more, for a reason not found in its HLO (the same conditionals and TopKs, the route once
+#: more), so buckets below 16 keep the two.
+GROUP_CONDITIONAL_MIN_ROWS = 16
 
 #: The dynamic temperature's entry in a run of ``_FEW_ROWS`` (after step 10's division).
 _DYNATEMP_RUN = "dynamic temperature"
@@ -104,21 +119,78 @@ class FilterStages:
     _route: "RouteRecord | None" = None
 
     def run_group(self, group: str, x: torch.Tensor, s: XlaStepState) -> torch.Tensor:
-        """The core's ``run_group``, the same stages in the same order, except that each run
-        of two or more consecutive filters of ``_FEW_ROWS`` (the dynamic temperature counting
-        as one, after step 10's division) goes into one conditional on "some row uses one of
-        them", inside which each still runs in its own. Why: a conditional whose branch
-        passes ``[B, V]`` logits through is not free in the HLO (its operand is materialised,
-        and XLA:CPU copies it into the conditional's result buffer: a write and a read of
-        ``[B, V]``), so a batch that uses none of these filters pays one such pass instead of
-        one per filter. x float32 ``[B, V]``; not in place."""
+        """The core's ``run_group``, the same stages in the same order. For the filter group of
+        a ``sample`` step (``sample_random`` records the route: ``self._route``): when two or
+        more of its stages are filters of ``_FEW_ROWS`` (the dynamic temperature counting as
+        one) and the bucket holds at least ``GROUP_CONDITIONAL_MIN_ROWS`` rows, the whole
+        group runs in one conditional on "some row uses one of them", whose
+        other branch runs the group without them (step 10's division, the route of steps
+        11-13, any stage with no predicate): a batch that uses none of them runs the route
+        with no conditional around it. That graph holds the route twice, and maps about a
+        quarter more regions; ``verify``'s and ``score``'s graphs (one per bucket and K or T)
+        and the filter orders' conditionals keep the group as ``_filters_in_turn`` runs it, so
+        that the documented warm-up and a process that compiles many graphs stay under the
+        default ``vm.max_map_count``. Why: each conditional around a run of
+        those filters cost far more than its ``[B, V]`` pass-through (the two runs on either
+        side of the route: 1.41-1.45x of a top-k + top-p step at B = 32, where replacing the
+        copy by a write of ``x * 1`` saved 1%), as XLA:CPU fuses nothing across a
+        conditional's boundary. Inside the conditional's first branch each run of those
+        filters still shares one conditional (``_filters_in_turn``). The route's candidates
+        (``RouteRecord``) come out of the conditional as outputs. x float32 ``[B, V]``; not in
+        place."""
         if group != "filter":
             return Sampler.run_group(self, group, x, s)
+        stages = [stage for stage, flags in pipeline.flagged_stages_in(group)
+                  if any(getattr(s, flag) for flag in flags)]
+        names = [_DYNATEMP_RUN if stage.name == "temperature" and s.any_dynatemp else stage.name
+                 for stage in stages]
+        tests = [_FEW_ROWS[name] for name in names if name in _FEW_ROWS and _FEW_ROWS[name] is not None]
+        record = self._route
+        if len(tests) < 2 or record is None or x.shape[0] < GROUP_CONDITIONAL_MIN_ROWS:
+            return self._filters_in_turn(x, s, stages)
+        used = tests[0](s)
+        for test in tests[1:]:
+            used = used | test(s)
+        rare = {name for name in names if name in _FEW_ROWS}
+        lean = [stage for stage in stages if stage.name not in rare]
+        routed = any(stage.name == "top_k_top_p" for stage in stages)
+        record.ran.append(used.any())
+        record.unknown |= any(stage.name not in ("temperature", "top_k_top_p") for stage in lean)
+        rows = _row_tensors(s)
+
+        def branch(chosen):
+            def run(x, *values):
+                on = dataclasses.replace(s, **dict(zip(rows, values)))
+                if chosen is lean:
+                    on = dataclasses.replace(on, any_dynatemp=False)
+                outer, self._route = self._route, RouteRecord()
+                try:
+                    y = self._filters_in_turn(x, on, chosen)
+                    inner = self._route
+                finally:
+                    self._route = outer
+                return (y, *inner.candidates[0]) if routed else y
+            return run
+
+        key = ("filter group", type(self), tuple(names), tuple(rows), self.top_k_candidates)
+        out = xla.cond(used.any(), branch(stages), branch(lean), [x, *rows.values()], key)
+        if not routed:
+            return out
+        x, ids, edges = out
+        record.candidates.append((ids, edges))
+        return x
+
+    def _filters_in_turn(self, x: torch.Tensor, s: XlaStepState, stages: list) -> torch.Tensor:
+        """The filter group's ``stages`` in order, each run of two or more consecutive filters
+        of ``_FEW_ROWS`` (the dynamic temperature counting as one, after step 10's division)
+        in one conditional on "some row uses one of them", inside which each still runs in
+        its own. Why: a conditional whose branch passes ``[B, V]`` logits through is not free
+        in the HLO (its operand is materialised, and XLA:CPU copies it into the conditional's
+        result buffer: a write and a read of ``[B, V]``), so a batch that uses none of these
+        filters pays one such pass instead of one per filter."""
         run: list = []
         before = x
-        for stage, flags in pipeline.flagged_stages_in(group):
-            if not any(getattr(s, flag) for flag in flags):
-                continue
+        for stage in stages:
             if stage.name in _FEW_ROWS:
                 run.append(stage)
                 continue
@@ -157,8 +229,7 @@ class FilterStages:
             self._route.ran.append(used.any())
         if len(tests) < 2:
             return self._run_in_turn(x, before, s, run)
-        rows = {f.name: getattr(s, f.name) for f in dataclasses.fields(s)
-                if isinstance(getattr(s, f.name), torch.Tensor) and getattr(s, f.name).dim() == 1}
+        rows = _row_tensors(s)
         names = tuple(rows)
 
         key = ("filters of few rows", type(self), tuple(_name(item) for item in run), names,

@@ -23,6 +23,7 @@ from corelib import SamplingParams
 from corelib.bitmask import pack_bitmask
 from corelib.sampler import Sampler
 
+from corelib_tpu.filter_stages import GROUP_CONDITIONAL_MIN_ROWS
 from corelib_tpu.layout import PATHS, Variant
 from corelib_tpu.transfer import pack as _pack, pack_verify as _pack_verify
 from corelib_tpu.sampler import RecompilationError, TpuSampler
@@ -408,39 +409,49 @@ def test_bitmask_is_unpacked_inside_a_fusion(tmp_path):
 
 
 RANDOM_STEP_HLO = """
-import torch, torch_xla
+import sys, torch, torch_xla
 from corelib.sampler import Sampler
 from corelib_tpu.transfer import outputs, pack
 from corelib_tpu.sampler import TpuSampler
 from corelib_tpu import xla
-sampler = TpuSampler(torch_xla.device(), buckets=(8,), dry_window=16)
+B = int(sys.argv[1])
+sampler = TpuSampler(torch_xla.device(), buckets=(B,), dry_window=16)
 batch = sampler.new_batch(1000)
 with sampler._forcing(sampler.variants(batch)[2]):
-    out = Sampler.sample(sampler, torch.zeros((8, 1000)).to(torch_xla.device()), batch)
+    out = Sampler.sample(sampler, torch.zeros((B, 1000)).to(torch_xla.device()), batch)
     xla.launch(outputs(pack(out), out))
 out.token_ids.cpu()
 """
 
 
-def test_a_random_step_passes_its_logits_through_few_conditionals(tmp_path):
+@pytest.mark.parametrize("bucket", [8, GROUP_CONDITIONAL_MIN_ROWS])
+def test_a_random_step_passes_its_logits_through_few_conditionals(tmp_path, bucket):
     """In the optimised HLO of the folded random step (XLA's own dump), the conditionals of
-    the top level: the filters few batches use share one conditional before the route of
-    steps 11-13 (the dynamic temperature in it) and one after it, so the conditionals that
-    return ``[B, V]`` logits (each a copy of them when not taken) are those two and the
-    route (DRY's returns its penalties, ``[B, H]``, or XLA makes it a select of them: either
-    way no logits), the route with the candidates' ids beside them; and the kept sets are a conditional of their own, not a select that XLA's
-    conditional simplifier made of elementwise branches (which packs the bits at every
-    step)."""
+    the top level. From ``GROUP_CONDITIONAL_MIN_ROWS`` rows on, the whole filter group is one
+    conditional on "some row uses a filter few batches use" (its other branch: step 10's
+    division and the route of steps 11-13 alone), so the only conditional that returns
+    ``[B, V]`` logits is that one, with the route's candidate ids and edges beside them; in
+    smaller buckets, the filters few batches use share one conditional before the route and
+    one after it, so the conditionals that return logits are those two and the route, with
+    the ids and edges. DRY's returns its penalties, ``[B, H]`` (or XLA makes it a select of
+    them: either way no logits); and the kept sets are a conditional of their own, not a
+    select that XLA's conditional simplifier made of elementwise branches (which packs the
+    bits at every step)."""
     env = dict(os.environ, XLA_FLAGS=f"--xla_dump_to={tmp_path} --xla_dump_hlo_as_text",
                PJRT_DEVICE="CPU")
-    subprocess.run([sys.executable, "-c", RANDOM_STEP_HLO], env=env, check=True, capture_output=True)
+    subprocess.run([sys.executable, "-c", RANDOM_STEP_HLO, str(bucket)], env=env, check=True,
+                   capture_output=True)
     dumps = sorted(Path(tmp_path).glob("*after_optimizations.txt"), key=lambda p: p.stat().st_size)
     text = dumps[-1].read_text()                                   # the step graph: the largest
     entry = text[text.index("\nENTRY "):]
     entry = entry[:entry.index("\n}")]
     results = re.findall(r"= \(([^)]*)\) conditional\(", entry)
-    logits = [r for r in results if r.startswith("f32[8,1000]{1,0}")]
-    assert len(logits) == 3, results
-    # the route of steps 11-13 also returns the candidate ids the draw races over
-    assert "f32[8,1000]{1,0}, s64[8,64]{1,0}, f32[8,3]{1,0}" in logits, results
-    assert "s32[8,32]{1,0}" in results, results                              # the kept sets
+    logits = [r for r in results if r.startswith(f"f32[{bucket},1000]{{1,0}}")]
+    # the group's conditional, or the route, also returns the candidate ids and edges the
+    # draw races over
+    routed = f"f32[{bucket},1000]{{1,0}}, s64[{bucket},64]{{1,0}}, f32[{bucket},3]{{1,0}}"
+    if bucket >= GROUP_CONDITIONAL_MIN_ROWS:
+        assert logits == [routed], results
+    else:
+        assert len(logits) == 3 and routed in logits, results
+    assert f"s32[{bucket},32]{{1,0}}" in results, results                     # the kept sets
