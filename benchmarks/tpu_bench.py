@@ -350,8 +350,8 @@ def _ablations():
     out (not valid samplers: for pricing the parts of a step only). Flags are switched off
     through ``with_bitmask``, the template's last hook before the stages."""
     import dataclasses
-    from corelib import pipeline
     from corelib_tpu import thresholds
+    from corelib_tpu.filter_stages import filters_in_use
     from corelib_tpu.sampler import TpuSampler
 
     def without(**flags):
@@ -375,8 +375,7 @@ def _ablations():
         def run_group(self, group, x, s):
             if group != "filter":
                 return super().run_group(group, x, s)
-            lean = [stage for stage, flags in pipeline.flagged_stages_in(group)
-                    if stage.name in ("temperature", "top_k_top_p") and any(getattr(s, f) for f in flags)]
+            lean = [stage for stage in filters_in_use(s) if stage.name in ("temperature", "top_k_top_p")]
             return self._filters_in_turn(x, dataclasses.replace(s, any_dynatemp=False), lean)
 
     return {

@@ -23,7 +23,7 @@ import statistics
 import sys
 
 import torch
-from corelib import SamplingParams, pipeline
+from corelib import SamplingParams
 
 from corelib_tpu import filter_stages
 from corelib_tpu.sampler import TpuSampler
@@ -42,8 +42,7 @@ class TwoConditionals(TpuSampler):
     def run_group(self, group, x, s):
         if group != "filter":
             return super().run_group(group, x, s)
-        return self._filters_in_turn(x, s, [stage for stage, flags in pipeline.flagged_stages_in(group)
-                                            if any(getattr(s, flag) for flag in flags)])
+        return self._filters_in_turn(x, s, filter_stages.filters_in_use(s))
 
 
 def main() -> None:

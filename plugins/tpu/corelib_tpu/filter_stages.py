@@ -57,6 +57,12 @@ def _row_tensors(s: XlaStepState) -> dict:
             if isinstance(getattr(s, f.name), torch.Tensor) and getattr(s, f.name).dim() == 1}
 
 
+def filters_in_use(s: XlaStepState) -> list:
+    """The filter group's stages whose flags ``s`` sets, in table order."""
+    return [stage for stage, flags in pipeline.flagged_stages_in("filter")
+            if any(getattr(s, flag) for flag in flags)]
+
+
 def _unchanged(x: torch.Tensor, *rest: torch.Tensor) -> torch.Tensor:
     """The branch of a conditional stage that no row uses: its logits as they are."""
     return x
@@ -140,8 +146,7 @@ class FilterStages:
         place."""
         if group != "filter":
             return Sampler.run_group(self, group, x, s)
-        stages = [stage for stage, flags in pipeline.flagged_stages_in(group)
-                  if any(getattr(s, flag) for flag in flags)]
+        stages = filters_in_use(s)
         names = [_DYNATEMP_RUN if stage.name == "temperature" and s.any_dynatemp else stage.name
                  for stage in stages]
         tests = [_FEW_ROWS[name] for name in names if name in _FEW_ROWS and _FEW_ROWS[name] is not None]
