@@ -108,20 +108,28 @@ def samples(fn: Callable[[], object], repeats: int, warmup: int = 1,
 
 def interleaved(calls: Mapping[str, Callable[[], object]], repeats: int, warmup: int = 1,
                 clock: Callable[[], float] = time.perf_counter,
-                before: Optional[Callable[[], object]] = None) -> dict[str, list[float]]:
+                before: Optional[Callable[[], object]] = None, rotate: bool = False,
+                round_start: Optional[Callable[[int], object]] = None) -> dict[str, list[float]]:
     """Milliseconds of each named call over ``repeats`` rounds, the calls taking turns in each
     round (in the mapping's order) so they share the machine's load; ``warmup`` untimed rounds
     first (workspace buffers, plans, lazy imports). ``before``: run untimed before every call
-    (a ``CacheFlush``, say)."""
+    (a ``CacheFlush``, say). ``rotate``: round r starts with call r (mod their number), so no
+    call always follows the same one (a call after a second of other work, or after another
+    call of the same code, finds the caches and predictors otherwise than its neighbour).
+    ``round_start(r)``: run untimed before round r (the next round's inputs, say)."""
     for _ in range(warmup):
         for fn in calls.values():
             fn()
     times: dict[str, list[float]] = {name: [] for name in calls}
-    for _ in range(repeats):
-        for name, fn in calls.items():
+    names = list(calls)
+    for r in range(repeats):
+        if round_start is not None:
+            round_start(r)
+        first = r % len(names) if rotate and names else 0
+        for name in names[first:] + names[:first]:
             if before is not None:
                 before()
-            times[name].append(timed(fn, clock=clock))
+            times[name].append(timed(calls[name], clock=clock))
     return times
 
 

@@ -232,20 +232,11 @@ def time_chain(llama_cpp, chain: Chain, logits: torch.Tensor, tokens: int, clock
              "corelib": lambda: unseeded(logits[at[0]:at[0] + 1])}
     if seeded is not None:
         calls["corelib seeded"] = lambda: seeded(logits[at[0]:at[0] + 1])
-    # the row advances after the round's last call: `interleaved` runs `before` per call, so
-    # the rounds are driven here, one at a time, through it
-    times: dict = {name: [] for name in calls}
-    interleaved(calls, repeats=0, warmup=3)
-    names = list(calls)
-    for i in range(tokens):
-        at[0] = i % R
-        # each round starts with the next call: a call right after another call of the same
-        # code finds more of it warm (branch predictors, the L3 the flush leaves) than one right
-        # after llama.cpp's, so a fixed order would favour the second corelib call
-        turn = names[i % len(names):] + names[:i % len(names)]
-        for name, ms in interleaved({n: calls[n] for n in turn}, repeats=1, warmup=0, clock=clock,
-                                    before=flush).items():
-            times[name] += ms
+    # rotated: a call right after another call of the same code finds more of it warm (branch
+    # predictors, the L3 the flush leaves) than one right after llama.cpp's, so a fixed order
+    # would favour the second corelib call; each round reads the next logits row
+    times = interleaved(calls, repeats=tokens, warmup=3, clock=clock, before=flush, rotate=True,
+                        round_start=lambda i: at.__setitem__(0, i % R))
     llama.close()
     med = {name: statistics.median(t) for name, t in times.items()}
     return Cell(chain.name, V, med["llama.cpp"], med["corelib"], med.get("corelib seeded"),

@@ -40,6 +40,15 @@ def test_interleaved_takes_turns_after_the_warm_up():
     assert all(t >= 0 for v in times.values() for t in v)
 
 
+def test_interleaved_rotation_starts_each_round_with_the_next_call():
+    log = []
+    calls = {n: (lambda n=n: log.append(n)) for n in "abc"}
+    harness.interleaved(calls, repeats=4, warmup=1, rotate=True,
+                        round_start=lambda r: log.append(r))
+    assert log == ["a", "b", "c", 0, "a", "b", "c", 1, "b", "c", "a", 2, "c", "a", "b",
+                   3, "a", "b", "c"]
+
+
 def test_samples_and_timed_call_pass_results_and_arguments():
     seen = []
     assert len(harness.samples(lambda: seen.append(1), repeats=4, warmup=1)) == 4

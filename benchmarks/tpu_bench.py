@@ -226,16 +226,10 @@ def interleaved(fns: dict, reps: int) -> dict:
             fn()
             cpu[label].append(time.process_time() - start)
         return call
-    calls = [(label, with_cpu(label, fn)) for label, fn in fns.items()]
-    for fn in dict(calls).values():                                        # the warm round
-        fn()
-    wall: dict = {label: [] for label in fns}
-    for round_ in range(reps):
-        # each round starts with the next call: a call that always follows the slowest one
-        # (the sort-based reference, a second of work) ran up to a fifth slower in that slot
-        turn = calls[round_ % len(calls):] + calls[:round_ % len(calls)]
-        for label, ms in harness.interleaved(dict(turn), 1, warmup=0).items():
-            wall[label] += ms
+    # rotated: a call that always followed the slowest one (the sort-based reference, a second
+    # of work) ran up to a fifth slower in that slot
+    wall = harness.interleaved({label: with_cpu(label, fn) for label, fn in fns.items()}, reps,
+                               warmup=1, rotate=True)
     for label in fns:
         out[label][3] = [ms / 1e3 for ms in wall[label]]
         out[label][4] = cpu[label][1:]                     # the warm round's left out
