@@ -90,6 +90,7 @@ class SamplingBatch(StepStates, RowStore, CustomStageRows, SelectorRows):
             )
         self.vocab_size = vocab_size
         self.device = torch.device(device)
+        self._on_host = self.device.type == "cpu"
         self.eos_token_id = eos_token_id
         self.logprobs_mode = logprobs_mode
         self._requests: dict[str, _Request] = {}
@@ -125,6 +126,7 @@ class SamplingBatch(StepStates, RowStore, CustomStageRows, SelectorRows):
         self._idle_scalars = {f.name for f in pipeline.stage_fields() + pipeline.state_fields()}
         self._orders: dict[tuple[str, ...], int] = {}       # filter order -> its filter_order
         self._selector_source: Optional[tuple[torch.Tensor, int]] = None
+        self._sampled: Optional[tuple[torch.Tensor, int]] = None   # mark_sampled_ids
         self._ensure_capacity(_MIN_CAPACITY)
 
     # ------------------------------------------------------------------ public views
@@ -319,7 +321,7 @@ class SamplingBatch(StepStates, RowStore, CustomStageRows, SelectorRows):
             return
         # The host mirror of the positions: on the CPU the positions themselves are read back
         # when it is needed (``_refresh_generated``: no wait), so append leaves it stale
-        counted_here = ids.device.type == "cpu" and self.device.type != "cpu"
+        counted_here = ids.is_cpu and not self._on_host
         steps = (ids >= 0).view(n, -1).sum(dim=1).tolist() if counted_here else None
         ids = upload(ids, self.device, torch.long)
         if every:       # host ids, all in [0, V): every row takes its token
@@ -413,12 +415,25 @@ class SamplingBatch(StepStates, RowStore, CustomStageRows, SelectorRows):
             self._one_step = torch.ones(n, dtype=torch.int32, device=self.device)
         return every
 
+    def mark_sampled_ids(self, token_ids: torch.Tensor) -> None:
+        """Called by a sampler that knows every id of its output ``token_ids`` (int64
+        ``[rows]`` on the host, the tensor it returns) to lie in ``[0, vocab_size)``:
+        ``append`` of that same tensor then skips reading the ids back for its range check,
+        unless it was written in place since (its version counter moved). Any other
+        argument is checked as always."""
+        self._sampled = (token_ids, token_ids._version)
+
     def _checked_ids(self, token_ids) -> tuple[torch.Tensor, bool]:
         """``check_token_ids``, and whether the ids are one per row, on the host and all in
         ``[0, vocab_size)`` (no flagged row: every row takes its token)."""
         n = len(self._row_keys)
+        sampled = self._sampled
+        if (sampled is not None and token_ids is sampled[0] and token_ids._version == sampled[1]
+                and token_ids.shape[0] == n):
+            return token_ids, True
         try:
-            ids = torch.as_tensor(token_ids)
+            # a tensor as it is: as_tensor's own path costs a cold step more than this test
+            ids = token_ids if isinstance(token_ids, torch.Tensor) else torch.as_tensor(token_ids)
         except (RuntimeError, TypeError, ValueError) as exc:  # None, strings, ints past int64
             kind = ValueError if isinstance(exc, ValueError) else TypeError
             raise kind(f"append needs one integer token id per row, got "
@@ -431,10 +446,10 @@ class SamplingBatch(StepStates, RowStore, CustomStageRows, SelectorRows):
         if ids.dtype.is_floating_point or ids.dtype == torch.bool or ids.is_complex():
             raise TypeError(f"append needs integer token ids, got dtype {ids.dtype}")
         if ids.dim() == 2:
-            if n and ids.device.type == "cpu":
+            if n and ids.is_cpu:
                 self._check_emitted(ids)
             return ids, False
-        if n and ids.device.type == "cpu":
+        if n and ids.is_cpu:
             if n <= _FEW_ROWS:      # a list's min and max cost less than a pass and two reads
                 values = ids.tolist()
                 low, high = min(values), max(values)
@@ -494,7 +509,8 @@ class SamplingBatch(StepStates, RowStore, CustomStageRows, SelectorRows):
                 f"logits have {rows} rows; the batch has {self.num_rows} rows "
                 f"({self.num_requests} requests): pass one row per batch row, or one per request"
             )
-        if logits.device.type != self.device.type:
+        # equal devices first: a device's type string is a slow path of its own on a cold step
+        if logits.device != self.device and logits.device.type != self.device.type:
             raise ValueError(
                 f"logits are on {logits.device} but this batch lives on {self.device}"
             )

@@ -250,7 +250,7 @@ class Sampler(Verification, Scoring, LogitStages, FilterStages):
     # ------------------------------------------------------------------ template parts
     def step_state(self, logits: torch.Tensor, batch: SamplingBatch) -> StepState:
         batch.check_logits(logits)
-        if batch.device.type != self.device.type:
+        if batch.device != self.device and batch.device.type != self.device.type:
             raise ValueError(f"batch lives on {batch.device}, but sampler {self.name!r} runs on {self.device}")
         return batch.step_state()
 

@@ -204,6 +204,29 @@ def test_append_range_check_names_the_row_at_any_batch_size(batch, rows):
     assert batch.generated_counts() == [1] + [2] * (rows - 1)
 
 
+def test_marked_sampled_ids_skip_the_range_check_only_while_unchanged(batch):
+    """``mark_sampled_ids``: append of the marked tensor advances every row without reading
+    it back; written in place since, or another tensor, it is checked as always (the bad id
+    named, nothing advanced)."""
+    batch.add("a", SamplingParams(n=2))
+    ids = torch.tensor([3, 4])
+    batch.mark_sampled_ids(ids)
+    batch.append(ids)
+    assert batch.generated_counts() == [1, 1]
+    ids[1] = V                                     # the version counter moves
+    with pytest.raises(ValueError, match=f"token id {V} for row 1"):
+        batch.append(ids)
+    batch.mark_sampled_ids(torch.tensor([3, 4]))
+    with pytest.raises(ValueError, match="token id -2 for row 0"):
+        batch.append(torch.tensor([-2, 4]))        # not the marked tensor
+    assert batch.generated_counts() == [1, 1]
+    marked = torch.tensor([5, 6])
+    batch.mark_sampled_ids(marked)
+    batch.add("b", SamplingParams())               # rows changed: the shape is checked
+    with pytest.raises(ValueError, match=r"expected shape \[3\]"):
+        batch.append(marked)
+
+
 def test_running_counts_equal_the_histories(batch):
     batch.add("a", SamplingParams(frequency_penalty=1.0, n=2), prompt_token_ids=[5, 5, 6])
     gen = torch.Generator().manual_seed(0)

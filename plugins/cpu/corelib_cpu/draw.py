@@ -82,47 +82,56 @@ def seeded_scores(values: torch.Tensor, keys: torch.Tensor, ids: torch.Tensor) -
 
 def candidate_winners(values: torch.Tensor, ids: torch.Tensor, keys: Optional[torch.Tensor],
                       generator: Optional[torch.Generator], arrays: Optional[tuple] = None,
-                      workspace=None):
+                      workspace=None, keys_array=None):
     """(ids int64 [n], finite bool [n]): the winning token of every candidate row and whether
-    its value is finite, every row seeded (``keys`` int32 [n]: :func:`race_seeded_candidates`)
-    or none (``keys`` None: :func:`race_unseeded_candidates` with ``generator``, the same
-    uniforms), the winner picked by one compiled call (``kernels.race_winners``: the same
-    winners); None where the compiled path does not run (nothing drawn). The flags are
-    ``rowops.all_true(n)`` when every winner is finite (read within the step only).
+    its value is finite, every row seeded or none, by one compiled call; None where the
+    compiled path does not run (nothing drawn). The flags are ``rowops.all_true(n)`` when
+    every winner is finite (read within the step only).
 
-    The noise takes four calls: the uniforms (``torch.rand``, or the seeded hash in one
-    compiled call), then ``log``, ``neg`` and ``log`` in place; the race kernel subtracts it
-    from the values and stands in for the unseeded path's clamp of u = 0 (the torch path's
-    ``clamp_min`` and ``sub`` calls are not made).
+    - Seeded (``keys`` int32 [n]): the winner of :func:`race_seeded_candidates`, the
+      reference's token. The noise takes four calls (the hash in one compiled call, then
+      ``log``, ``neg`` and ``log`` in place: torch's logarithms, whose bits the reference's
+      race reads); ``kernels.seeded_race_winners`` subtracts it and picks the winner.
+    - Unseeded (``keys`` None): a Gumbel race as :func:`race_unseeded_candidates`'s, its
+      noise made inside ``kernels.unseeded_race_winners`` from one 64-bit key that
+      ``generator`` draws for the step: one operator call where the torch noise is four (a
+      B = 1 step's time is mostly such calls after a model's forward pass has evicted their
+      code). The same distribution, not the same uniforms as the torch path.
 
     ``arrays``: the numpy views of (values, ids) when the caller has them
-    (``Candidates.arrays``), and ``workspace`` then lends the noise's and the flags' buffers
-    (pairs), so the step converts no tensor for the race."""
+    (``Candidates.arrays``), and ``workspace`` then lends the noise's, the key's and the
+    flags' buffers (pairs), so the step converts no tensor for the race; ``keys_array``:
+    the numpy view of ``keys`` when the caller keeps one."""
     if not kernels.wanted():
         return None
-    if arrays is None or workspace is None:
-        minus_noise = torch.empty(values.shape)
-        finite = None
-        arrays = None
-    else:
-        minus_noise, noise_array = workspace.pair("race_scores", tuple(values.shape))
-        finite = workspace.pair("race_finite", (values.shape[0],), torch.bool)
+    lent = arrays is not None and workspace is not None
+    n = values.shape[0]
+    finite = workspace.pair("race_finite", (n,), torch.bool) if lent else None
     if keys is None:
-        # torch.rand into a buffer draws the same uniforms as torch.rand of that shape; u = 0
-        # is left to the kernel (it reads the clamped value's noise there)
-        torch.rand(values.shape, generator=generator, out=minus_noise).log_().neg_().log_()
-    elif kernels.seeded_uniforms_into(minus_noise, keys, ids,
-                                      *(() if arrays is None else (arrays[1], noise_array))):
+        if lent:
+            key, key_array = workspace.pair("race_key", (1,), torch.long)
+        else:
+            key = torch.empty(1, dtype=torch.long)
+            key_array = key.numpy()
+        key.random_(generator=generator)
+        won = kernels.unseeded_race_winners(values, ids, key_array, arrays if lent else None, finite)
+    else:
+        if lent:
+            minus_noise, noise_array = workspace.pair("race_scores", tuple(values.shape))
+        else:
+            minus_noise = torch.empty(values.shape)
+        if not kernels.seeded_uniforms_into(minus_noise, keys, ids,
+                                            *((arrays[1], noise_array) if lent else (None, None)),
+                                            keys_array):
+            return None                    # the kernels failed to load: no race kernel either
         minus_noise.log_().neg_().log_()
-    else:                                  # the kernels failed to load: no race kernel either
-        return None
-    won = kernels.race_winners(values, minus_noise, ids, keys is not None,
-                               None if arrays is None else (arrays[0], noise_array, arrays[1]), finite)
+        won = kernels.seeded_race_winners(values, minus_noise, ids,
+                                          (arrays[0], noise_array, arrays[1]) if lent else None, finite)
     if won is None:
         return None
     # every winner finite, as the kernel answered (no operator call): the shared all-true
     # mark lets flag_invalid skip its two passes; else the flags, read within the step
-    return won[0], (all_true(values.shape[0]) if won[2] else won[1])
+    return won[0], (all_true(n) if won[2] else won[1])
 
 
 def race_unseeded_candidates(values: torch.Tensor, generator: Optional[torch.Generator]) -> torch.Tensor:

@@ -50,7 +50,7 @@ class DrawStage:
         if cand is not None and len(cand.rows) == n:           # the common top-k block
             if not bp.any_seeded or len(bp.seeded_rows) == n:
                 won = candidate_winners(cand.values, cand.ids, s.keys if bp.any_seeded else None,
-                                        self.generator, cand.arrays(), self.workspace)
+                                        self.generator, cand.arrays(), self.workspace, s.keys_array)
                 if won is not None:
                     x.drawn_finite = won[1]
                     return won[0]

@@ -13,6 +13,8 @@ def compile_kernels() -> Optional[dict]:
     name, or None when numba is missing or fails to load."""
     try:
         import numba
+        import numba.extending
+        from numba.core import cgutils
         import numpy as np
     except Exception:                    # a broken install falls back like a missing one
         return None
@@ -49,6 +51,20 @@ def compile_kernels() -> Optional[dict]:
         for r in range(out.shape[0]):
             h = mix((np.uint64(prefix[r]) ^ np.uint64(position[r])) & mask)
             out[r] = np.int32(np.int64(h) - np.int64(1 << 32)) if h >= np.uint64(1 << 31) else np.int32(h)
+
+    @numba.extending.intrinsic
+    def void_pointer(typingctx, address):  # pragma: no cover - runs while compiling
+        # an integer address as a void pointer, for numba.carray
+        def codegen(context, builder, signature, args):
+            return builder.inttoptr(args[0], cgutils.voidptr_t)
+        return numba.types.voidptr(address), codegen
+
+    @numba.njit(inline="always")
+    def rows_at(address, n, V):          # pragma: no cover - runs compiled
+        # the float32 [n, V] array at ``address`` (a contiguous tensor's data_ptr): the
+        # caller passes the logits by address, where a tensor's numpy view costs four
+        # operator calls of a step
+        return numba.carray(void_pointer(address), (n, V), np.float32)
 
     key_offset = np.uint64(noise._KEY_OFFSET & 0xFFFFFFFF)
 
@@ -480,48 +496,81 @@ def compile_kernels() -> Optional[dict]:
                 return False
         return True
 
-    @numba.njit(inline="always")
-    def race_score(values, minus_noise, r, j, clamped):  # pragma: no cover - runs compiled
-        # values - minus_noise in float32, +inf noise (u = 0) read as ``clamped``
-        mn = minus_noise[r, j]
-        return np.float32(values[r, j] - (clamped if mn == np.inf else mn))
+    @numba.njit(cache=True, nogil=True)
+    def candidate_chain_at(address, n, V, maxima, group, k, temperature, min_p, margin, top_p,
+                           tolerance, values, ids, scratch):  # pragma: no cover - runs compiled
+        # candidate_chain on the logits at ``address`` (rows_at)
+        return candidate_chain(rows_at(address, n, V), maxima, group, k, temperature, min_p,
+                               margin, top_p, tolerance, values, ids, scratch)
 
     @numba.njit(cache=True, nogil=True)
-    def race_winners(values, minus_noise, ids, seeded, clamped, out_ids, finite):  # pragma: no cover
+    def seeded_race_winners(values, minus_noise, ids, out_ids, finite):  # pragma: no cover
         # each row's winning candidate, its id and whether its value is finite, of the
         # scores values - minus_noise (the float32 subtraction torch makes; minus_noise is
-        # log(-log(u)), and +inf, from u = 0, reads ``clamped``: the value of torch's path,
-        # which clamps u to the smallest normal first). Unseeded: the first largest score, a
-        # NaN first (torch.argmax). Seeded: the lowest id among those equal to the largest
-        # (NaN propagates, and then none is equal: the first column, as torch.where then
-        # argmin of the draw's torch path). Returns whether every winner is finite (the
-        # caller reads no flag array on the host)
+        # log(-log(u)) of the contract's uniforms, never 0 or 1): the lowest id among those
+        # equal to the largest (NaN propagates, and then none is equal: the first column, as
+        # torch.where then argmin of the draw's torch path). Returns whether every winner is
+        # finite (the caller reads no flag array on the host)
         n, W = values.shape
         every = True
         for r in range(n):
             pos = 0
-            best = race_score(values, minus_noise, r, 0, clamped)
-            if seeded:
-                for j in range(1, W):
-                    v = race_score(values, minus_noise, r, j, clamped)
-                    if v != v or best != best:
-                        best = np.float32(np.nan)
-                    elif v > best:
-                        best = v
-                if best == best:
-                    low = -1
-                    for j in range(W):
-                        v = race_score(values, minus_noise, r, j, clamped)
-                        if v == best and (low < 0 or ids[r, j] < low):
-                            low, pos = ids[r, j], j
-            elif best == best:
-                for j in range(1, W):
-                    v = race_score(values, minus_noise, r, j, clamped)
-                    if v != v:
-                        pos = j
-                        break
-                    if v > best:
-                        best, pos = v, j
+            best = np.float32(values[r, 0] - minus_noise[r, 0])
+            for j in range(1, W):
+                v = np.float32(values[r, j] - minus_noise[r, j])
+                if v != v or best != best:
+                    best = np.float32(np.nan)
+                elif v > best:
+                    best = v
+            if best == best:
+                low = -1
+                for j in range(W):
+                    v = np.float32(values[r, j] - minus_noise[r, j])
+                    if v == best and (low < 0 or ids[r, j] < low):
+                        low, pos = ids[r, j], j
+            out_ids[r] = ids[r, pos]
+            w = values[r, pos]
+            finite[r] = w == w and w != np.inf and w != -np.inf
+            every = every and finite[r]
+        return every
+
+    # the unseeded candidate race's noise: splitmix64's finaliser (Steele, Lea and Flood's
+    # SplitMix) over a 64-bit key the sampler's generator draws each step, the row and the
+    # token id; 52 bits of it give a uniform in (0, 1), exact in float64
+    golden = np.uint64(0x9E3779B97F4A7C15)
+    row_step = np.uint64(0xD1B54A32D192ED03)
+    m64_1, m64_2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
+    s27, s30, s31, s12 = np.uint64(27), np.uint64(30), np.uint64(31), np.uint64(12)
+    ulp52 = 2.0 ** -52
+
+    @numba.njit(inline="always")
+    def mix64(z):                         # pragma: no cover - runs compiled
+        z = (z ^ (z >> s30)) * m64_1
+        z = (z ^ (z >> s27)) * m64_2
+        return z ^ (z >> s31)
+
+    @numba.njit(cache=True, nogil=True)
+    def unseeded_race_winners(values, ids, key, out_ids, finite):  # pragma: no cover
+        # each row's winning candidate by a Gumbel race with noise of its own (float64
+        # -log(-log(u)), u from mix64 of key, row and token id): the first largest score, a
+        # NaN value first (as torch.argmax over the scores); returns whether every winner's
+        # value is finite
+        n, W = values.shape
+        every = True
+        for r in range(n):
+            row_key = mix64(np.uint64(key[0]) + np.uint64(r + 1) * row_step)
+            pos = 0
+            best = -np.inf
+            for j in range(W):
+                v = np.float64(values[r, j])
+                if v != v:
+                    pos = j
+                    break
+                h = mix64(row_key + np.uint64(ids[r, j] + 1) * golden)
+                u = (np.float64(h >> s12) + 0.5) * ulp52
+                score = v - np.log(-np.log(u))
+                if score > best or j == 0:
+                    best, pos = score, j
             out_ids[r] = ids[r, pos]
             w = values[r, pos]
             finite[r] = w == w and w != np.inf and w != -np.inf
@@ -565,6 +614,11 @@ def compile_kernels() -> Optional[dict]:
             if out[r] < 0:
                 return False
         return True
+
+    @numba.njit(cache=True, nogil=True)
+    def first_max_at_address(address, n, V, maxima, top, group, out):  # pragma: no cover
+        # first_max_at on the logits at ``address`` (rows_at)
+        return first_max_at(rows_at(address, n, V), maxima, top, group, out)
 
     @numba.njit(cache=True, nogil=True)
     def candidate_typical(values, typical_p, mass_margin, score_margin, lowest, out, settled):  # pragma: no cover
@@ -706,8 +760,9 @@ def compile_kernels() -> Optional[dict]:
                 key_prefixes=key_prefixes,
                 count_at_least=count_at_least, top_and_rank=top_and_rank,
                 candidate_typical=candidate_typical,
-                first_max_at=first_max_at, finite_row_maxima=finite_row_maxima,
-                race_winners=race_winners,
+                first_max_at=first_max_at, first_max_at_address=first_max_at_address,
+                finite_row_maxima=finite_row_maxima, candidate_chain_at=candidate_chain_at,
+                seeded_race_winners=seeded_race_winners, unseeded_race_winners=unseeded_race_winners,
                 group_top_k=group_top_k, candidate_chain=candidate_chain,
                 candidate_min_p=candidate_min_p, collect_above=collect_above,
                 whole_rows=whole_rows, per_row_ids=per_row_ids, inverse_cdf=inverse_cdf,

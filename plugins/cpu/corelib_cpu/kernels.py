@@ -1,11 +1,17 @@
 """Optional compiled kernels (numba), each giving exactly the bits of the torch code it
-replaces, with that torch code as the automatic fallback.
+replaces (but one, the unseeded candidate race, below), with that torch code as the
+automatic fallback.
 
 The kernels:
 
 - the contract's seeded uniforms (``corelib.noise``), the integer hash of every (row key,
   token) pair, over whole rows or over each row's own token ids (a candidate row's), and
   the row keys themselves from their position-free part;
+- the candidate races' winners: seeded, from torch's noise of the contract's uniforms (the
+  reference's winner); unseeded, with noise of the kernel's own from one 64-bit key the
+  sampler's generator draws per step (``unseeded_race_winners``). That one gives the torch
+  race's distribution, not its tokens: unseeded rows promise no tokens (contract: the
+  backend's own generator), and the torch noise was four operator calls of a B = 1 step;
 - the unseeded draw of a small vocabulary (``draw._draw_one_level``): one uniform per row
   through the float64 cumulative sum of the row's weights, in one call where torch makes
   twelve (at V = 512 the step is operator calls, not arithmetic);
@@ -78,6 +84,7 @@ def describe() -> str:
         return f"kernels: pure torch ({reason})"
     return ("kernels: numba (seeded noise and row keys, small-vocabulary draw, top values of a few rows, "
             "min-p candidates, top-k/top-p/typical of candidates, steps 11-13 of a few rows in one call, "
+            "candidate races (unseeded: their noise too), "
             "logprobs (top-N and rank in one pass), "
             "quadratic smoothing, tail-free, kept-set packing, nucleus histogram)")
 
@@ -91,36 +98,44 @@ def _compiled():
 
 
 def seeded_uniforms_into(out: torch.Tensor, keys: torch.Tensor,
-                         token_ids: Optional[torch.Tensor] = None, ids_array=None, out_array=None) -> bool:
+                         token_ids: Optional[torch.Tensor] = None, ids_array=None, out_array=None,
+                         keys_array=None) -> bool:
     """``corelib.noise.uniform_noise(keys[:, None], token_ids)`` written into ``out`` by the
     compiled kernel: out float32 ``[n, W]`` contiguous, keys int32 ``[n]``, token_ids None
     (column j is token j: whole rows) or int64 ``[n, W]`` ids in ``[0, 2**31)`` (each row its
     own), all CPU tensors. The token's share of the hash is made in the kernel, so no
     ``token_offsets`` pass is needed. Returns False, writing nothing, when the compiled path
     does not run here (the caller then takes the torch path). ``ids_array``, ``out_array``:
-    token_ids' and out's numpy views when the caller has them (contiguous)."""
+    token_ids' and out's numpy views when the caller has them (contiguous); ``keys_array``
+    the same for keys."""
     kernels = _compiled()
     if kernels is None or not out.is_contiguous():
         return False
     if out_array is None:
         out_array = out.numpy()
+    if keys_array is None:
+        keys_array = keys.contiguous().numpy()
     if token_ids is None:
-        kernels["whole_rows"](keys.contiguous().numpy(), out_array)
+        kernels["whole_rows"](keys_array, out_array)
     else:
         ids = token_ids.contiguous().numpy() if ids_array is None else ids_array
-        kernels["per_row_ids"](keys.contiguous().numpy(), ids, out_array)
+        kernels["per_row_ids"](keys_array, ids, out_array)
     return True
 
 
-def row_keys_into(out: torch.Tensor, prefix: torch.Tensor, position: torch.Tensor) -> bool:
+def row_keys_into(out: torch.Tensor, prefix: torch.Tensor, position: torch.Tensor,
+                  arrays: Optional[tuple] = None) -> bool:
     """``corelib.noise.row_keys`` from its position-free part: out int32 ``[B]`` becomes
     ``mix32(prefix ^ position)`` (prefix, position int32 ``[B]``; integer arithmetic, the
     same bits) in one call where torch makes eight. Returns False, writing nothing, where the
-    compiled path does not run."""
+    compiled path does not run. ``arrays``: the numpy views of (prefix, position, out) when
+    the caller keeps them (each conversion is an operator call)."""
     kernels = _compiled()
     if kernels is None or not out.is_contiguous():
         return False
-    kernels["mixed_keys"](prefix.contiguous().numpy(), position.contiguous().numpy(), out.numpy())
+    if arrays is None:
+        arrays = (prefix.contiguous().numpy(), position.contiguous().numpy(), out.numpy())
+    kernels["mixed_keys"](*arrays)
     return True
 
 
@@ -253,8 +268,8 @@ def candidate_chain(x: torch.Tensor, maxima: torch.Tensor, group: int, params: t
     width = params[0]
     if kernels is None or not x.is_contiguous() or width >= maxima.shape[1]:
         return None
+    import torch
     if out is None:
-        import torch
         n = x.shape[0]
         values, ids = torch.empty((n, width)), torch.empty((n, width), dtype=torch.long)
         out = (values, ids, values.numpy(), ids.numpy())
@@ -263,22 +278,26 @@ def candidate_chain(x: torch.Tensor, maxima: torch.Tensor, group: int, params: t
     if scratch is None:
         import numpy
         scratch = numpy.empty((2, width))
-    if not kernels["candidate_chain"](x.numpy(), maxima_array, group, *params[1:], out[2], out[3], scratch):
+    if x.dtype == torch.float32:
+        # the logits by address: their numpy view would be four operator calls per step
+        n, V = x.shape
+        done = kernels["candidate_chain_at"](x.data_ptr(), n, V, maxima_array, group, *params[1:],
+                                             out[2], out[3], scratch)
+    else:
+        done = kernels["candidate_chain"](x.numpy(), maxima_array, group, *params[1:], out[2], out[3], scratch)
+    if not done:
         return None
     return out[0], out[1]
 
 
-def race_winners(values: torch.Tensor, minus_noise: torch.Tensor, ids: torch.Tensor, seeded: bool,
-                 arrays: Optional[tuple] = None, finite_out: Optional[tuple] = None):
-    """The winners of candidate races in one compiled call where torch makes four to six:
-    (ids int64 ``[n]``, finite bool ``[n]``: whether the winner's value is finite, every:
+def seeded_race_winners(values: torch.Tensor, minus_noise: torch.Tensor, ids: torch.Tensor,
+                        arrays: Optional[tuple] = None, finite_out: Optional[tuple] = None):
+    """The winners of seeded candidate races in one compiled call where torch makes four to
+    six: (ids int64 ``[n]``, finite bool ``[n]``: whether the winner's value is finite, every:
     whether all are, read in the call) from the candidates' values float32 ``[n, W]``, their
     ids int64 ``[n, W]`` and their ``minus_noise`` float32 ``[n, W]``, ``log(-log(u))`` of
-    the race's uniforms, the uniforms of u = 0 included (they read +inf: the kernel takes
-    torch's value of the smallest normal in their place, as the torch path's clamp does, so
-    the caller makes no clamp call). The scores are the float32 ``values - minus_noise``
-    torch makes; unseeded, the winner the first largest (``draw.race_unseeded_candidates``);
-    seeded, the lowest id among the largest (``draw.race_seeded_candidates``). The same
+    the contract's uniforms. The scores are the float32 ``values - minus_noise`` torch makes,
+    the winner the lowest id among the largest (``draw.race_seeded_candidates``): the same
     subtraction and comparisons, so the same winners. None where the compiled path does not
     run. ``arrays``: the numpy views of (values, minus_noise, ids) when the caller has them
     (contiguous), so none is converted here; ``finite_out``: a bool ``[n]`` buffer and its
@@ -287,31 +306,43 @@ def race_winners(values: torch.Tensor, minus_noise: torch.Tensor, ids: torch.Ten
     kernels = _compiled()
     if kernels is None:
         return None
-    import torch
     if arrays is None:
         arrays = (values.contiguous().numpy(), minus_noise.contiguous().numpy(), ids.contiguous().numpy())
+    return _winners(kernels["seeded_race_winners"], arrays, values.shape[0], finite_out)
+
+
+def unseeded_race_winners(values: torch.Tensor, ids: torch.Tensor, key, arrays: Optional[tuple] = None,
+                          finite_out: Optional[tuple] = None):
+    """The winners of unseeded candidate races in one compiled call, noise included: (ids
+    int64 ``[n]``, finite bool ``[n]``, every: whether all are finite) from the candidates'
+    values float32 ``[n, W]`` and ids int64 ``[n, W]``, each row racing with Gumbel noise
+    ``-log(-log(u))`` in float64 whose uniforms are a hash (splitmix64's finaliser) of
+    ``key`` (int64 numpy ``[1]``, drawn from the sampler's generator for the step), the row
+    and the token id; the first largest score wins, a NaN value first. One draw from the
+    generator per step where the torch race's noise (``draw.race_unseeded_candidates``) is
+    four operator calls over ``[n, W]``; the winners follow the same distribution, not the
+    same uniforms. None where the compiled path does not run. ``arrays``: numpy views of
+    (values, ids); ``finite_out``: as :func:`seeded_race_winners`."""
+    kernels = _compiled()
+    if kernels is None:
+        return None
+    if arrays is None:
+        arrays = (values.contiguous().numpy(), ids.contiguous().numpy())
+    return _winners(kernels["unseeded_race_winners"], (arrays[0], arrays[1], key), values.shape[0], finite_out)
+
+
+def _winners(kernel, arrays: tuple, n: int, finite_out: Optional[tuple]):
+    """(ids, finite, every) of a race kernel called on ``arrays`` and its two outputs."""
     import numpy
-    n = values.shape[0]
+    import torch
     # the ids go to the caller: a new array each call, made by numpy (torch.empty and its
     # numpy view would be two operator calls)
     out = numpy.empty(n, dtype=numpy.int64)
     if finite_out is None:
         flags = torch.empty(n, dtype=torch.bool)
         finite_out = (flags, flags.numpy())
-    every = kernels["race_winners"](arrays[0], arrays[1], arrays[2], seeded, _clamped(), out, finite_out[1])
+    every = kernel(*arrays, out, finite_out[1])
     return torch.from_numpy(out), finite_out[0], every
-
-
-def _clamped():
-    """numpy float32: ``log(-log(u))`` of u the smallest normal float32, by torch's functions
-    (the torch path clamps its uniforms there), made once."""
-    value = _state.get("clamped")
-    if value is None:
-        import numpy as np
-        import torch
-        tiny = torch.full((1,), torch.finfo(torch.float32).tiny)
-        value = _state["clamped"] = np.float32(tiny.log_().neg_().log_().item())
-    return value
 
 
 def finite_row_maxima(maxima, out) -> Optional[bool]:
@@ -346,7 +377,12 @@ def first_max_at(x: torch.Tensor, maxima: torch.Tensor, top: torch.Tensor, group
     # a new array each call (the ids go to the caller), made by numpy: torch.empty and its
     # numpy view would be two operator calls
     out = numpy.empty(x.shape[0], dtype=numpy.int64)
-    if not kernels["first_max_at"](x.numpy(), arrays[0], arrays[1], group, out):
+    if x.dtype == torch.float32:           # by address, as candidate_chain
+        done = kernels["first_max_at_address"](x.data_ptr(), x.shape[0], x.shape[1], arrays[0], arrays[1],
+                                               group, out)
+    else:
+        done = kernels["first_max_at"](x.numpy(), arrays[0], arrays[1], group, out)
+    if not done:
         return None
     return torch.from_numpy(out)
 

@@ -143,13 +143,24 @@ class StepPlan:
         if self.key_prefix is None:
             return None
         keys, scratch = self._key_buffers
-        if kernels.row_keys_into(keys, self.key_prefix, s.position):
+        position = s.position
+        seen = self._position
+        if seen is None or seen[0] is not position:
+            # the step state's position view lives as long as the batch's rows stay (its
+            # numpy view with it): converted once, not every step
+            seen = self._position = (position, position.numpy() if position.is_contiguous() else None)
+        arrays = None if seen[1] is None else (self._prefix_array, seen[1], self.keys_array)
+        if kernels.row_keys_into(keys, self.key_prefix, position, arrays):
             return keys
-        return mix32_(torch.bitwise_xor(self.key_prefix, s.position, out=keys), scratch)
+        return mix32_(torch.bitwise_xor(self.key_prefix, position, out=keys), scratch)
 
     def __post_init__(self):
         size = 0 if self.key_prefix is None else self.key_prefix.shape[0]
         self._key_buffers = (torch.empty(size, dtype=torch.int32), torch.empty(size, dtype=torch.int32))
+        #: the numpy view of the keys ``row_keys`` returns (the draw's kernels read it)
+        self.keys_array = self._key_buffers[0].numpy()
+        self._prefix_array = None if self.key_prefix is None else self.key_prefix.contiguous().numpy()
+        self._position = None
 
 
 def make_plan(s: StepState, rows_per_block: int, sparse_penalties: bool,

@@ -97,11 +97,19 @@ class CpuSampler(LogitStages, FilterStages, DrawStage, Verification, LogprobStag
     ONE_THREAD_ELEMENTS = 1 << 18
 
     def sample_state(self, logits: torch.Tensor, batch: SamplingBatch, s: StepState) -> SamplerOutput:
-        """Steps 1-15: the core template (``Sampler.sample_state``) on each block of rows."""
+        """Steps 1-15: the core template (``Sampler.sample_state``) on each block of rows.
+        Ids that ``flag_invalid`` knew to be every row's real token are marked on the batch
+        (``mark_sampled_ids``): their ``append`` reads nothing back to check them."""
         if more_threads_than_one(s.num_rows * s.vocab_size <= self.ONE_THREAD_ELEMENTS):
             with one_thread():
-                return self.sample_blocks(logits, batch, s)
-        return self.sample_blocks(logits, batch, s)
+                out = self.sample_blocks(logits, batch, s)
+        else:
+            out = self.sample_blocks(logits, batch, s)
+        workspace = self.workspace
+        if out.token_ids is workspace.sampled_ids:
+            batch.mark_sampled_ids(out.token_ids)
+        workspace.sampled_ids = None
+        return out
 
     def sample_blocks(self, logits: torch.Tensor, batch: SamplingBatch, s: StepState) -> SamplerOutput:
         outputs = []
@@ -149,8 +157,10 @@ class CpuSampler(LogitStages, FilterStages, DrawStage, Verification, LogprobStag
         valid (steps 1-8a: ``neutralise_rows``' flag; the draw: ``finite`` is one of the
         shared all-true marks, ``rowops.known_true``),
         a new all-true bool [n] and ``token_ids`` as they are (new, never a buffer): one
-        operator call where the template's pair of passes is two."""
+        operator call where the template's pair of passes is two. Those ids, every row's
+        token in ``[0, V)``, are noted for ``sample_state`` (``Workspace.sampled_ids``)."""
         if known_true(finite) and self.workspace.rows_valid:
+            self.workspace.sampled_ids = token_ids
             return torch.ones(token_ids.shape[0], dtype=torch.bool), token_ids
         return Sampler.flag_invalid(self, valid, finite, token_ids)
 
@@ -270,7 +280,7 @@ class CpuSampler(LogitStages, FilterStages, DrawStage, Verification, LogprobStag
         logits_rows = s.logits_rows
         if logits_rows is None and logits.shape[0] != s.num_rows:
             logits_rows = batch.request_index(s.num_rows)
-        return block_states(s, plan.blocks, keys, logits_rows)
+        return block_states(s, plan.blocks, keys, logits_rows, None if keys is None else plan.keys_array)
 
     def plan(self, logits: torch.Tensor, batch: SamplingBatch, s: CpuStepState, slots: int = 1) -> StepPlan:
         """The step's host facts (see ``plan.StepPlan``), kept by a ``CpuBatch`` until its

@@ -36,14 +36,16 @@ class CpuStepState(StepState):
     ``slot_ids`` int64 ``[B, S]``, ``slot_counts`` int32 ``[B, S]``, ``slot_len`` int64
     ``[B]``. The fields of a block's run (``block_states``, when one block holds every row of
     the step): ``plan``, the block's :class:`~corelib_cpu.plan.BlockPlan`; ``keys`` int32
-    ``[B]``, the rows' seeded keys (None when no row is seeded); ``undrawn``, the rows whose
-    draw verification never reads (``verification.undrawn_slots``)."""
+    ``[B]``, the rows' seeded keys (None when no row is seeded), and ``keys_array`` their numpy
+    view (the plan's, made once); ``undrawn``, the rows whose draw verification never reads
+    (``verification.undrawn_slots``)."""
 
     slot_ids: Optional[torch.Tensor] = None
     slot_counts: Optional[torch.Tensor] = None
     slot_len: Optional[torch.Tensor] = None
     plan: Optional[BlockPlan] = None
     keys: Optional[torch.Tensor] = None
+    keys_array: Optional[object] = None
     undrawn: frozenset = frozenset()
 
 
@@ -59,14 +61,15 @@ def cpu_state(s: StepState) -> CpuStepState:
 
 
 def block_states(s: CpuStepState, plans: list, keys: Optional[torch.Tensor],
-                 logits_rows: Optional[torch.Tensor]) -> list:
+                 logits_rows: Optional[torch.Tensor], keys_array=None) -> list:
     """The states the template runs on, one per block (``plans``: the step's BlockPlans): a
     :class:`BlockState` each, or, when one block holds every row of the step, the step state
-    itself with the block's ``plan``, ``keys``, ``logits_rows`` and ``undrawn`` in its fields
-    (its flags are the block's already; this spares the one block of a small batch the
-    wrapper's cost)."""
+    itself with the block's ``plan``, ``keys`` (and ``keys_array``, their numpy view),
+    ``logits_rows`` and ``undrawn`` in its fields (its flags are the block's already; this
+    spares the one block of a small batch the wrapper's cost)."""
     if len(plans) == 1 and plans[0].r0 == 0 and plans[0].r1 == s.num_rows:
         s.plan, s.keys, s.logits_rows, s.undrawn = plans[0], keys, logits_rows, frozenset()
+        s.keys_array = keys_array
         return [s]
     # the step's host values every block shares (its flags, the logprobs asked for, ...)
     shared = {name: getattr(s, name) for name in _SHARED}
@@ -87,6 +90,7 @@ class BlockState:
     plan: BlockPlan
     undrawn: frozenset                 # verification sets it (``verification.undrawn_slots``)
     keys: Optional[torch.Tensor]       # int32 [n]
+    keys_array: None                   # a block's keys are a slice: none kept
     logits_rows: Optional[torch.Tensor]  # int64 [n]
     num_rows: int
     any_greedy: bool
@@ -112,6 +116,7 @@ class BlockState:
         self.plan = plan
         self.undrawn = frozenset()
         self.keys = keys if keys is None or whole else keys[plan.r0:plan.r1]
+        self.keys_array = None
         self.logits_rows = logits_rows if logits_rows is None or whole else logits_rows[plan.r0:plan.r1]
         self.num_rows = plan.n
         # The block's own flags; those of optional state the batch holds (penalties, masks,

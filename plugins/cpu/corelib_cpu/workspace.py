@@ -29,6 +29,8 @@ class Workspace(threading.local):
         #: This thread's block in progress had every row valid, known on the host
         #: (``neutralise_rows`` sets it, ``flag_invalid`` reads it).
         self.rows_valid = False
+        #: the step's ids when ``flag_invalid`` knew every row valid (every id in [0, V))
+        self.sampled_ids = None
 
     def take(self, name: str, shape: tuple[int, ...], dtype: torch.dtype = torch.float32) -> torch.Tensor:
         numel = 1

@@ -8,6 +8,8 @@ import importlib.util
 import pytest
 import torch
 from corelib import SamplingParams, noise
+from corelib.sampler import Sampler
+from corelib.testing import chi_square_p_value
 
 import corelib_cpu
 from corelib_cpu import kernels
@@ -189,7 +191,8 @@ def test_candidate_top_p_settles_the_same_nuclei_on_both_paths(monkeypatch, W):
 @pytest.mark.parametrize("seeded", [False, True])
 def test_top_k_top_p_requests_draw_the_same_tokens_on_both_paths(monkeypatch, seeded):
     """The sampler end to end (top-k + top-p + temperature, every row a candidate row): the
-    same tokens from the compiled and the torch path, seeded or from the same generator."""
+    same tokens from the compiled and the torch path when seeded; unseeded (the compiled
+    race has noise of its own), tokens of the reference's kept sets on both."""
     V = 5000
     logits = torch.randn((12, V), generator=torch.Generator().manual_seed(10)) * 2
 
@@ -199,10 +202,14 @@ def test_top_k_top_p_requests_draw_the_same_tokens_on_both_paths(monkeypatch, se
         for i in range(12):
             batch.add(f"r{i}", SamplingParams(top_k=5 + 7 * i, top_p=0.5 + 0.04 * i, temperature=0.7,
                                               **(dict(seed=i) if seeded else {})))
-        return torch.stack([sampler.step(logits, batch).token_ids for _ in range(6)])
+        out = []
+        for _ in range(6):
+            out.append(sampler.step(logits, batch).token_ids)
+            _assert_kept(logits, batch, out[-1])
+        return torch.stack(out)
 
     compiled, plain = _both_paths(monkeypatch, tokens)
-    assert torch.equal(compiled, plain)
+    assert torch.equal(compiled, plain) or not seeded
 
 
 @needs_numba
@@ -212,9 +219,9 @@ def test_top_k_top_p_requests_draw_the_same_tokens_on_both_paths(monkeypatch, se
 def test_few_row_top_k_steps_draw_the_same_tokens_on_both_paths(monkeypatch, V, rows, seeded):
     """Blocks of one or two top-k rows (the chain kernel, typical-p on the candidates and the
     race write into the workspace's buffers, the group maxima too where V is a multiple of
-    the group): the same
-    tokens as the torch path, step after step, seeded or from the same generator, and the
-    buffers reused across steps and across two batches of different widths."""
+    the group): the same seeded tokens as the torch path, step after step (unseeded, tokens
+    of the reference's kept sets on both), and the buffers reused across steps and across
+    two batches of different widths."""
     logits = torch.randn((8, V), generator=torch.Generator().manual_seed(V)) * 2
     chains = [dict(top_k=40, top_p=0.95, min_p=0.05, temperature=0.8), dict(top_k=50, top_p=0.95, temperature=0.7),
               dict(top_k=40), dict(top_k=7, temperature=1.3)]
@@ -228,11 +235,22 @@ def test_few_row_top_k_steps_draw_the_same_tokens_on_both_paths(monkeypatch, V, 
             batch = sampler.new_batch(V)
             for i in range(rows):
                 batch.add(f"r{i}", SamplingParams(**chain, **(dict(seed=10 * c + i) if seeded else {})))
-            out += [sampler.step(logits[(t + c) % 7:(t + c) % 7 + rows], batch).token_ids for t in range(6)]
+            for t in range(6):
+                step_logits = logits[(t + c) % 7:(t + c) % 7 + rows]
+                out.append(sampler.step(step_logits, batch).token_ids)
+                _assert_kept(step_logits, batch, out[-1])
         return torch.stack(out)
 
     compiled, plain = _both_paths(monkeypatch, tokens)
-    assert torch.equal(compiled, plain)
+    assert torch.equal(compiled, plain) or not seeded
+
+
+def _assert_kept(logits, batch, token_ids):
+    """Every row's token is in the reference's kept set of that row (before the step's
+    append: the batch holds no penalties, so its state does not change the sets)."""
+    reference = Sampler("cpu")
+    kept = torch.isfinite(reference.processed_logits(logits, batch))
+    assert bool(kept.gather(1, token_ids[:, None]).all())
 
 
 def test_workspace_pairs_are_made_once_and_share_memory():
@@ -286,6 +304,7 @@ def test_info_names_the_path():
     else:
         assert described == ("kernels: numba (seeded noise and row keys, small-vocabulary draw, top values of a few "
                              "rows, min-p candidates, top-k/top-p/typical of candidates, steps 11-13 of a few rows in one call, "
+                             "candidate races (unseeded: their noise too), "
                              "logprobs (top-N and rank in one pass), "
                              "quadratic smoothing, tail-free, kept-set packing, nucleus histogram)")
 
@@ -428,62 +447,95 @@ def test_candidate_chain_is_the_steps_one_by_one(V):
 
 
 @needs_numba
-def test_race_winners_are_the_torch_races():
-    """``kernels.race_winners`` picks the torch races' winners: unseeded, the first largest of
-    values - log(-log(u)) with the same uniforms; seeded, the lowest id among the largest
-    scores (ties made on purpose); rows of -inf tails, of one finite value, +inf and NaN."""
-    from corelib_cpu.draw import candidate_winners, race_seeded_candidates, race_unseeded_candidates
+def test_seeded_race_winners_are_the_torch_races():
+    """``kernels.seeded_race_winners`` picks the torch race's winner: the lowest id among the
+    largest of values - log(-log(u)) (ties made on purpose); rows of -inf tails, of one
+    finite value, +inf and NaN."""
+    from corelib_cpu.draw import candidate_winners, race_seeded_candidates
     values = _candidate_rows(64, 48, seed=11)
     g = torch.Generator().manual_seed(5)
     ids = torch.stack([torch.randperm(1000, generator=g)[:48] for _ in range(64)])
     keys = _keys(64, seed=2)
-    workspace = Workspace()
-    for seeded in (False, True):
-        a, b = torch.Generator().manual_seed(9), torch.Generator().manual_seed(9)
-        c = torch.Generator().manual_seed(9)
-        got = candidate_winners(values, ids, keys if seeded else None, a)
-        race = race_seeded_candidates(values, ids, keys) if seeded else race_unseeded_candidates(values, b)
-        assert torch.equal(got[0], ids.gather(1, race)[:, 0])
-        assert torch.equal(got[1], torch.isfinite(values.gather(1, race)[:, 0]))
-        # the caller's numpy views and the workspace's scores buffer: the same winners
-        lent = candidate_winners(values, ids, keys if seeded else None, c, (values.numpy(), ids.numpy()),
-                                 workspace)
-        assert torch.equal(lent[0], got[0]) and torch.equal(lent[1], got[1])
-    # equal scores: the lowest id wins the seeded race, the first column the unseeded one
+    got = candidate_winners(values, ids, keys, None)
+    race = race_seeded_candidates(values, ids, keys)
+    assert torch.equal(got[0], ids.gather(1, race)[:, 0])
+    assert torch.equal(got[1], torch.isfinite(values.gather(1, race)[:, 0]))
+    # the caller's numpy views and the workspace's buffers: the same winners
+    lent = candidate_winners(values, ids, keys, None, (values.numpy(), ids.numpy()), Workspace(),
+                             keys.numpy())
+    assert torch.equal(lent[0], got[0]) and torch.equal(lent[1], got[1])
+    # equal scores: the lowest id wins
     scores = torch.zeros((2, 6))
     scores[1, 2] = float("nan")
     tied_ids = torch.tensor([[9, 4, 7, 4 + 1, 3, 8], [1, 2, 3, 4, 5, 6]])
-    won = kernels.race_winners(torch.zeros((2, 6)), scores, tied_ids, True)
+    won = kernels.seeded_race_winners(torch.zeros((2, 6)), scores, tied_ids)
     assert won[0].tolist() == [3, 1]                        # NaN: none equal, the first column
-    won = kernels.race_winners(torch.ones((2, 6)), scores, tied_ids, False)
-    assert won[0].tolist() == [9, 3]                        # NaN: the first NaN, as torch.argmax
     assert len(won) == 3 and won[2] is True                 # one shape of answer on every path
 
 
+def _unseeded_winners(values, ids, generator, workspace=None):
+    from corelib_cpu.draw import candidate_winners
+    lent = (values.numpy(), ids.numpy()) if workspace is not None else None
+    return candidate_winners(values, ids, None, generator, lent, workspace)
+
+
 @needs_numba
-def test_race_winners_read_u_zero_as_the_clamped_uniform():
-    """The caller makes no clamp call: a uniform of 0 (its noise +inf) races as torch's path,
-    which clamps u to the smallest normal first, in both races."""
-    from corelib_cpu.draw import _TINY
-    g = torch.Generator().manual_seed(4)
-    values = torch.randn((3, 16), generator=g)
-    u = torch.rand((3, 16), generator=g)
-    u[0, 5] = u[1, 0] = u[2, 15] = 0.0
-    values[0, 5] = values[0].max() + 20.0                   # wins with the clamped noise only
-    ids = torch.stack([torch.randperm(100, generator=g)[:16] for _ in range(3)])
-    unclamped = u.clone().log_().neg_().log_()
-    assert bool(torch.isinf(unclamped).any())
-    clamped = u.clamp_min(_TINY).log_().neg_().log_()
-    scores = values - clamped
-    for seeded in (False, True):
-        won = kernels.race_winners(values, unclamped, ids, seeded)
-        if seeded:
-            best = scores.amax(dim=-1, keepdim=True)
-            want = torch.where(scores == best, ids, torch.iinfo(torch.long).max).amin(dim=-1)
-        else:
-            want = ids.gather(1, scores.argmax(dim=-1, keepdim=True))[:, 0]
-        assert torch.equal(won[0], want), seeded
-        assert int(won[0][0]) == int(ids[0, 5])
+@pytest.mark.parametrize("lent", [False, True])
+def test_unseeded_race_winners_follow_the_candidates_distribution(lent):
+    """The unseeded race's own noise (one key drawn from the generator per call): each row's
+    winner follows the softmax of its candidates (chi-square, fixed seeds, p > 1e-6), never a
+    dropped one; two rows of a call and the same row in two calls are independent (the
+    joint counts of neighbours follow the product of the marginals)."""
+    g = torch.Generator().manual_seed(3)
+    W, V = 30, 1000
+    values = torch.sort(torch.randn(W, generator=g) * 1.5, descending=True).values
+    values[20:] = float("-inf")
+    ids = torch.randperm(V, generator=g)[:W]
+    rows, calls = 2000, 10
+    wide_values, wide_ids = values.expand(rows, W).contiguous(), ids.expand(rows, W).contiguous()
+    gen = torch.Generator().manual_seed(4)
+    workspace = Workspace() if lent else None
+    drawn = torch.stack([_unseeded_winners(wide_values, wide_ids, gen, workspace)[0].clone()
+                         for _ in range(calls)])
+    probs = torch.zeros(V).scatter_(0, ids, torch.softmax(values, dim=-1))
+    counts = torch.bincount(drawn.flatten(), minlength=V)
+    kept = probs > 0
+    assert int(counts[~kept].sum()) == 0
+    assert chi_square_p_value(counts[kept], probs[kept]) > 1e-6
+    # neighbours: four candidates, 16 joint cells
+    few = torch.tensor([1.0, 0.5, 0.0, -0.5])
+    few_ids = torch.tensor([7, 3, 11, 5])
+    draws = torch.stack([_unseeded_winners(few.expand(rows, 4).contiguous(), few_ids.expand(rows, 4).contiguous(),
+                                           gen, workspace)[0].clone() for _ in range(calls)])
+    column = {int(t): j for j, t in enumerate(few_ids)}
+    cols = draws.apply_(lambda t: column[t])
+    p = torch.softmax(few, dim=-1)
+    joint = (p[:, None] * p[None, :]).flatten()
+    for first, second in ((cols[:, 0::2], cols[:, 1::2]), (cols[:-1], cols[1:])):   # rows, calls
+        cells = torch.bincount((first * 4 + second).flatten(), minlength=16)
+        assert chi_square_p_value(cells, joint) > 1e-6
+
+
+@needs_numba
+def test_unseeded_race_winners_are_the_generators():
+    """The same generator state gives the same winners, another state others, and each call
+    draws one number from the generator; a NaN value wins (the first), a row of -inf only
+    gives its first candidate, flagged not finite."""
+    values = torch.randn((64, 40), generator=torch.Generator().manual_seed(1))
+    ids = torch.stack([torch.randperm(5000, generator=torch.Generator().manual_seed(r))[:40] for r in range(64)])
+    a = _unseeded_winners(values, ids, torch.Generator().manual_seed(9))[0]
+    assert torch.equal(a, _unseeded_winners(values, ids, torch.Generator().manual_seed(9), Workspace())[0])
+    assert not torch.equal(a, _unseeded_winners(values, ids, torch.Generator().manual_seed(10))[0])
+    gen = torch.Generator().manual_seed(9)
+    _unseeded_winners(values, ids, gen)
+    after = torch.Generator().manual_seed(9)
+    torch.empty(1, dtype=torch.long).random_(generator=after)
+    assert torch.equal(gen.get_state(), after.get_state())
+    odd = torch.zeros((2, 6))
+    odd[0, 2] = odd[0, 4] = float("nan")
+    odd[1] = float("-inf")
+    won = kernels.unseeded_race_winners(odd, torch.arange(12).reshape(2, 6), torch.zeros(1, dtype=torch.long).numpy())
+    assert won[0].tolist() == [2, 6] and won[1].tolist() == [False, False] and won[2] is False
 
 
 @needs_numba

@@ -196,7 +196,8 @@ def test_typical_after_a_cut_reads_the_candidates_and_keeps_the_references_set(m
 def test_few_row_blocks_flag_nan_inf_and_empty_rows_as_the_reference(params):
     """Blocks of one and two rows check their rows' maxima on the host (``any_token_left``):
     a row holding NaN, one holding +inf and one of -inf only are flagged as the reference
-    flags them, and a valid row beside them samples the reference's way."""
+    flags them, a valid row beside them samples the reference's way, and append of the
+    step's ids advances the valid rows only."""
     V = 4096
     logits = torch.randn((4, V), generator=torch.Generator().manual_seed(2))
     logits[0, 17] = float("nan")
@@ -215,6 +216,10 @@ def test_few_row_blocks_flag_nan_inf_and_empty_rows_as_the_reference(params):
             assert torch.equal(got.token_ids[~want.valid], want.token_ids[~want.valid]), (rows, r)
             if "seed" in params or params.get("temperature") == 0.0:
                 assert torch.equal(got.token_ids, want.token_ids), (rows, r)
+            # the step's ids go to append as they came (marked on the batch when every row
+            # was valid): flagged rows stay where they were, the others advance
+            mine.append(got.token_ids)
+            assert mine.generated_counts() == [int(v) for v in want.valid.tolist()], (rows, r)
 
 
 @pytest.mark.skipif(not kernels.wanted(), reason="the candidates' typical-p is compiled only")
