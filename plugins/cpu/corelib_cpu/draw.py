@@ -28,7 +28,7 @@ import torch
 from corelib.noise import gumbel_from_uniform, gumbel_from_uniform_, seeded_gumbel_into, token_offsets
 
 from . import kernels
-from .rowops import GROUP, all_true, first_argmax, group_maxima, is_finite
+from .rowops import GROUP, first_argmax, group_maxima, is_finite
 
 # Tokens per block of the inverse-CDF search: the second search reads one block per row.
 CDF_BLOCK = 256
@@ -83,10 +83,10 @@ def seeded_scores(values: torch.Tensor, keys: torch.Tensor, ids: torch.Tensor) -
 def candidate_winners(values: torch.Tensor, ids: torch.Tensor, keys: Optional[torch.Tensor],
                       generator: Optional[torch.Generator], arrays: Optional[tuple] = None,
                       workspace=None, keys_array=None):
-    """(ids int64 [n], finite bool [n]): the winning token of every candidate row and whether
-    its value is finite, every row seeded or none, by one compiled call; None where the
-    compiled path does not run (nothing drawn). The flags are ``rowops.all_true(n)`` when
-    every winner is finite (read within the step only).
+    """(ids int64 [n], finite bool [n], every): the winning token of every candidate row,
+    whether its value is finite and whether every one is (read in the kernel call: no
+    operator call), every row seeded or none, by one compiled call; None where the compiled
+    path does not run (nothing drawn). Both tensors are new (the caller may hand them on).
 
     - Seeded (``keys`` int32 [n]): the winner of :func:`race_seeded_candidates`, the
       reference's token. The noise takes four calls (the hash in one compiled call, then
@@ -99,14 +99,12 @@ def candidate_winners(values: torch.Tensor, ids: torch.Tensor, keys: Optional[to
       code). The same distribution, not the same uniforms as the torch path.
 
     ``arrays``: the numpy views of (values, ids) when the caller has them
-    (``Candidates.arrays``), and ``workspace`` then lends the noise's, the key's and the
-    flags' buffers (pairs), so the step converts no tensor for the race; ``keys_array``:
-    the numpy view of ``keys`` when the caller keeps one."""
+    (``Candidates.arrays``), and ``workspace`` then lends the noise's and the key's buffers
+    (pairs), so the step converts no tensor for the race; ``keys_array``: the numpy view of
+    ``keys`` when the caller keeps one."""
     if not kernels.wanted():
         return None
     lent = arrays is not None and workspace is not None
-    n = values.shape[0]
-    finite = workspace.pair("race_finite", (n,), torch.bool) if lent else None
     if keys is None:
         if lent:
             key, key_array = workspace.pair("race_key", (1,), torch.long)
@@ -114,24 +112,18 @@ def candidate_winners(values: torch.Tensor, ids: torch.Tensor, keys: Optional[to
             key = torch.empty(1, dtype=torch.long)
             key_array = key.numpy()
         key.random_(generator=generator)
-        won = kernels.unseeded_race_winners(values, ids, key_array, arrays if lent else None, finite)
+        return kernels.unseeded_race_winners(values, ids, key_array, arrays if lent else None)
+    if lent:
+        minus_noise, noise_array = workspace.pair("race_scores", tuple(values.shape))
     else:
-        if lent:
-            minus_noise, noise_array = workspace.pair("race_scores", tuple(values.shape))
-        else:
-            minus_noise = torch.empty(values.shape)
-        if not kernels.seeded_uniforms_into(minus_noise, keys, ids,
-                                            *((arrays[1], noise_array) if lent else (None, None)),
-                                            keys_array):
-            return None                    # the kernels failed to load: no race kernel either
-        minus_noise.log_().neg_().log_()
-        won = kernels.seeded_race_winners(values, minus_noise, ids,
-                                          (arrays[0], noise_array, arrays[1]) if lent else None, finite)
-    if won is None:
-        return None
-    # every winner finite, as the kernel answered (no operator call): the shared all-true
-    # mark lets flag_invalid skip its two passes; else the flags, read within the step
-    return won[0], (all_true(n) if won[2] else won[1])
+        minus_noise = torch.empty(values.shape)
+    if not kernels.seeded_uniforms_into(minus_noise, keys, ids,
+                                        *((arrays[1], noise_array) if lent else (None, None)),
+                                        keys_array):
+        return None                        # the kernels failed to load: no race kernel either
+    minus_noise.log_().neg_().log_()
+    return kernels.seeded_race_winners(values, minus_noise, ids,
+                                       (arrays[0], noise_array, arrays[1]) if lent else None)
 
 
 def race_unseeded_candidates(values: torch.Tensor, generator: Optional[torch.Generator]) -> torch.Tensor:

@@ -53,6 +53,8 @@ class DrawStage:
                                         self.generator, cand.arrays(), self.workspace, s.keys_array)
                 if won is not None:
                     x.drawn_finite = won[1]
+                    if won[2]:             # every winner finite: flag_invalid may hand it on
+                        self.workspace.true_flags = won[1]
                     return won[0]
             pos = self.race_candidates(cand, bp, s.keys)
             x.drawn_finite = is_finite(cand.values.gather(1, pos)[:, 0])

@@ -291,7 +291,7 @@ def candidate_chain(x: torch.Tensor, maxima: torch.Tensor, group: int, params: t
 
 
 def seeded_race_winners(values: torch.Tensor, minus_noise: torch.Tensor, ids: torch.Tensor,
-                        arrays: Optional[tuple] = None, finite_out: Optional[tuple] = None):
+                        arrays: Optional[tuple] = None):
     """The winners of seeded candidate races in one compiled call where torch makes four to
     six: (ids int64 ``[n]``, finite bool ``[n]``: whether the winner's value is finite, every:
     whether all are, read in the call) from the candidates' values float32 ``[n, W]``, their
@@ -300,19 +300,17 @@ def seeded_race_winners(values: torch.Tensor, minus_noise: torch.Tensor, ids: to
     the winner the lowest id among the largest (``draw.race_seeded_candidates``): the same
     subtraction and comparisons, so the same winners. None where the compiled path does not
     run. ``arrays``: the numpy views of (values, minus_noise, ids) when the caller has them
-    (contiguous), so none is converted here; ``finite_out``: a bool ``[n]`` buffer and its
-    numpy view (``Workspace.pair``) to write the flags into, returned in place of a new
-    tensor."""
+    (contiguous), so none is converted here. The ids and flags are new tensors, made by
+    numpy (``torch.empty`` and its numpy view would be two operator calls each)."""
     kernels = _compiled()
     if kernels is None:
         return None
     if arrays is None:
         arrays = (values.contiguous().numpy(), minus_noise.contiguous().numpy(), ids.contiguous().numpy())
-    return _winners(kernels["seeded_race_winners"], arrays, values.shape[0], finite_out)
+    return _winners(kernels["seeded_race_winners"], arrays, values.shape[0])
 
 
-def unseeded_race_winners(values: torch.Tensor, ids: torch.Tensor, key, arrays: Optional[tuple] = None,
-                          finite_out: Optional[tuple] = None):
+def unseeded_race_winners(values: torch.Tensor, ids: torch.Tensor, key, arrays: Optional[tuple] = None):
     """The winners of unseeded candidate races in one compiled call, noise included: (ids
     int64 ``[n]``, finite bool ``[n]``, every: whether all are finite) from the candidates'
     values float32 ``[n, W]`` and ids int64 ``[n, W]``, each row racing with Gumbel noise
@@ -322,27 +320,24 @@ def unseeded_race_winners(values: torch.Tensor, ids: torch.Tensor, key, arrays: 
     generator per step where the torch race's noise (``draw.race_unseeded_candidates``) is
     four operator calls over ``[n, W]``; the winners follow the same distribution, not the
     same uniforms. None where the compiled path does not run. ``arrays``: numpy views of
-    (values, ids); ``finite_out``: as :func:`seeded_race_winners`."""
+    (values, ids). New ids and flags, as :func:`seeded_race_winners`'."""
     kernels = _compiled()
     if kernels is None:
         return None
     if arrays is None:
         arrays = (values.contiguous().numpy(), ids.contiguous().numpy())
-    return _winners(kernels["unseeded_race_winners"], (arrays[0], arrays[1], key), values.shape[0], finite_out)
+    return _winners(kernels["unseeded_race_winners"], (arrays[0], arrays[1], key), values.shape[0])
 
 
-def _winners(kernel, arrays: tuple, n: int, finite_out: Optional[tuple]):
-    """(ids, finite, every) of a race kernel called on ``arrays`` and its two outputs."""
+def _winners(kernel, arrays: tuple, n: int):
+    """(ids, finite, every) of a race kernel called on ``arrays`` and its two outputs, new
+    arrays each call (both may go to the caller: the step's ids, and its valid flags when
+    every winner is finite)."""
     import numpy
     import torch
-    # the ids go to the caller: a new array each call, made by numpy (torch.empty and its
-    # numpy view would be two operator calls)
-    out = numpy.empty(n, dtype=numpy.int64)
-    if finite_out is None:
-        flags = torch.empty(n, dtype=torch.bool)
-        finite_out = (flags, flags.numpy())
-    every = kernel(*arrays, out, finite_out[1])
-    return torch.from_numpy(out), finite_out[0], every
+    out, flags = numpy.empty(n, dtype=numpy.int64), numpy.empty(n, dtype=numpy.bool_)
+    every = kernel(*arrays, out, flags)
+    return torch.from_numpy(out), torch.from_numpy(flags), every
 
 
 def finite_row_maxima(maxima, out) -> Optional[bool]:

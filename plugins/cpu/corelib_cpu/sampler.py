@@ -108,7 +108,7 @@ class CpuSampler(LogitStages, FilterStages, DrawStage, Verification, LogprobStag
         workspace = self.workspace
         if out.token_ids is workspace.sampled_ids:
             batch.mark_sampled_ids(out.token_ids)
-        workspace.sampled_ids = None
+        workspace.sampled_ids = workspace.true_flags = None
         return out
 
     def sample_blocks(self, logits: torch.Tensor, batch: SamplingBatch, s: StepState) -> SamplerOutput:
@@ -154,13 +154,17 @@ class CpuSampler(LogitStages, FilterStages, DrawStage, Verification, LogprobStag
     def flag_invalid(self, valid: torch.Tensor, finite: torch.Tensor,
                      token_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``Sampler.flag_invalid``; when the host already knows every row of the block is
-        valid (steps 1-8a: ``neutralise_rows``' flag; the draw: ``finite`` is one of the
-        shared all-true marks, ``rowops.known_true``),
-        a new all-true bool [n] and ``token_ids`` as they are (new, never a buffer): one
-        operator call where the template's pair of passes is two. Those ids, every row's
-        token in ``[0, V)``, are noted for ``sample_state`` (``Workspace.sampled_ids``)."""
-        if known_true(finite) and self.workspace.rows_valid:
-            self.workspace.sampled_ids = token_ids
+        valid (steps 1-8a: ``neutralise_rows``' flag; the draw: ``finite`` is the candidate
+        race's new flags, all true, ``Workspace.true_flags``, or one of the shared all-true
+        marks, ``rowops.known_true``), those flags (or a new all-true bool [n]) and
+        ``token_ids`` as they are (new, never a buffer): no operator call, or one, where the
+        template's pair of passes is two. Those ids, every row's token in ``[0, V)``, are
+        noted for ``sample_state`` (``Workspace.sampled_ids``)."""
+        workspace = self.workspace
+        if workspace.rows_valid and (finite is workspace.true_flags or known_true(finite)):
+            workspace.sampled_ids = token_ids
+            if finite is workspace.true_flags:
+                return finite, token_ids
             return torch.ones(token_ids.shape[0], dtype=torch.bool), token_ids
         return Sampler.flag_invalid(self, valid, finite, token_ids)
 

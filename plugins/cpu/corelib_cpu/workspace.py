@@ -31,6 +31,9 @@ class Workspace(threading.local):
         self.rows_valid = False
         #: the step's ids when ``flag_invalid`` knew every row valid (every id in [0, V))
         self.sampled_ids = None
+        #: the candidate race's flags when every winner was finite (a new all-true tensor,
+        #: which ``flag_invalid`` may return as the step's valid flags)
+        self.true_flags = None
 
     def take(self, name: str, shape: tuple[int, ...], dtype: torch.dtype = torch.float32) -> torch.Tensor:
         numel = 1

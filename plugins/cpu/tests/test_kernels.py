@@ -540,21 +540,27 @@ def test_unseeded_race_winners_are_the_generators():
 
 @needs_numba
 def test_race_winners_say_whether_every_winner_is_finite():
-    """The lent-buffer race answers "every winner finite" in the kernel call: the shared
-    all-true mark then (flag_invalid skips its passes), else the per-row flags, which say
-    which winners are not finite."""
+    """The race answers "every winner finite" in the kernel call, seeded and unseeded, with
+    per-row flags that say which winners are not; ids and flags are new tensors each call
+    (the step may hand both to its caller), never a buffer a later call writes."""
     from corelib_cpu.draw import candidate_winners
-    from corelib_cpu.rowops import known_true
     values = torch.randn((2, 8), generator=torch.Generator().manual_seed(3))
     ids = torch.arange(16).reshape(2, 8)
-    for inf_row in (None, 0, 1):
-        v = values.clone()
-        if inf_row is not None:
-            v[inf_row] = float("inf")
-        won = candidate_winners(v, ids, None, torch.Generator().manual_seed(1), (v.numpy(), ids.numpy()),
-                                Workspace())
-        assert known_true(won[1]) == (inf_row is None)
-        assert won[1].tolist() == [row != inf_row for row in range(2)]
+    workspace = Workspace()
+    for keys in (None, _keys(2, seed=1)):
+        earlier = None
+        for inf_row in (None, 0, 1):
+            v = values.clone()
+            if inf_row is not None:
+                v[inf_row] = float("inf")
+            won = candidate_winners(v, ids, keys, torch.Generator().manual_seed(1), (v.numpy(), ids.numpy()),
+                                    workspace)
+            assert won[2] == (inf_row is None)
+            assert won[1].tolist() == [row != inf_row for row in range(2)]
+            if earlier is not None:
+                assert earlier[1].tolist() == [True, True]          # not written by this call
+                assert won[0].data_ptr() != earlier[0].data_ptr() and won[1].data_ptr() != earlier[1].data_ptr()
+            earlier = won if inf_row is None else earlier
 
 
 @needs_numba

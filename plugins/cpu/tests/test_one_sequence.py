@@ -222,6 +222,26 @@ def test_few_row_blocks_flag_nan_inf_and_empty_rows_as_the_reference(params):
             assert mine.generated_counts() == [int(v) for v in want.valid.tolist()], (rows, r)
 
 
+@pytest.mark.parametrize("params", [dict(top_k=40), dict(top_k=40, seed=5), dict(temperature=0.0)],
+                         ids=["top_k", "top_k_seeded", "greedy"])
+def test_each_step_returns_tensors_of_its_own(params):
+    """A B = 1 step's ids and valid flags are new tensors (the race's own, or made for the
+    step): writing one step's output never changes another's, nor the next step."""
+    V = 4096
+    logits = torch.randn((2, V), generator=torch.Generator().manual_seed(6))
+    cpu = CpuSampler()
+    batch = one_request(cpu, V, SamplingParams(**params))
+    first = cpu.step(logits[:1], batch)
+    second = cpu.step(logits[1:], batch)
+    kept = (first.token_ids.clone(), second.token_ids.clone())
+    first.valid[0] = False
+    first.token_ids[0] = -1
+    assert second.valid.tolist() == [True] and torch.equal(second.token_ids, kept[1])
+    third = cpu.step(logits[:1], batch)
+    assert third.valid.tolist() == [True] and 0 <= int(third.token_ids[0]) < V
+    assert batch.generated_counts() == [3]
+
+
 @pytest.mark.skipif(not kernels.wanted(), reason="the candidates' typical-p is compiled only")
 def test_typical_on_candidates_settles_by_the_candidates_margin_and_keeps_the_references_set():
     """The score margin follows the candidates' count (``select.typical_score_margin``): rows
