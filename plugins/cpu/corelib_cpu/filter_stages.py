@@ -46,6 +46,7 @@ from .filters import top_n_sigma_thresholds, typical_rows_, xtc_rows_
 from .rowops import GROUP, KERNEL_ROWS, first_argmax, searches_groups
 from .select import (MIN_P_MARGIN, kth_largest, mask_below, min_p_of_candidates, top_k_candidates, top_p_candidates,
                      top_p_candidates_fast, top_p_tolerance, typical_candidates)
+from .workspace import numpy_view
 
 
 class _Rows:
@@ -248,7 +249,8 @@ class FilterStages:
             shape = tuple(cand.values.shape)
             kept, kept_array = self.workspace.pair("typical_values", shape)
             settled, settled_array = self.workspace.pair("typical_settled", shape[:1], torch.bool)
-            found = typical_candidates(cand.values, typical_p, arrays[0], (kept, settled, kept_array, settled_array))
+            found = typical_candidates(cand.values, typical_p, arrays[0], (kept, settled, kept_array, settled_array),
+                                       numpy_view(x.plan.kernel_args, "typical_p", typical_p))
             # a list of one or two flags: cheaper than numpy's reduction of them
             if found is not None and all(settled_array.tolist()):
                 cand.values, cand.views = kept, (kept, cand.ids, kept_array, arrays[1])

@@ -383,7 +383,8 @@ def first_max_at(x: torch.Tensor, maxima: torch.Tensor, top: torch.Tensor, group
 
 
 def typical_of_candidates(values: torch.Tensor, typical_p: torch.Tensor, mass_margin: float,
-                          score_margin: float, lowest: float, values_array=None, out: Optional[tuple] = None):
+                          score_margin: float, lowest: float, values_array=None, out: Optional[tuple] = None,
+                          typical_p_array=None):
     """Step 13a on candidate rows by the compiled kernel: (values with the tokens outside the
     typical set at -inf, settled bool ``[n]``) from the candidates float32 ``[n, W]`` (-inf =
     dropped; every token outside them is dropped too) and typical_p float32 ``[n]`` (1 keeps
@@ -393,7 +394,8 @@ def typical_of_candidates(values: torch.Tensor, typical_p: torch.Tensor, mass_ma
     compiled path does not run (the caller then reads whole rows).
 
     ``values_array``: values' numpy view when the caller has it; ``out``: (values, settled,
-    their numpy views), buffers of those shapes the caller lends (``Workspace.pair``)."""
+    their numpy views), buffers of those shapes the caller lends (``Workspace.pair``);
+    ``typical_p_array``: typical_p's numpy view when the caller keeps one."""
     kernels = _compiled()
     if kernels is None:
         return None
@@ -404,7 +406,9 @@ def typical_of_candidates(values: torch.Tensor, typical_p: torch.Tensor, mass_ma
         out = (kept, settled, kept.numpy(), settled.numpy())
     if values_array is None:
         values_array = values.contiguous().numpy()
-    kernels["candidate_typical"](values_array, typical_p.contiguous().numpy(), float(mass_margin),
+    if typical_p_array is None:
+        typical_p_array = typical_p.contiguous().numpy()
+    kernels["candidate_typical"](values_array, typical_p_array, float(mass_margin),
                                  float(score_margin), float(lowest), out[2], out[3])
     return out[0], out[1]
 

@@ -19,6 +19,7 @@ from corelib import StepState, pipeline
 from corelib.noise import mix32_, row_key_prefix
 
 from . import kernels
+from .workspace import numpy_view
 
 
 @dataclass
@@ -143,16 +144,10 @@ class StepPlan:
         if self.key_prefix is None:
             return None
         keys, scratch = self._key_buffers
-        position = s.position
-        seen = self._position
-        if seen is None or seen[0] is not position:
-            # the step state's position view lives as long as the batch's rows stay (its
-            # numpy view with it): converted once, not every step
-            seen = self._position = (position, position.numpy() if position.is_contiguous() else None)
-        arrays = None if seen[1] is None else (self._prefix_array, seen[1], self.keys_array)
-        if kernels.row_keys_into(keys, self.key_prefix, position, arrays):
+        arrays = (self._prefix_array, numpy_view(self._views, "position", s.position), self.keys_array)
+        if kernels.row_keys_into(keys, self.key_prefix, s.position, arrays):
             return keys
-        return mix32_(torch.bitwise_xor(self.key_prefix, position, out=keys), scratch)
+        return mix32_(torch.bitwise_xor(self.key_prefix, s.position, out=keys), scratch)
 
     def __post_init__(self):
         size = 0 if self.key_prefix is None else self.key_prefix.shape[0]
@@ -160,7 +155,7 @@ class StepPlan:
         #: the numpy view of the keys ``row_keys`` returns (the draw's kernels read it)
         self.keys_array = self._key_buffers[0].numpy()
         self._prefix_array = None if self.key_prefix is None else self.key_prefix.contiguous().numpy()
-        self._position = None
+        self._views: dict = {}            # numpy_view's: the step state's position
 
 
 def make_plan(s: StepState, rows_per_block: int, sparse_penalties: bool,

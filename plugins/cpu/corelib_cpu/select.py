@@ -177,17 +177,18 @@ TYPICAL_LOWEST = -80.0
 
 
 def typical_candidates(values: torch.Tensor, typical_p: torch.Tensor, values_array=None,
-                       out: Optional[tuple] = None):
+                       out: Optional[tuple] = None, typical_p_array=None):
     """Step 13a on candidate rows from their candidates alone: values float32 [n, W]
     (-inf = dropped, every token outside the candidates dropped too), typical_p float32 [n]
     (1 keeps all). Returns ``(values with the tokens outside the typical set at -inf,
     settled bool [n])`` by the compiled kernel (``kernels.typical_of_candidates``: the
     reference's rule in float64, a row settled where no decision lies within the margins
     above); None where the compiled path does not run (the caller reads whole rows, the
-    reference's computation). ``values_array``, ``out``: see ``kernels.typical_of_candidates``."""
+    reference's computation). ``values_array``, ``out``, ``typical_p_array``: see
+    ``kernels.typical_of_candidates``."""
     return kernels.typical_of_candidates(values, typical_p, TYPICAL_MASS_MARGIN,
                                          typical_score_margin(values.shape[-1]), TYPICAL_LOWEST,
-                                         values_array, out)
+                                         values_array, out, typical_p_array)
 
 
 def top_p_tolerance(W: int) -> float:

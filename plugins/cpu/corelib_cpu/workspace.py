@@ -69,3 +69,19 @@ class Workspace(threading.local):
         """Bytes held by this thread's buffers."""
         return (sum(b.numel() * b.element_size() for b in self._buffers.values())
                 + sum(t.numel() * t.element_size() for t, _ in self._pairs.values()))
+
+
+def numpy_view(held: dict, name: str, tensor: torch.Tensor):
+    """The numpy view of ``tensor`` (a CPU tensor), kept in ``held`` under ``name`` for as
+    long as the same tensor object comes back: a step state's per-row views live as long as
+    the batch's rows stay, and each conversion is four operator calls of a B = 1 step. A
+    tensor that is not contiguous is converted each time (its contiguous copy is not its
+    memory)."""
+    got = held.get(name)
+    if got is not None and got[0] is tensor:
+        return got[1]
+    if not tensor.is_contiguous():
+        return tensor.contiguous().numpy()
+    array = tensor.numpy()
+    held[name] = (tensor, array)
+    return array
