@@ -172,19 +172,41 @@ class FilterStages:
         and divided by T they become the row's candidates, min-p's rule applied to them
         (``select.min_p_of_candidates``, the reference's softmax where a candidate lies near
         the threshold). A row with more than ``MIN_P_CANDIDATES`` such tokens (or a NaN) is
-        divided in full and cut as a whole row, as without this route."""
+        divided in full and cut as a whole row, as without this route.
+
+        Where the block's group maxima and row maximum have numpy views (a few-row block),
+        the whole route is one compiled call (``kernels.min_p_chain``, the same bits) into
+        the workspace's buffers; a row it does not settle takes the steps one by one."""
         bp = x.plan
         row = bp.min_p_rows[0]
-        maxima = x.maxima()[row]
-        top = float(maxima.amax() if x.top is None else x.top[row, 0])
-        t = float(bp.temperature[row, 0])
-        level = math.log(float(bp.min_p[row])) - 2 * MIN_P_MARGIN
-        found = None
+        constants = bp.kernel_args.get("min_p_row")
+        if constants is None:                 # the plan's values: read once per plan
+            t, min_p = float(bp.temperature[row, 0]), float(bp.min_p[row])
+            constants = bp.kernel_args["min_p_row"] = (t, min_p, math.log(min_p) - 2 * MIN_P_MARGIN)
+        t, min_p, level = constants
+        maxima = x.maxima()
+        maxima_array = x.maxima_array()
+        held = x.top_pair is not None and x.top is x.top_pair[0] and maxima_array is not None
+        if held:
+            top = float(x.top_pair[1][row, 0])
+        else:
+            top = float(maxima[row].amax() if x.top is None else x.top[row, 0])
+        found = chained = None
         if math.isfinite(top):
             import numpy as np            # present: this route runs with numba only
             # rounded down to a float32 (the kernel compares in float32)
             threshold = float(np.nextafter(np.float32(top + t * level), np.float32(NEG_INF)))
-            found = kernels.collect_above(x.x[row], maxima, GROUP, threshold, self.MIN_P_CANDIDATES)
+            if held:
+                width = self.MIN_P_CANDIDATES
+                values, values_array = self.workspace.pair("min_p_values", (1, width))
+                ids, ids_array = self.workspace.pair("min_p_ids", (1, width), torch.long)
+                chained = kernels.min_p_chain(x.x, row, maxima_array[row], GROUP, threshold, t, min_p, MIN_P_MARGIN,
+                                              (values, ids, values_array, ids_array))
+                if chained:
+                    x.cand = Candidates([row], bp.index([row]), chained[0], chained[1], chained)
+                    return x
+            if chained is not False:           # False: too many tokens or a NaN, collect_above's None
+                found = kernels.collect_above(x.x[row], maxima[row], GROUP, threshold, self.MIN_P_CANDIDATES)
         if found is None:                      # whole rows, as without candidates
             x.own()[row:row + 1].div_(bp.temperature[row:row + 1])
             x.changed()

@@ -335,6 +335,26 @@ def compile_kernels() -> Optional[dict]:
         return ok
 
     @numba.njit(cache=True, nogil=True)
+    def min_p_chain(address, n, V, row, maxima, group, threshold, temperature, min_p, margin,
+                    values, ids):  # pragma: no cover - runs compiled
+        # steps 10-11 of one row made into candidates (the logits at ``address``, rows_at):
+        # collect_above's tokens, descending (np.argsort; ties in any order), divided by the
+        # temperature in float32, then min_p_row on them: the bits of collect_above, sort,
+        # division and candidate_min_p one by one. Returns (count, settled), count -1 where
+        # collect_above gives up
+        k = collect_above(rows_at(address, n, V)[row], maxima, group, threshold, values[0], ids[0])
+        if k <= 0:
+            return -1, False
+        found, found_ids = values[0, :k].copy(), ids[0, :k].copy()
+        order = np.argsort(found)
+        for j in range(k):
+            at = order[k - 1 - j]
+            values[0, j] = np.float32(found[at] / temperature)
+            ids[0, j] = found_ids[at]
+        kept = values[:, :k]
+        return k, min_p_row(kept, 0, min_p, margin, kept)
+
+    @numba.njit(cache=True, nogil=True)
     def candidate_min_p(values, min_p, margin, out, settled):  # pragma: no cover - compiled
         for r in range(values.shape[0]):
             settled[r] = min_p_row(values, r, min_p[r], margin, out)
@@ -762,6 +782,7 @@ def compile_kernels() -> Optional[dict]:
                 candidate_typical=candidate_typical,
                 first_max_at=first_max_at, first_max_at_address=first_max_at_address,
                 finite_row_maxima=finite_row_maxima, candidate_chain_at=candidate_chain_at,
+                min_p_chain=min_p_chain,
                 seeded_race_winners=seeded_race_winners, unseeded_race_winners=unseeded_race_winners,
                 group_top_k=group_top_k, candidate_chain=candidate_chain,
                 candidate_min_p=candidate_min_p, collect_above=collect_above,

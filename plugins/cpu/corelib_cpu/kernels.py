@@ -482,6 +482,36 @@ def collect_above(row: torch.Tensor, maxima: torch.Tensor, group: int, threshold
     return values[:count], ids[:count]
 
 
+def min_p_chain(x: torch.Tensor, row: int, maxima_array, group: int, threshold: float, temperature: float,
+                min_p: float, margin: float, out: tuple):
+    """Steps 10-11 of row ``row`` of x float32 ``[n, V]`` (contiguous) as candidates, in one
+    compiled call where the steps one by one make about sixty operator calls:
+    :func:`collect_above`'s tokens (threshold a float32 value; ``maxima_array`` the row's
+    group maxima, numpy float32 ``[G]``), sorted descending, divided by ``temperature`` (a
+    float32 value) and cut by min-p's rule on them (:func:`min_p_of_candidates`; ``min_p`` a
+    float32 value), with the same bits as those steps. ``out``: (values, ids, their numpy
+    views), float32 and int64 ``[1, cap]`` buffers the caller lends. Returns (values float32
+    ``[1, m]``, ids int64 ``[1, m]``, their numpy views), views of ``out``, when the row is
+    settled; False where more than cap tokens reach the threshold or a maximum is NaN (as
+    :func:`collect_above`'s None: the row takes the whole-row cut); None where the compiled
+    path does not run or a candidate lies within min-p's margin (the caller then takes the
+    steps one by one)."""
+    import numpy as np
+    import torch
+    kernels = _compiled()
+    if kernels is None or not x.is_contiguous() or x.dtype != torch.float32:
+        return None
+    n, V = x.shape
+    count, settled = kernels["min_p_chain"](x.data_ptr(), n, V, row, maxima_array, group, np.float32(threshold),
+                                            np.float32(temperature), np.float32(min_p), float(margin),
+                                            out[2], out[3])
+    if count < 0:
+        return False
+    if not settled:
+        return None
+    return out[0][:, :count], out[1][:, :count], out[2][:, :count], out[3][:, :count]
+
+
 def min_p_of_candidates(values: torch.Tensor, min_p: torch.Tensor, margin: float):
     """``select.min_p_of_candidates`` by the compiled kernel, one call where torch makes
     about twelve: (values with min-p's dropped tokens at -inf, settled bool ``[n]``) from the

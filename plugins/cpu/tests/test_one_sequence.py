@@ -91,6 +91,28 @@ def test_min_p_inside_top_k_keeps_the_references_set_and_tokens(chain, V):
         assert_as_the_reference(row, params, steps=3, label=f"row {r}")
 
 
+@pytest.mark.skipif(not kernels.wanted(), reason="the min-p route is compiled only")
+def test_min_p_alone_runs_as_one_compiled_call_where_it_settles(monkeypatch):
+    """A one-row min-p step whose block keeps its group maxima's numpy view (V a multiple of
+    the group) makes its candidates in one compiled call (``kernels.min_p_chain``), with the
+    reference's kept set and seeded tokens (the chains above check every kind of row);
+    a row with a candidate on min-p's threshold is left to the steps one by one."""
+    results = []
+    chain = kernels.min_p_chain
+
+    def counted(*args, **kwargs):
+        out = chain(*args, **kwargs)
+        results.append(out is not None)
+        return out
+    monkeypatch.setattr(kernels, "min_p_chain", counted)
+    V = 32000
+    logits = rows_of_every_kind(V, seed=3)
+    for r, label in ((0, "peaked"), (5, "on the threshold")):
+        results.clear()
+        assert_as_the_reference(logits[r:r + 1], SamplingParams(min_p=0.05, seed=r), steps=3, label=label)
+        assert results and all(results) == (label == "peaked"), (label, results)
+
+
 def test_the_plan_judges_min_p_on_candidates_only_above_its_floor():
     V = 1000
     cpu = CpuSampler()
