@@ -420,8 +420,9 @@ class SamplingBatch(StepStates, RowStore, CustomStageRows, SelectorRows):
         ``[rows]`` on the host, the tensor it returns) to lie in ``[0, vocab_size)``:
         ``append`` of that same tensor then skips reading the ids back for its range check,
         unless it was written in place since (its version counter moved). Any other
-        argument is checked as always."""
-        self._sampled = (token_ids, token_ids._version)
+        argument, and an inference tensor (``torch.inference_mode`` keeps no version counter,
+        so a write could not be seen), is checked as always."""
+        self._sampled = None if token_ids.is_inference() else (token_ids, token_ids._version)
 
     def _checked_ids(self, token_ids) -> tuple[torch.Tensor, bool]:
         """``check_token_ids``, and whether the ids are one per row, on the host and all in

@@ -220,6 +220,12 @@ def test_marked_sampled_ids_skip_the_range_check_only_while_unchanged(batch):
     with pytest.raises(ValueError, match="token id -2 for row 0"):
         batch.append(torch.tensor([-2, 4]))        # not the marked tensor
     assert batch.generated_counts() == [1, 1]
+    with torch.inference_mode():                   # no version counter: always checked
+        inferred = torch.tensor([5, 6])
+        batch.mark_sampled_ids(inferred)
+        inferred[0] = V
+        with pytest.raises(ValueError, match=f"token id {V} for row 0"):
+            batch.append(inferred)
     marked = torch.tensor([5, 6])
     batch.mark_sampled_ids(marked)
     batch.add("b", SamplingParams())               # rows changed: the shape is checked
