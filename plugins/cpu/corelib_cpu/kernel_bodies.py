@@ -517,7 +517,7 @@ def compile_kernels() -> Optional[dict]:
         return True
 
     @numba.njit(cache=True, nogil=True)
-    def candidate_chain_at(address, n, V, maxima, group, k, temperature, min_p, margin, top_p,
+    def candidate_chain_by_address(address, n, V, maxima, group, k, temperature, min_p, margin, top_p,
                            tolerance, values, ids, scratch):  # pragma: no cover - runs compiled
         # candidate_chain on the logits at ``address`` (rows_at)
         return candidate_chain(rows_at(address, n, V), maxima, group, k, temperature, min_p,
@@ -636,7 +636,7 @@ def compile_kernels() -> Optional[dict]:
         return True
 
     @numba.njit(cache=True, nogil=True)
-    def first_max_at_address(address, n, V, maxima, top, group, out):  # pragma: no cover
+    def first_max_at_by_address(address, n, V, maxima, top, group, out):  # pragma: no cover
         # first_max_at on the logits at ``address`` (rows_at)
         return first_max_at(rows_at(address, n, V), maxima, top, group, out)
 
@@ -780,8 +780,8 @@ def compile_kernels() -> Optional[dict]:
                 key_prefixes=key_prefixes,
                 count_at_least=count_at_least, top_and_rank=top_and_rank,
                 candidate_typical=candidate_typical,
-                first_max_at=first_max_at, first_max_at_address=first_max_at_address,
-                finite_row_maxima=finite_row_maxima, candidate_chain_at=candidate_chain_at,
+                first_max_at=first_max_at, first_max_at_by_address=first_max_at_by_address,
+                finite_row_maxima=finite_row_maxima, candidate_chain_by_address=candidate_chain_by_address,
                 min_p_chain=min_p_chain,
                 seeded_race_winners=seeded_race_winners, unseeded_race_winners=unseeded_race_winners,
                 group_top_k=group_top_k, candidate_chain=candidate_chain,

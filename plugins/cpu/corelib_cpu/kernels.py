@@ -278,16 +278,20 @@ def candidate_chain(x: torch.Tensor, maxima: torch.Tensor, group: int, params: t
     if scratch is None:
         import numpy
         scratch = numpy.empty((2, width))
-    if x.dtype == torch.float32:
-        # the logits by address: their numpy view would be four operator calls per step
-        n, V = x.shape
-        done = kernels["candidate_chain_at"](x.data_ptr(), n, V, maxima_array, group, *params[1:],
-                                             out[2], out[3], scratch)
-    else:
-        done = kernels["candidate_chain"](x.numpy(), maxima_array, group, *params[1:], out[2], out[3], scratch)
-    if not done:
+    if not _on_logits(kernels, "candidate_chain", x, maxima_array, group, *params[1:], out[2], out[3], scratch):
         return None
     return out[0], out[1]
+
+
+def _on_logits(kernels: dict, name: str, x: torch.Tensor, *args):
+    """``kernels[name]`` on the logits x ``[n, V]`` (contiguous) and ``args``: for float32 x
+    its ``_by_address`` form, which reads them at ``x.data_ptr()`` (their numpy view would be
+    four operator calls of a B = 1 step), else on the numpy view."""
+    import torch
+    if x.dtype == torch.float32:
+        n, V = x.shape
+        return kernels[name + "_by_address"](x.data_ptr(), n, V, *args)
+    return kernels[name](x.numpy(), *args)
 
 
 def seeded_race_winners(values: torch.Tensor, minus_noise: torch.Tensor, ids: torch.Tensor,
@@ -320,7 +324,8 @@ def unseeded_race_winners(values: torch.Tensor, ids: torch.Tensor, key, arrays: 
     generator per step where the torch race's noise (``draw.race_unseeded_candidates``) is
     four operator calls over ``[n, W]``; the winners follow the same distribution, not the
     same uniforms. None where the compiled path does not run. ``arrays``: numpy views of
-    (values, ids). New ids and flags, as :func:`seeded_race_winners`'."""
+    (values, ids). The ids and flags are new tensors, as :func:`seeded_race_winners` makes
+    them."""
     kernels = _compiled()
     if kernels is None:
         return None
@@ -372,12 +377,7 @@ def first_max_at(x: torch.Tensor, maxima: torch.Tensor, top: torch.Tensor, group
     # a new array each call (the ids go to the caller), made by numpy: torch.empty and its
     # numpy view would be two operator calls
     out = numpy.empty(x.shape[0], dtype=numpy.int64)
-    if x.dtype == torch.float32:           # by address, as candidate_chain
-        done = kernels["first_max_at_address"](x.data_ptr(), x.shape[0], x.shape[1], arrays[0], arrays[1],
-                                               group, out)
-    else:
-        done = kernels["first_max_at"](x.numpy(), arrays[0], arrays[1], group, out)
-    if not done:
+    if not _on_logits(kernels, "first_max_at", x, arrays[0], arrays[1], group, out):
         return None
     return torch.from_numpy(out)
 
