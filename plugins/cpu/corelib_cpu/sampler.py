@@ -161,11 +161,10 @@ class CpuSampler(LogitStages, FilterStages, DrawStage, Verification, LogprobStag
         template's pair of passes is two. Those ids, every row's token in ``[0, V)``, are
         noted for ``sample_state`` (``Workspace.sampled_ids``)."""
         workspace = self.workspace
-        if workspace.rows_valid and (finite is workspace.true_flags or known_true(finite)):
+        fresh = finite is workspace.true_flags
+        if workspace.rows_valid and (fresh or known_true(finite)):
             workspace.sampled_ids = token_ids
-            if finite is workspace.true_flags:
-                return finite, token_ids
-            return torch.ones(token_ids.shape[0], dtype=torch.bool), token_ids
+            return (finite if fresh else torch.ones(token_ids.shape[0], dtype=torch.bool)), token_ids
         return Sampler.flag_invalid(self, valid, finite, token_ids)
 
     def selector_slot_state(self, logp: torch.Tensor, s: StepState) -> StepState:
