@@ -46,9 +46,16 @@ class SelectorRows:
                            columns: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Advance the selectors' state of rows ``t`` (views, updated in place) by append's
         columns, column j from slot j of the kept source; then drop the source. Rows that
-        take no token (advance False), greedy rows and rows without a selector keep theirs."""
+        take no token (advance False), greedy rows and rows without a selector keep theirs; a
+        stage no request of the batch turns on is not run (its advance would keep every
+        row's state: a whole-row pass or more each for nothing)."""
         kept, self._selector_source = self._selector_source, None
-        if kept is None or not pipeline.stateful_stages():
+        if kept is None:
+            return
+        flags = self._host_flags()
+        stages = [stage for stage in pipeline.stateful_stages()
+                  if any(flags[flag] for flag in stage.flags)]
+        if not stages:
             return
         source, slots = kept
         n = t["position"].shape[0]
@@ -59,7 +66,7 @@ class SelectorRows:
         for j, (ids, advance) in enumerate(columns):
             live = advance & random & (ids >= 0) & (ids < self.vocab_size)
             safe = torch.where(live, ids, 0)
-            for stage in pipeline.stateful_stages():
+            for stage in stages:
                 state = {f.name: t[f.name] for f in stage.state}
                 fields = {f.name: t[f.name] for f in stage.fields}
                 moved = getattr(selectors, stage.advance)(state, fields, logp[:, j], safe,

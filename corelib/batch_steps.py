@@ -142,8 +142,6 @@ class StepStates:
                   fields: Optional[dict[str, torch.Tensor]] = None) -> StepState:
         """A StepState over the row tensors ``t`` (the batch's rows, or expanded copies;
         ``fields``: the StepState fields among them, when the caller has them)."""
-        if self._flags is None:
-            self._flags = self._compute_flags()
         if fields is None:
             fields = {name: tensor for name, tensor in t.items() if name in _STATE_FIELDS}
         return StepState(
@@ -152,9 +150,16 @@ class StepStates:
             logprobs_mode=self.logprobs_mode,
             any_min_tokens=self._min_tokens_pending(),
             stages=self._stage_inputs(t),
-            **self._flags,
+            **self._host_flags(),
             **fields,
         )
+
+    def _host_flags(self) -> dict:
+        """The host flags of the batch's requests (``_compute_flags``), kept until a request
+        joins or leaves."""
+        if self._flags is None:
+            self._flags = self._compute_flags()
+        return self._flags
 
     def _compute_flags(self) -> dict:
         """Host flags that change only when requests join or leave: one pass over the

@@ -172,6 +172,8 @@ class Sampler(Verification, Scoring, LogitStages, FilterStages):
         logp = logp.view(rows, S, -1)
         changes = {}
         for stage in pipeline.stateful_stages():
+            if not stage.enabled(s):
+                continue
             state = {f.name: getattr(s, f.name).view(rows, S).clone() for f in stage.state}
             fields = {f.name: getattr(s, f.name).view(rows, S) for f in stage.fields}
             for j in range(S - 1):

@@ -43,13 +43,18 @@ def advance_mirostat(state: dict, fields: dict, logp: torch.Tensor, ids: torch.T
     return {"mirostat_mu": torch.where(tau > 0, mu - eta * (bits - tau), mu)}
 
 
+def adaptive_aim(target: torch.Tensor, weighted: torch.Tensor, total: torch.Tensor) -> torch.Tensor:
+    """float32 [R]: the probability adaptive-p favours, a = clamp(2 target - weighted / total,
+    0, 1), from the row values float32 [R]."""
+    return (2.0 * target - weighted / total.clamp(min=1e-30)).clamp(0.0, 1.0)
+
+
 def adaptive_logits(p: torch.Tensor, target: torch.Tensor, weighted: torch.Tensor,
                     total: torch.Tensor) -> torch.Tensor:
-    """float32 [R, V]: adaptive-p's logits 5 - 10 u**2 / (1 + u), u = |p - a| / 0.3, a =
-    clamp(2 target - weighted / total, 0, 1), for probabilities ``p`` [R, V] and the row
-    values [R]."""
-    aim = (2.0 * target - weighted / total.clamp(min=1e-30)).clamp(0.0, 1.0)
-    u = (p - aim[:, None]).abs() / ADAPTIVE_WIDTH
+    """float32 [R, V]: adaptive-p's logits 5 - 10 u**2 / (1 + u), u = |p - a| / 0.3 (float32
+    operations in this order), a = ``adaptive_aim``, for probabilities ``p`` [R, V] and the
+    row values [R]."""
+    u = (p - adaptive_aim(target, weighted, total)[:, None]).abs() / ADAPTIVE_WIDTH
     return 5.0 - 10.0 * u * u / (1.0 + u)
 
 

@@ -449,3 +449,29 @@ def test_staged_rows_that_do_not_follow_the_pending_ones_write_those_first(batch
     batch.add("a", SamplingParams(temperature=0.5))
     batch._stage_row_values(3, {"temperature": [0.25]})
     assert batch.step_state(4).temperature.tolist() == [0.5, 1.0, 1.0, 0.25]
+
+
+def test_append_and_score_advance_only_the_selectors_some_request_turns_on(monkeypatch):
+    """A stateful selector no request of the batch uses is not advanced: its advance would
+    keep every row's state, at the price of whole-row passes. Once a request turns it on,
+    both advance, and the states are those of a batch that ran every advance."""
+    from corelib import selectors
+    calls = []
+    for name in ("advance_mirostat", "advance_adaptive_p"):
+        real = getattr(selectors, name)
+        monkeypatch.setattr(selectors, name, lambda *a, _real=real, _name=name, **k: calls.append(_name) or _real(*a, **k))
+    sampler = Sampler("cpu")
+    x = torch.randn(2, V, generator=torch.Generator().manual_seed(0))
+    batch = sampler.new_batch(V)
+    batch.add("a", SamplingParams(adaptive_p_target=0.3, seed=1))
+    batch.append(sampler.sample(x[:1], batch).token_ids)
+    assert calls == ["advance_adaptive_p"]
+    fresh = sampler.new_batch(V)
+    fresh.add("a", SamplingParams(adaptive_p_target=0.3, seed=1))
+    sampler.score(torch.stack([x[:1], x[:1]], dim=1), fresh, torch.tensor([[3, 4]]))
+    assert calls == ["advance_adaptive_p"] * 2
+    batch.add("m", SamplingParams(mirostat_tau=3.0, seed=2))
+    calls.clear()
+    batch.append(sampler.sample(x, batch).token_ids)
+    assert sorted(calls) == ["advance_adaptive_p", "advance_mirostat"]
+    assert batch.sampler_state("m") != [[6.0]] and batch.sampler_state("a") != [[0.0, 0.0]]

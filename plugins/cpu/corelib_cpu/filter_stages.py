@@ -442,22 +442,22 @@ class FilterStages:
         return x
 
     def apply_adaptive_p(self, x: Block, s: StepState) -> Block:
-        """Step 14, adaptive-p, on its rows (whole rows): the reference's softmax and
-        transform (``selectors.adaptive_logits``), kept tokens replaced in place."""
+        """Step 14, adaptive-p, on its rows (whole rows, in place): the reference's softmax,
+        aim and transform (``selectors.adaptive_logits``), the transform in one compiled pass
+        per run of rows (``kernels.adaptive_rows``) or in torch into workspace buffers."""
         rows = x.plan.stage_rows["adaptive_p"]
         if not rows:
             return x
-        _, index = self.selector_rows(x, rows, log=False)
-        sub = x.x.index_select(0, index)
-        p = torch.softmax(sub, dim=-1, out=self.workspace.take("adaptive_probs", tuple(sub.shape)))
-        shaped = selectors.adaptive_logits(p, s.adaptive_p_target[index], s.adaptive_p_weighted[index],
-                                           s.adaptive_p_total[index])
+        self.selector_rows(x, rows, log=False)
         xx = x.x
-        j = 0
         for r0, r1 in runs(rows):
-            torch.where(sub[j:j + r1 - r0] > NEG_INF, shaped[j:j + r1 - r0], sub[j:j + r1 - r0],
-                        out=xx[r0:r1])
-            j += r1 - r0
+            sub = xx[r0:r1]
+            shape = tuple(sub.shape)
+            p = torch.softmax(sub, dim=-1, out=self.workspace.take("adaptive_probs", shape))
+            aim = selectors.adaptive_aim(s.adaptive_p_target[r0:r1], s.adaptive_p_weighted[r0:r1],
+                                         s.adaptive_p_total[r0:r1])
+            if not kernels.adaptive_rows(sub, p, aim):
+                adaptive_rows_(sub, p, aim, self.workspace)
         x.changed()
         return x
 
@@ -617,6 +617,18 @@ def smooth_rows_(x: torch.Tensor, f: torch.Tensor, c: torch.Tensor, workspace) -
     u = torch.mul(cube, d, out=workspace.take("smooth_u", shape)).mul_(d).mul_(d)
     torch.sub(m, t, out=t).add_(u)
     torch.where(torch.isneginf(x), x, t, out=x)
+
+
+def adaptive_rows_(x: torch.Tensor, p: torch.Tensor, aim: torch.Tensor, workspace) -> None:
+    """Adaptive-p's transform of whole rows x float32 [m, V] in place by torch, bit for bit
+    the reference's ``5 - 10 u u / (1 + u)``, u = ``|p - a| / 0.3`` (``selectors.
+    adaptive_logits``; p float32 [m, V], aim float32 [m]): the same float32 operations in the
+    same order, into a workspace buffer and p's own (``5 + -t`` is ``5 - t`` exactly);
+    tokens at -inf (and NaN) stay."""
+    u = torch.sub(p, aim[:, None], out=p).abs_().div_(selectors.ADAPTIVE_WIDTH)
+    t = torch.mul(u, 10.0, out=workspace.take("adaptive_t", tuple(x.shape))).mul_(u)
+    t.div_(u.add_(1.0)).neg_().add_(5.0)
+    torch.where(x > NEG_INF, t, x, out=x)
 
 
 def sorted_desc(probs: torch.Tensor) -> torch.Tensor:

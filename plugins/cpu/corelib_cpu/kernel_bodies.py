@@ -226,6 +226,19 @@ def compile_kernels() -> Optional[dict]:
                     x[r, j] = (m - a * d * d) + b * d * d * d
 
     @numba.njit(cache=True, nogil=True)
+    def adaptive(x, p, aim, width):         # pragma: no cover - runs compiled
+        # float32 throughout (the constants too: a float64 literal would widen the products),
+        # the reference's operations in its order, none fused
+        n, V = x.shape
+        five, ten, one = np.float32(5.0), np.float32(10.0), np.float32(1.0)
+        for r in range(n):
+            a = aim[r]
+            for j in range(V):
+                if x[r, j] > -np.inf:
+                    u = abs(p[r, j] - a) / width
+                    x[r, j] = five - ten * u * u / (one + u)
+
+    @numba.njit(cache=True, nogil=True)
     def tfs_second(q, n, out):              # pragma: no cover - runs compiled
         rows, width = out.shape
         for r in range(rows):
@@ -789,4 +802,5 @@ def compile_kernels() -> Optional[dict]:
                 whole_rows=whole_rows, per_row_ids=per_row_ids, inverse_cdf=inverse_cdf,
                 mixed_keys=mixed_keys, positive_ids=positive_ids,
                 candidate_top_k=candidate_top_k, candidate_top_p=candidate_top_p, smooth=smooth,
+                adaptive=adaptive,
                 tfs_second=tfs_second, tfs_index=tfs_index, pack_above=pack_above)

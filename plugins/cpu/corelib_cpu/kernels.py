@@ -21,6 +21,10 @@ The kernels:
   bits; top-p computes the candidates' softmax in float64 instead of float32, which only
   moves it closer to the exact values, so the error bound that proves a settled row's
   nucleus to be the reference's still holds (the kept candidates are the same);
+- quadratic smoothing and adaptive-p's transform over whole rows (``smooth_rows``,
+  ``adaptive_rows``): one pass in place where torch makes five to ten, each writing a row;
+  float32 additions, products and quotients in the reference's order, none fused, so its
+  bits;
 - step 15's top-N and rank in one pass per row (``top_and_rank``): comparisons and integer
   counts only, so the same values and counts as torch's; the top-N's order among equal
   values is fixed (lowest id first) and the torch path (``rowops.top_logprobs``) keeps it.
@@ -581,6 +585,21 @@ def smooth_rows(x: torch.Tensor, top: torch.Tensor, square: torch.Tensor, cube: 
         return False
     kernels["smooth"](x.numpy(), top.reshape(-1).contiguous().numpy(), square.reshape(-1).contiguous().numpy(),
                       cube.reshape(-1).contiguous().numpy())
+    return True
+
+
+def adaptive_rows(x: torch.Tensor, p: torch.Tensor, aim: torch.Tensor) -> bool:
+    """Adaptive-p's transform in place by the compiled kernel: each logit of x float32
+    ``[n, V]`` (contiguous rows) above -inf becomes ``5 - 10 u u / (1 + u)``, u = ``|p - a| /
+    0.3`` with p float32 ``[n, V]`` (contiguous) and the row's a of aim float32 ``[n]``: the
+    reference's float32 operations in its order (``selectors.adaptive_logits``), so its bits.
+    Returns False, writing nothing, where the compiled path does not run."""
+    kernels = _compiled()
+    if kernels is None or not x.is_contiguous() or not p.is_contiguous():
+        return False
+    import numpy as np
+    from corelib.selectors import ADAPTIVE_WIDTH
+    kernels["adaptive"](x.numpy(), p.numpy(), aim.contiguous().numpy(), np.float32(ADAPTIVE_WIDTH))
     return True
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from corelib import Sampler, SamplingParams, pipeline
+from corelib import Sampler, SamplingParams, pipeline, selectors
 from corelib.bench import make_logits
 
 from corelib_cpu.sampler import CpuSampler
@@ -141,14 +141,15 @@ def test_verify_advances_the_selectors_per_slot_as_the_reference(with_probs):
         assert mine.sampler_state(rid) == ref.sampler_state(rid), rid
 
 
-def test_compiled_tail_free_and_smoothing_give_the_torch_paths_bits(monkeypatch):
+def test_compiled_tail_free_smoothing_and_adaptive_p_give_the_torch_paths_bits(monkeypatch):
     """The compiled kernels against the pure-torch code they replace, on rows that reach each
     branch: dropped tokens, a uniform row (second differences summing to 0), three and two
-    kept tokens, tfs 0 and near 1; smoothing curves below 1, between 1 and 3 and above 3."""
+    kept tokens, tfs 0 and near 1; smoothing curves below 1, between 1 and 3 and above 3;
+    adaptive-p aiming at 0, 1 and between, with a NaN logit; both equal to the reference."""
     import importlib.util
 
     from corelib_cpu import kernels
-    from corelib_cpu.filter_stages import smooth_rows_, sorted_desc, tfs_thresholds
+    from corelib_cpu.filter_stages import adaptive_rows_, smooth_rows_, sorted_desc, tfs_thresholds
     from corelib_cpu.workspace import Workspace
     if importlib.util.find_spec("numba") is None:
         pytest.skip("numba is not installed (the kernels extra)")
@@ -163,25 +164,44 @@ def test_compiled_tail_free_and_smoothing_give_the_torch_paths_bits(monkeypatch)
     tfs = torch.tensor([0.0, 0.3, 0.5, 0.7, 0.95, 0.9, 0.99, 0.5])
     f = torch.full((8, 1), 0.4)
     c = torch.tensor([0.5, 1.0, 1.5, 2.0, 3.0, 3.5, 2.5, 1.2])[:, None]
+    y = x.clone()
+    y[2, 7] = float("nan")
+    target = torch.tensor([0.0, 0.3, 1.0, 0.05, 0.5, 0.2, 0.9, 0.4])
+    weighted = torch.tensor([0.0, 0.5, 0.1, 2.0, 0.7, 0.0, 3.0, 1.3])
+    total = torch.tensor([0.0, 1.9, 1.0, 2.5, 1.0, 0.0, 3.0, 4.1])
+    aim = selectors.adaptive_aim(target, weighted, total)
+
+    def adaptive():
+        out = y.clone()
+        adaptive_rows_(out, torch.softmax(out, dim=-1), aim, Workspace())
+        return out
+
     kernels.reset()
     assert kernels.wanted()
     compiled = tfs_thresholds(sorted_desc(probs), n, tfs)
     smooth_compiled = x.clone()
     smooth_rows_(smooth_compiled, f, c, Workspace())
+    adaptive_compiled = adaptive()
     monkeypatch.setenv(kernels.KERNELS_ENV, "torch")
     kernels.reset()
     try:
         plain = tfs_thresholds(torch.sort(probs, dim=-1, descending=True).values.double(), n, tfs)
         smooth_plain = x.clone()
         smooth_rows_(smooth_plain, f, c, Workspace())
+        adaptive_plain = adaptive()
     finally:
         monkeypatch.delenv(kernels.KERNELS_ENV)
         kernels.reset()
     assert torch.equal(compiled, plain)
     assert torch.equal(smooth_compiled, smooth_plain)
+    torch.testing.assert_close(adaptive_compiled, adaptive_plain, rtol=0, atol=0, equal_nan=True)
     reference = Sampler("cpu")
     assert torch.equal(smooth_plain, reference.apply_smoothing(
         x, _Fields(smoothing_factor=f[:, 0], smoothing_curve=c[:, 0])))
+    shaped = reference.apply_adaptive_p(y, _Fields(adaptive_p_target=target, adaptive_p_weighted=weighted,
+                                                   adaptive_p_total=total))
+    torch.testing.assert_close(adaptive_plain, shaped, rtol=0, atol=0, equal_nan=True)
+    assert bool((adaptive_plain[1, ::3] == float("-inf")).all()) and bool(adaptive_plain[2, 7].isnan())
 
 
 class _Fields:
