@@ -26,7 +26,10 @@ reference's stage of the same name (``corelib.Sampler``) and takes and returns a
   smoothing (10b) is one compiled pass with the reference's float32 products in its order
   (``kernels.smooth_rows``; torch into workspace buffers without numba); top-a, epsilon, eta,
   tail-free and p-less (11a-11c, 13c, 13d) compute the reference's probabilities and level and
-  keep their rows as a pending cut, like min-p; tail-free sorts with numpy's vectorised sort.
+  keep their rows as a pending cut, like min-p; tail-free sorts with numpy's vectorised sort;
+- step 14's adaptive-p transforms its rows in place, its arithmetic in one compiled pass
+  with the reference's bits (``kernels.adaptive_rows``; torch into workspace buffers
+  without numba).
 
 Shapes: ``n`` rows of a block, ``V`` vocabulary.
 """
