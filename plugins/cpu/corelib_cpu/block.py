@@ -21,6 +21,7 @@ from typing import Optional
 import torch
 from corelib.sampler import NEG_INF
 
+from . import kernels
 from .draw import exp_weights
 from .plan import BlockPlan
 from .rowops import GROUP, group_maxima
@@ -189,6 +190,23 @@ class Block:
             else:
                 self._maxima = group_maxima(x)
         return self._maxima
+
+    def maxima_and_row_maxima(self, top) -> Optional[bool]:
+        """:meth:`maxima` and each row's maximum (into ``top``, float32 numpy ``[n]``) in one
+        compiled pass over x (``kernels.group_and_row_maxima``), for a few rows whose maxima
+        are not known yet: whether every row's maximum is finite and nonzero (False: the
+        maxima are not kept; torch computes them where a stage reads them); None where that
+        pass does not run."""
+        if self._maxima is not None or self.unread is not None:
+            return None
+        n, V = self.x.shape
+        if n > FEW_ROWS or V % GROUP:
+            return None
+        pair = self.workspace.pair("maxima", (n, V // GROUP))
+        valid = kernels.group_and_row_maxima(self.x, GROUP, pair[1], top)
+        if valid:
+            self._maxima, self._maxima_array = pair
+        return valid
 
     def maxima_array(self):
         """The numpy view of :meth:`maxima` when it lives in a workspace pair, else None."""

@@ -610,6 +610,46 @@ def compile_kernels() -> Optional[dict]:
             every = every and finite[r]
         return every
 
+    magnitude, shift31 = np.int32(0x7FFFFFFF), np.int32(31)
+    # the order-preserving keys of +inf's and -inf's float32 bits: a NaN's lies outside
+    pos_inf_key, neg_inf_key = np.int32(0x7F800000), np.int32(-2139095041)
+
+    @numba.njit(inline="always")
+    def key_range(bits):                 # pragma: no cover - runs compiled
+        # the largest and smallest order-preserving key of float32 bits (int32): bits for a
+        # sign-clear float, the magnitude flipped for a sign-set one; integer maxima and
+        # minima vectorise where a float maximum that sees NaN does not
+        hi, lo = np.int32(-2147483648), np.int32(2147483647)
+        for j in range(bits.shape[0]):
+            key = bits[j] ^ ((bits[j] >> shift31) & magnitude)
+            hi = max(hi, key)
+            lo = min(lo, key)
+        return hi, lo
+
+    @numba.njit(cache=True, nogil=True)
+    def group_maxima_by_address(address, n, V, group, maxima, top):  # pragma: no cover - runs compiled
+        # each group's maximum of the float32 [n, V] logits at ``address`` (V a multiple of
+        # group) into maxima, by its float32 bits (NaN-free groups: torch's amax but for the
+        # sign of a zero maximum, which only compares), and each row's into top; False at
+        # once for a NaN (maxima then partly written), else whether every row's maximum is
+        # finite and nonzero, as finite_row_maxima answers
+        x = numba.carray(void_pointer(address), (n, V), np.int32)
+        out = maxima.view(np.int32)
+        every = True
+        for r in range(n):
+            row = x[r]
+            m = np.float32(-np.inf)
+            for g in range(V // group):
+                hi, lo = key_range(row[g * group:(g + 1) * group])
+                if hi > pos_inf_key or lo < neg_inf_key:
+                    return False
+                out[r, g] = hi ^ ((hi >> shift31) & magnitude)
+                if maxima[r, g] > m:
+                    m = maxima[r, g]
+            top[r] = m
+            every = every and m != 0.0 and m != np.inf and m != -np.inf
+        return every
+
     @numba.njit(cache=True, nogil=True)
     def finite_row_maxima(maxima, out):  # pragma: no cover - runs compiled
         # each row's maximum of its group maxima (exact comparisons: numpy's max for rows
@@ -794,7 +834,7 @@ def compile_kernels() -> Optional[dict]:
                 count_at_least=count_at_least, top_and_rank=top_and_rank,
                 candidate_typical=candidate_typical,
                 first_max_at=first_max_at, first_max_at_by_address=first_max_at_by_address,
-                finite_row_maxima=finite_row_maxima, candidate_chain_by_address=candidate_chain_by_address,
+                finite_row_maxima=finite_row_maxima, group_maxima_by_address=group_maxima_by_address, candidate_chain_by_address=candidate_chain_by_address,
                 min_p_chain=min_p_chain,
                 seeded_race_winners=seeded_race_winners, unseeded_race_winners=unseeded_race_winners,
                 group_top_k=group_top_k, candidate_chain=candidate_chain,

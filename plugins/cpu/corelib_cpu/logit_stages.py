@@ -168,10 +168,12 @@ class LogitStages:
         return is_finite(top) if x.finite_pending else top > NEG_INF
 
     def rows_valid_on_host(self, x: Block) -> bool:
-        """Whether every row of a few-row block has a finite, nonzero maximum, read from the
-        group maxima's numpy view into a workspace pair (no operator call: amax, its host
-        read and the [n, 1] view are three or four, much of a B = 1 step) by one compiled
-        call (``kernels.finite_row_maxima``), else numpy's max and a test on the host. If so, ``x.top``
+        """Whether every row of a few-row block has a finite, nonzero maximum, found with the
+        group maxima in one compiled pass over the logits (``Block.maxima_and_row_maxima``),
+        else read from the group maxima's numpy view into a workspace pair (no operator call:
+        amax, its host read and the [n, 1] view are three or four, much of a B = 1 step) by
+        one compiled call (``kernels.finite_row_maxima``), else numpy's max and a test on
+        the host. If so, ``x.top``
         (float32 [n, 1]) and ``x.top_pair`` hold those maxima for later stages. Rows with a
         NaN, an infinity or a zero maximum answer False and take the torch path: the NaN and
         infinity checks stay the tensor ones, and numpy's max may return the other zero of
@@ -179,16 +181,18 @@ class LogitStages:
         n = x.x.shape[0] if x.unread is None else x.unread.rows.shape[0]
         if n > FEW_ROWS:
             return False
-        x.maxima()
-        maxima = x.maxima_array()
-        if maxima is None:
-            return False
         pair = self.workspace.pair("row_max", (n, 1))
         top = pair[1][:, 0]
-        valid = kernels.finite_row_maxima(maxima, top)       # one compiled call, else numpy
+        valid = x.maxima_and_row_maxima(top)                 # one compiled pass over x
         if valid is None:
-            maxima.max(axis=1, out=top)
-            valid = all(-math.inf < v < math.inf and v != 0.0 for v in top.tolist())
+            x.maxima()
+            maxima = x.maxima_array()
+            if maxima is None:
+                return False
+            valid = kernels.finite_row_maxima(maxima, top)   # one compiled call, else numpy
+            if valid is None:
+                maxima.max(axis=1, out=top)
+                valid = all(-math.inf < v < math.inf and v != 0.0 for v in top.tolist())
         if not valid:
             return False
         x.top, x.top_pair = pair[0], pair

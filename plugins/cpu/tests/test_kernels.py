@@ -587,6 +587,49 @@ def test_finite_row_maxima_are_numpys_and_flag_nan_inf_and_zero_rows():
 
 
 @needs_numba
+def test_group_and_row_maxima_are_torchs_and_flag_nan_inf_and_zero_rows():
+    """``kernels.group_and_row_maxima``: the group maxima torch's amax gives (to the bit, for
+    negative, subnormal, huge and -inf logits and any group), each row's maximum, True only
+    when each is finite and nonzero; False for a NaN of either sign anywhere, +-inf or a
+    zero maximum, as ``finite_row_maxima`` on torch's maxima answers."""
+    import numpy
+    from corelib_cpu.rowops import GROUP, group_maxima
+
+    def both(x):
+        n, V = x.shape
+        maxima = numpy.full((n, V // GROUP), 7.0, dtype=numpy.float32)
+        top = numpy.empty(n, dtype=numpy.float32)
+        answer = kernels.group_and_row_maxima(x, GROUP, maxima, top)
+        torch_maxima = group_maxima(x).numpy()
+        torch_top = numpy.empty(n, dtype=numpy.float32)
+        return answer, maxima, top, kernels.finite_row_maxima(torch_maxima, torch_top), torch_maxima, torch_top
+
+    g = torch.Generator().manual_seed(9)
+    for case in range(6):
+        x = torch.randn((1 + case % 2, 128 * GROUP), generator=g) * 10.0 ** (case - 2)
+        x[0, :GROUP] = float("-inf")                                   # a group of -inf only
+        x[0, 3 * GROUP:4 * GROUP] = -x[0, 3 * GROUP:4 * GROUP].abs()   # all negative
+        x[-1, 5 * GROUP + 7] = 1e-42                                   # subnormal
+        x[-1, 6 * GROUP:7 * GROUP] = -1e-42
+        x[-1, 9 * GROUP + 1] = 3e38
+        answer, maxima, top, want, torch_maxima, torch_top = both(x)
+        assert answer is want is True
+        assert numpy.array_equal(maxima.view(numpy.int32), torch_maxima.view(numpy.int32))
+        assert numpy.array_equal(top, torch_top)
+    for bad in (float("nan"), -float("nan"), float("inf"), float("-inf")):
+        x = torch.full((2, 16 * GROUP), -1.0)
+        x[1, 5 * GROUP + 3] = bad
+        if bad == float("-inf"):
+            x[1] = bad                       # a row of -inf only: no token left
+        assert both(x)[0] is False and both(x)[3] is False
+    for zero in (0.0, -0.0):
+        x = torch.full((1, 16 * GROUP), -3.0)
+        x[0, 9] = zero
+        assert both(x)[0] is False
+    assert kernels.group_and_row_maxima(torch.zeros(4, 2 * GROUP).t(), GROUP, None, None) is None
+
+
+@needs_numba
 @pytest.mark.parametrize("V", [70000, 128256])
 def test_first_max_at_is_torch_argmax(V):
     """``rowops.first_argmax`` of one or two rows through the compiled search: torch.argmax's
