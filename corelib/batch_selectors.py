@@ -52,9 +52,9 @@ class SelectorRows:
         kept, self._selector_source = self._selector_source, None
         if kept is None:
             return
-        flags = self._host_flags()
+        flags = self._host_flags()      # a flag set per step, not by requests, counts as set
         stages = [stage for stage in pipeline.stateful_stages()
-                  if any(flags[flag] for flag in stage.flags)]
+                  if any(flags.get(flag, True) for flag in stage.flags)]
         if not stages:
             return
         source, slots = kept
