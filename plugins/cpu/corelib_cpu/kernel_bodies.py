@@ -632,7 +632,7 @@ def compile_kernels() -> Optional[dict]:
         # group) into maxima, by its float32 bits (NaN-free groups: torch's amax but for the
         # sign of a zero maximum, which only compares), and each row's into top; False at
         # once for a NaN (maxima then partly written), else whether every row's maximum is
-        # finite and nonzero, as finite_row_maxima answers
+        # finite and nonzero
         x = numba.carray(void_pointer(address), (n, V), np.int32)
         out = maxima.view(np.int32)
         every = True
@@ -647,25 +647,6 @@ def compile_kernels() -> Optional[dict]:
                 if maxima[r, g] > m:
                     m = maxima[r, g]
             top[r] = m
-            every = every and m != 0.0 and m != np.inf and m != -np.inf
-        return every
-
-    @numba.njit(cache=True, nogil=True)
-    def finite_row_maxima(maxima, out):  # pragma: no cover - runs compiled
-        # each row's maximum of its group maxima (exact comparisons: numpy's max for rows
-        # without NaN), and whether every one is finite and nonzero (a NaN row answers False
-        # at once: its maximum is not written)
-        n, G = maxima.shape
-        every = True
-        for r in range(n):
-            m = maxima[r, 0]
-            for g in range(G):
-                v = maxima[r, g]
-                if v != v:
-                    return False
-                if v > m:
-                    m = v
-            out[r] = m
             every = every and m != 0.0 and m != np.inf and m != -np.inf
         return every
 
@@ -834,7 +815,7 @@ def compile_kernels() -> Optional[dict]:
                 count_at_least=count_at_least, top_and_rank=top_and_rank,
                 candidate_typical=candidate_typical,
                 first_max_at=first_max_at, first_max_at_by_address=first_max_at_by_address,
-                finite_row_maxima=finite_row_maxima, group_maxima_by_address=group_maxima_by_address, candidate_chain_by_address=candidate_chain_by_address,
+                group_maxima_by_address=group_maxima_by_address, candidate_chain_by_address=candidate_chain_by_address,
                 min_p_chain=min_p_chain,
                 seeded_race_winners=seeded_race_winners, unseeded_race_winners=unseeded_race_winners,
                 group_top_k=group_top_k, candidate_chain=candidate_chain,

@@ -353,8 +353,8 @@ def group_and_row_maxima(x: torch.Tensor, group: int, maxima, top) -> Optional[b
     """The group maxima of x float32 ``[n, V]`` (contiguous, V a multiple of ``group``) into
     ``maxima`` (float32 numpy ``[n, V // group]``), each row's maximum into ``top`` (float32
     numpy ``[n]``) and whether every row's is finite and nonzero, in one compiled pass over
-    the logits by address, where torch's ``amax`` and ``finite_row_maxima`` are two calls, the
-    first a code path of its own (a cold B = 1 step pays for each). The maxima are torch's
+    the logits by address, where torch's ``amax`` and a test of its result are two calls,
+    each a code path of its own (a cold B = 1 step pays for each). The maxima are torch's
     values (compared through their bits: exact), a zero one's sign aside. False as soon as a
     group holds a NaN (``maxima`` then partly written); None where the compiled path does
     not run."""
@@ -366,19 +366,6 @@ def group_and_row_maxima(x: torch.Tensor, group: int, maxima, top) -> Optional[b
         return None
     n, V = x.shape
     return kernels["group_maxima_by_address"](x.data_ptr(), n, V, group, maxima, top)
-
-
-def finite_row_maxima(maxima, out) -> Optional[bool]:
-    """Each row's maximum of its group maxima (float32 numpy ``[n, G]``) into ``out`` (float32
-    numpy ``[n]``) and whether every one is finite and nonzero, in one compiled call where
-    numpy's max, its host read and the test are several (each a code path a cold step reads
-    from memory). False as soon as a row holds a NaN (``out`` then partly written); None
-    where the compiled path does not run. The maxima written are numpy's (exact
-    comparisons, no NaN)."""
-    kernels = _compiled()
-    if kernels is None:
-        return None
-    return kernels["finite_row_maxima"](maxima, out)
 
 
 def first_max_at(x: torch.Tensor, maxima: torch.Tensor, top: torch.Tensor, group: int,

@@ -28,7 +28,6 @@ from corelib import Sampler, SamplingBatch, StepState
 from corelib.sampler import NEG_INF
 from corelib.stages import run_stage
 
-from . import kernels
 from .bitmask import apply_bitmask_rows
 from .block import Block, SourceRows
 from .filters import dry_
@@ -170,10 +169,9 @@ class LogitStages:
     def rows_valid_on_host(self, x: Block) -> bool:
         """Whether every row of a few-row block has a finite, nonzero maximum, found with the
         group maxima in one compiled pass over the logits (``Block.maxima_and_row_maxima``),
-        else read from the group maxima's numpy view into a workspace pair (no operator call:
-        amax, its host read and the [n, 1] view are three or four, much of a B = 1 step) by
-        one compiled call (``kernels.finite_row_maxima``), else numpy's max and a test on
-        the host. If so, ``x.top``
+        else (no numba) by numpy's max of the group maxima's numpy view, in a workspace pair,
+        and a test on the host (no operator call: amax, its host read and the [n, 1] view are
+        three or four, much of a B = 1 step). If so, ``x.top``
         (float32 [n, 1]) and ``x.top_pair`` hold those maxima for later stages. Rows with a
         NaN, an infinity or a zero maximum answer False and take the torch path: the NaN and
         infinity checks stay the tensor ones, and numpy's max may return the other zero of
@@ -189,10 +187,8 @@ class LogitStages:
             maxima = x.maxima_array()
             if maxima is None:
                 return False
-            valid = kernels.finite_row_maxima(maxima, top)   # one compiled call, else numpy
-            if valid is None:
-                maxima.max(axis=1, out=top)
-                valid = all(-math.inf < v < math.inf and v != 0.0 for v in top.tolist())
+            maxima.max(axis=1, out=top)
+            valid = all(-math.inf < v < math.inf and v != 0.0 for v in top.tolist())
         if not valid:
             return False
         x.top, x.top_pair = pair[0], pair
