@@ -43,6 +43,7 @@ class Candidates:
     values: torch.Tensor   # float32 [nc, W], descending before top-p; -inf = dropped
     ids: torch.Tensor      # int64 [nc, W]
     views: Optional[tuple] = None   # (values, ids, their numpy views) as a kernel wrote them
+    typical: bool = False  # step 13a has kept its set in values (``FilterStages.candidate_chain``)
 
     def arrays(self) -> Optional[tuple]:
         """(values, ids) as numpy views when ``views`` still holds the tensors now in
@@ -313,7 +314,7 @@ class Block:
         if rest:
             keep = torch.tensor(rest, dtype=torch.long)
             self.cand = Candidates([cand.rows[j] for j in rest], cand.index[keep], cand.values[keep],
-                                   cand.ids[keep])
+                                   cand.ids[keep], typical=cand.typical)
         else:
             self.cand = None
         self.changed()
@@ -334,7 +335,7 @@ class Block:
             if len(rest) < len(cand.rows):
                 keep = torch.tensor(rest, dtype=torch.long)
                 self.cand = Candidates([cand.rows[j] for j in rest], cand.index[keep], cand.values[keep],
-                                       cand.ids[keep]) if rest else None
+                                       cand.ids[keep], typical=cand.typical) if rest else None
         self.changed()
         self.dropped = True
 

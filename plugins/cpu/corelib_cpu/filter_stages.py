@@ -17,8 +17,11 @@ reference's stage of the same name (``corelib.Sampler``) and takes and returns a
   is in the nucleus (``select.nucleus_contains``), and only rows that miss, or a later stage
   that reads the row, find the threshold by a radix select over the probabilities' bits
   (``select.nucleus_threshold``);
-- step 13a (typical-p) computes the reference's log-softmax, entropy and scores and replaces
-  its sort by a radix select over the scores' bits with float64 masses (``filters``);
+- step 13a (typical-p) on candidates computes the reference's rule in float64 where a margin
+  proves it keeps the reference's set (``select.typical_candidates``; in a few-row block of
+  top-k rows, inside the compiled call of steps 11-13, ``candidate_chain``); on whole rows it
+  computes the reference's log-softmax, entropy and scores and replaces its sort by a radix
+  select over the scores' bits with float64 masses (``filters``);
 - step 13b (XTC) first tosses each row's coin, and only rows whose coin says so compute
   anything: the reference's softmax, and the rule on the row's few largest logits;
 - the fourth release's filters run on their own rows only (``BlockPlan.stage_rows``): a
@@ -47,8 +50,9 @@ from . import kernels
 from .block import Block, Candidates, Cut, pick_rows, runs, take_rows
 from .filters import top_n_sigma_thresholds, typical_rows_, xtc_rows_
 from .rowops import GROUP, KERNEL_ROWS, first_argmax, searches_groups
-from .select import (MIN_P_MARGIN, kth_largest, mask_below, min_p_of_candidates, top_k_candidates, top_p_candidates,
-                     top_p_candidates_fast, top_p_tolerance, typical_candidates)
+from .select import (MIN_P_MARGIN, TYPICAL_LOWEST, TYPICAL_MASS_MARGIN, kth_largest, mask_below,
+                     min_p_of_candidates, top_k_candidates, top_p_candidates, top_p_candidates_fast, top_p_tolerance,
+                     typical_candidates, typical_score_margin)
 from .workspace import numpy_view
 
 
@@ -227,7 +231,7 @@ class FilterStages:
         candidates (``top_p_candidate_rows``) or on whole rows as a pending cut
         (``top_p_whole_rows``)."""
         bp = x.plan
-        if bp.top_k_rows and self.candidate_chain(x):
+        if bp.top_k_rows and self.candidate_chain(x, s):
             return x
         if bp.top_k_rows:
             self.top_k_rows(x, bp.top_k_rows)                                   # step 12
@@ -249,6 +253,8 @@ class FilterStages:
         (``filters.typical_rows_``) applied in place, runs of consecutive rows at a time."""
         rows = x.plan.typical_p_rows
         if x.cand is not None:
+            if x.cand.typical:                 # the chain of steps 11-13a kept its set
+                return x
             rows = self.typical_candidate_rows(x, rows, s.typical_p)
             if not rows:
                 return x
@@ -527,11 +533,12 @@ class FilterStages:
             values = self.min_p_candidate_rows(blk, index, values, ids, min_p)
         blk.cand = Candidates(index.tolist(), index, values, ids)
 
-    def candidate_chain(self, blk: Block) -> bool:
-        """Steps 11 (when judged on the candidates), 12 and 13 of a block of at most
+    def candidate_chain(self, blk: Block, s: StepState) -> bool:
+        """Steps 11 (when judged on the candidates), 12, 13 and 13a of a block of at most
         ``KERNEL_ROWS`` rows, every one a top-k row with no pending cut, in one compiled call
-        (``kernels.candidate_chain``: the kernels ``top_k_rows`` and
-        ``top_p_candidate_rows`` call one by one, the same bits). Sets blk.cand and returns
+        (``kernels.candidate_chain``: the kernels ``top_k_rows``, ``top_p_candidate_rows``
+        and ``typical_candidate_rows`` call one by one, the same bits; step 13a follows step
+        13 in the default order, the only order of these rows). Sets blk.cand and returns
         True when every row is complete and settled; else False, writing nothing (the steps
         then run one by one, with their fallbacks for the rows this cannot settle)."""
         bp = blk.plan
@@ -539,23 +546,26 @@ class FilterStages:
         params = bp.kernel_args.get("chain")
         if params is None:                     # the plan's rows and parameters: once per plan
             width = min(V, bp.top_k_max + self.TIE_SLACK)
+            typical = None
+            if bp.typical_p_rows:
+                typical = (s.typical_p.clone(), TYPICAL_MASS_MARGIN, typical_score_margin(width), TYPICAL_LOWEST)
             params = bp.kernel_args["chain"] = (
                 n <= KERNEL_ROWS and len(bp.top_k_rows) == n and searches_groups(V, width)
                 and kernels.wanted() and kernels.chain_params(
                     width, bp.top_k, bp.temperature if bp.candidates_only and bp.temperature_on else None,
                     bp.min_p if bp.min_p_on_candidates else None, MIN_P_MARGIN,
-                    bp.top_p if bp.top_p_rows else None, top_p_tolerance(width)))
+                    bp.top_p if bp.top_p_rows else None, top_p_tolerance(width), typical))
         if not params or blk.cuts:
             return False
         maxima = blk.maxima()
         values, values_array = self.workspace.pair("chain_values", (n, params[0]))
         ids, ids_array = self.workspace.pair("chain_ids", (n, params[0]), torch.long)
         views = (values, ids, values_array, ids_array)
-        scratch = self.workspace.pair("chain_scratch", (2, params[0]), torch.float64)[1]
+        scratch = self.workspace.pair("chain_scratch", (3, params[0]), torch.float64)[1]
         if kernels.candidate_chain(blk.x, maxima, GROUP, params, views, blk.maxima_array(), scratch) is None:
             return False
         rows = bp.top_k_rows
-        blk.cand = Candidates(rows, bp.index(rows), values, ids, views)
+        blk.cand = Candidates(rows, bp.index(rows), values, ids, views, typical=bool(bp.typical_p_rows))
         return True
 
     def min_p_candidate_rows(self, blk: Block, index: torch.Tensor, values: torch.Tensor,

@@ -497,16 +497,81 @@ def compile_kernels() -> Optional[dict]:
         candidate_top_k(values, k, temperature, floor, False, values, complete)
         return True
 
+    @numba.njit(inline="always")
+    def typical_row(values, r, typical_p, mass_margin, score_margin, lowest, out, scratch):  # pragma: no cover
+        # row r of candidate_typical (scratch: float64 [3, W], log p, the scores and their
+        # order): whether settled. Candidates descending (as top-k leaves them) need no sort:
+        # log p + H falls along the row, so the scores ascend from where it changes sign,
+        # outwards, a merge of two sorted runs (ties may come in another order than a sort's;
+        # the kept set and the settling do not depend on it). Other rows take numpy's argsort
+        # (it allocates). Nothing else is allocated, so a cold call reads no fresh memory
+        W = values.shape[1]
+        out[r, :] = values[r, :]
+        tp = np.float64(typical_p)
+        if tp >= 1.0:
+            return True
+        logp, score, order = scratch[0], scratch[1], scratch[2].view(np.int64)
+        high, total = shifted_exp(values[r], logp)      # logp is scratch until below
+        if not (-np.inf < high < np.inf and 0.0 < total < np.inf):
+            return False
+        lse = np.log(total)
+        entropy, live, descending = 0.0, 0, True
+        for j in range(W):
+            v = values[r, j]
+            logp[j] = np.float64(v) - high - lse
+            if v > -np.inf:
+                entropy -= np.exp(logp[j]) * logp[j]
+                live += 1
+            if j > 0 and not v <= values[r, j - 1]:
+                descending = False
+        split = 0                         # descending: the live tokens with log p + H >= 0
+        for j in range(W):
+            score[j] = abs(logp[j] + entropy) if values[r, j] > -np.inf else np.inf
+            if values[r, j] > -np.inf and logp[j] + entropy >= 0.0:
+                split += 1
+        if descending:
+            a, b = split - 1, split
+            for i in range(live):
+                if b >= live or (a >= 0 and score[a] <= score[b]):
+                    order[i] = a
+                    a -= 1
+                else:
+                    order[i] = b
+                    b += 1
+        else:
+            order[:] = np.argsort(score)   # ascending, -inf values (inf scores) last
+        mass, inside, ok = 0.0, 0, True
+        for i in range(live):
+            if mass < tp:
+                inside += 1
+            ok = ok and abs(mass - tp) > mass_margin
+            mass += np.exp(logp[order[i]])
+        ok = ok and abs(mass - tp) > mass_margin
+        last = order[max(inside, 1) - 1]
+        threshold, tied = score[last], values[r, last]
+        for j in range(live):
+            k = order[j]
+            if score[k] <= threshold and logp[k] < lowest:
+                ok = False
+            if values[r, k] != tied and abs(score[k] - threshold) <= score_margin * (1.0 + entropy + abs(logp[k])):
+                ok = False
+        for j in range(W):
+            if not score[j] <= threshold:
+                out[r, j] = -np.inf
+        return ok
+
     @numba.njit(cache=True, nogil=True)
     def candidate_chain(x, maxima, group, k, temperature, min_p, margin, top_p, tolerance,
+                        typical_p, mass_margin, score_margin, lowest,
                         values, ids, scratch):  # pragma: no cover - runs compiled
-        # group_top_k, then candidate_min_p (min_p of length 0: off) and candidate_top_p
-        # (top_p of length 0: off) on its values in place (each reads a value before it
-        # writes it): those kernels' bits in one call, row by row (rows are independent).
-        # False as soon as a row is incomplete or unsettled: the caller then takes the
-        # kernels one by one, with their fallbacks. scratch: float64 [2, W] the caller lends
-        # (the W-th largest maximum's buffer, top-p's probabilities): with W <= INSERT_WIDTH
-        # nothing is allocated, so a cold call reads no fresh memory
+        # group_top_k, then candidate_min_p (min_p of length 0: off), candidate_top_p
+        # (top_p of length 0: off) and candidate_typical (typical_p of length 0: off) on its
+        # values in place (each reads a value before it writes it): those kernels' bits in
+        # one call, row by row (rows are independent). False as soon as a row is incomplete
+        # or unsettled: the caller then takes the kernels one by one, with their fallbacks.
+        # scratch: float64 [3, W] the caller lends (the W-th largest maximum's buffer, top-p's
+        # probabilities, typical's log p, scores and order, each used after the one before):
+        # with W <= INSERT_WIDTH nothing is allocated, so a cold call reads no fresh memory
         n, G, W = x.shape[0], maxima.shape[1], values.shape[1]
         if W > INSERT_WIDTH:               # the search's pool and sort (it allocates)
             floor = np.empty(n, dtype=np.float32)
@@ -527,14 +592,18 @@ def compile_kernels() -> Optional[dict]:
                 return False
             if top_p.shape[0] and not top_p_row(values, r, top_p[r], tolerance, values, scratch[1]):
                 return False
+            if typical_p.shape[0] and not typical_row(values, r, typical_p[r], mass_margin, score_margin,
+                                                      lowest, values, scratch):
+                return False
         return True
 
     @numba.njit(cache=True, nogil=True)
     def candidate_chain_by_address(address, n, V, maxima, group, k, temperature, min_p, margin, top_p,
-                           tolerance, values, ids, scratch):  # pragma: no cover - runs compiled
+                                   tolerance, typical_p, mass_margin, score_margin, lowest, values, ids,
+                                   scratch):  # pragma: no cover - runs compiled
         # candidate_chain on the logits at ``address`` (rows_at)
-        return candidate_chain(rows_at(address, n, V), maxima, group, k, temperature, min_p,
-                               margin, top_p, tolerance, values, ids, scratch)
+        return candidate_chain(rows_at(address, n, V), maxima, group, k, temperature, min_p, margin, top_p,
+                               tolerance, typical_p, mass_margin, score_margin, lowest, values, ids, scratch)
 
     @numba.njit(cache=True, nogil=True)
     def seeded_race_winners(values, minus_noise, ids, out_ids, finite):  # pragma: no cover
@@ -684,49 +753,9 @@ def compile_kernels() -> Optional[dict]:
         # token's away from it by score_margin (relative to 1 + H + |log p|), and no kept
         # token's log p below ``lowest`` (float32's exp underflows there: the reference's p
         # would be 0 and its score inf)
-        n, W = values.shape
-        logp = np.empty(W)
-        score = np.empty(W)
-        for r in range(n):
-            out[r, :] = values[r, :]
-            tp = np.float64(typical_p[r])
-            settled[r] = True
-            if tp >= 1.0:
-                continue
-            settled[r] = False
-            high, total = shifted_exp(values[r], logp)      # logp is scratch until below
-            if not (-np.inf < high < np.inf and 0.0 < total < np.inf):
-                continue
-            lse = np.log(total)
-            entropy = 0.0
-            for j in range(W):
-                logp[j] = np.float64(values[r, j]) - high - lse
-                if values[r, j] > -np.inf:
-                    entropy -= np.exp(logp[j]) * logp[j]
-            live = 0
-            for j in range(W):
-                score[j] = abs(logp[j] + entropy) if values[r, j] > -np.inf else np.inf
-                live += values[r, j] > -np.inf
-            order = np.argsort(score)              # ascending, -inf values (inf scores) last
-            mass, inside, ok = 0.0, 0, True
-            for i in range(live):
-                if mass < tp:
-                    inside += 1
-                ok = ok and abs(mass - tp) > mass_margin
-                mass += np.exp(logp[order[i]])
-            ok = ok and abs(mass - tp) > mass_margin
-            last = order[max(inside, 1) - 1]
-            threshold, tied = score[last], values[r, last]
-            for j in range(live):
-                k = order[j]
-                if score[k] <= threshold and logp[k] < lowest:
-                    ok = False
-                if values[r, k] != tied and abs(score[k] - threshold) <= score_margin * (1.0 + entropy + abs(logp[k])):
-                    ok = False
-            settled[r] = ok
-            for j in range(W):
-                if not score[j] <= threshold:
-                    out[r, j] = -np.inf
+        scratch = np.empty((3, values.shape[1]))
+        for r in range(values.shape[0]):
+            settled[r] = typical_row(values, r, typical_p[r], mass_margin, score_margin, lowest, out, scratch)
 
     @numba.njit(cache=True, nogil=True)
     def count_at_least(x, value, out):    # pragma: no cover - runs compiled

@@ -86,11 +86,11 @@ def describe() -> str:
     reason = _torch_only()
     if reason is not None:
         return f"kernels: pure torch ({reason})"
-    return ("kernels: numba (seeded noise and row keys, small-vocabulary draw, top values of a few rows, "
-            "min-p candidates, top-k/top-p/typical of candidates, steps 11-13 of a few rows in one call, "
-            "candidate races (unseeded: their noise too), "
+    return ("kernels: numba (seeded noise and row keys, small-vocabulary draw, group maxima and top values of "
+            "a few rows, min-p candidates, top-k/top-p/typical of candidates, steps 11-13a of a few rows in one "
+            "call, candidate races (unseeded: their noise too), "
             "logprobs (top-N and rank in one pass), "
-            "quadratic smoothing, tail-free, kept-set packing, nucleus histogram)")
+            "quadratic smoothing, tail-free, adaptive-p, kept-set packing, nucleus histogram)")
 
 
 def _compiled():
@@ -238,25 +238,31 @@ def group_top_k(x: torch.Tensor, maxima: torch.Tensor, width: int, group: int, k
 
 def chain_params(width: int, k: torch.Tensor, temperature: Optional[torch.Tensor],
                  min_p: Optional[torch.Tensor], margin: float, top_p: Optional[torch.Tensor],
-                 tolerance: float) -> tuple:
+                 tolerance: float, typical: Optional[tuple] = None) -> tuple:
     """The rows' parameters of :func:`candidate_chain` as the kernel takes them (made once
     per plan by its caller: a step converts none): ``width`` candidate columns, k int64
     ``[n]``, temperature float32 ``[n, 1]`` (None: 1), min_p float32 ``[n]`` (None: off),
-    min-p's margin, top_p float32 ``[n]`` (None: off), top-p's tolerance."""
+    min-p's margin, top_p float32 ``[n]`` (None: off), top-p's tolerance, ``typical``: None
+    (off) or (typical_p float32 ``[n]``, its mass margin, score margin and lowest log p, as
+    :func:`typical_of_candidates` takes them)."""
     n = k.shape[0]
     off = _ones(0)
+    typical_p, mass_margin, score_margin, lowest = (None, 0.0, 0.0, 0.0) if typical is None else typical
     return (width, k.contiguous().numpy(),
             _ones(n) if temperature is None else temperature.reshape(-1).contiguous().numpy(),
             off if min_p is None else min_p.contiguous().numpy(), float(margin),
-            off if top_p is None else top_p.contiguous().numpy(), float(tolerance))
+            off if top_p is None else top_p.contiguous().numpy(), float(tolerance),
+            off if typical_p is None else typical_p.contiguous().numpy(), float(mass_margin),
+            float(score_margin), float(lowest))
 
 
 def candidate_chain(x: torch.Tensor, maxima: torch.Tensor, group: int, params: tuple,
                     out: Optional[tuple] = None, maxima_array=None, scratch=None):
-    """Steps 11-13 on the candidates of every row of a few-row block in one compiled call:
-    :func:`group_top_k`, then :func:`min_p_of_candidates` and :func:`top_p_of_candidates`
-    on its values when asked, the same bodies in the same order, so their bits. x float32
-    ``[n, V]``, its group maxima float32 ``[n, G]``, ``params`` from :func:`chain_params`.
+    """Steps 11-13a on the candidates of every row of a few-row block in one compiled call:
+    :func:`group_top_k`, then :func:`min_p_of_candidates`, :func:`top_p_of_candidates` and
+    :func:`typical_of_candidates` on its values when asked, the same bodies in the same
+    order, so their bits. x float32 ``[n, V]``, its group maxima float32 ``[n, G]``,
+    ``params`` from :func:`chain_params`.
     Returns (values float32 ``[n, width]``, ids int64 ``[n, width]``) when every row is
     complete and settled by each; None otherwise (or where the compiled path does not run, or
     G <= width): the caller then takes the steps one by one, whose fallbacks serve the rows
@@ -265,7 +271,7 @@ def candidate_chain(x: torch.Tensor, maxima: torch.Tensor, group: int, params: t
     ``out``: (values, ids, their numpy views), buffers of those shapes the caller lends
     (``Workspace.pair``); ``maxima_array``: maxima's numpy view when the caller has it (each
     conversion or allocation avoided is several operator calls of a B = 1 step);
-    ``scratch``: a float64 numpy ``[2, width]`` the kernel works in (made here when None).
+    ``scratch``: a float64 numpy ``[3, width]`` the kernel works in (made here when None).
     Up to 64 candidate columns the kernel allocates nothing, so a step after the cache flush
     reads no fresh memory (its scratch and outputs are the workspace's, in use every step)."""
     kernels = _compiled()
@@ -281,7 +287,7 @@ def candidate_chain(x: torch.Tensor, maxima: torch.Tensor, group: int, params: t
         maxima_array = maxima.contiguous().numpy()
     if scratch is None:
         import numpy
-        scratch = numpy.empty((2, width))
+        scratch = numpy.empty((3, width))
     if not _on_logits(kernels, "candidate_chain", x, maxima_array, group, *params[1:], out[2], out[3], scratch):
         return None
     return out[0], out[1]

@@ -303,11 +303,11 @@ def test_info_names_the_path():
     if importlib.util.find_spec("numba") is None:
         assert described == "kernels: pure torch (numba not installed)"
     else:
-        assert described == ("kernels: numba (seeded noise and row keys, small-vocabulary draw, top values of a few "
-                             "rows, min-p candidates, top-k/top-p/typical of candidates, steps 11-13 of a few rows in one call, "
-                             "candidate races (unseeded: their noise too), "
+        assert described == ("kernels: numba (seeded noise and row keys, small-vocabulary draw, group maxima and "
+                             "top values of a few rows, min-p candidates, top-k/top-p/typical of candidates, "
+                             "steps 11-13a of a few rows in one call, candidate races (unseeded: their noise too), "
                              "logprobs (top-N and rank in one pass), "
-                             "quadratic smoothing, tail-free, kept-set packing, nucleus histogram)")
+                             "quadratic smoothing, tail-free, adaptive-p, kept-set packing, nucleus histogram)")
 
 
 @needs_numba
@@ -404,16 +404,44 @@ def test_candidate_min_p_settles_the_same_rows_on_both_paths(monkeypatch):
 
 
 @needs_numba
+def test_typical_of_descending_candidates_merges_the_scores_as_a_sort_orders_them():
+    """Typical-p on candidates: descending rows (as top-k leaves them) order their scores by
+    a merge outward from where log p + H changes sign, other rows by a sort; both give the
+    same kept set and the same settling, on ordinary rows, ties (symmetric scores too), -inf
+    tails, NaN, -inf-only and +inf rows, and rows that keep all."""
+    from corelib_cpu.select import TYPICAL_LOWEST, TYPICAL_MASS_MARGIN, typical_score_margin
+    W = 48
+    margins = (TYPICAL_MASS_MARGIN, typical_score_margin(W), TYPICAL_LOWEST)
+    g = torch.Generator().manual_seed(13)
+    values = torch.cat([_candidate_rows(64, W, seed=s) for s in range(4)])
+    values[7, :2] = torch.tensor([1.0, 1.0])
+    values[7, 2:] = float("-inf")                             # two equal tokens: H = log 2
+    typical_p = torch.rand(values.shape[0], generator=g) * 0.98 + 0.01
+    typical_p[::17] = 1.0
+    merged, merged_settled = kernels.typical_of_candidates(values, typical_p, *margins)
+    order = torch.stack([torch.randperm(W, generator=g) for _ in range(values.shape[0])])
+    sorted_, sorted_settled = kernels.typical_of_candidates(values.gather(1, order), typical_p, *margins)
+    assert torch.equal(merged_settled, sorted_settled)
+    kept = torch.isfinite(merged) | torch.isnan(merged)
+    back = torch.empty_like(sorted_).scatter_(1, order, sorted_)
+    assert torch.equal(kept[merged_settled], (torch.isfinite(back) | torch.isnan(back))[merged_settled])
+    assert torch.equal(merged[merged_settled & kept.all(1)], values[merged_settled & kept.all(1)])
+    assert 100 <= int(merged_settled.sum()) < values.shape[0]
+    assert not bool(merged_settled[3]) and bool(merged_settled[0])   # NaN row; a row that keeps all
+
+
+@needs_numba
 @pytest.mark.parametrize("V", [32000, 128256])
 def test_candidate_chain_is_the_steps_one_by_one(V):
-    """``kernels.candidate_chain`` (steps 11-13 of a few rows in one call) gives the bits of
-    the kernels the steps call one by one (group search, top-k's tail, min-p, top-p), and
-    declines (None) exactly where one of them leaves a row incomplete or unsettled; a NaN
-    row goes to the torch path."""
+    """``kernels.candidate_chain`` (steps 11-13a of a few rows in one call) gives the bits of
+    the kernels the steps call one by one (group search, top-k's tail, min-p, top-p,
+    typical-p), and declines (None) exactly where one of them leaves a row incomplete or
+    unsettled; a NaN row goes to the torch path."""
     from corelib_cpu import rowops
-    from corelib_cpu.select import MIN_P_MARGIN, top_p_tolerance
+    from corelib_cpu.select import (MIN_P_MARGIN, TYPICAL_LOWEST, TYPICAL_MASS_MARGIN, top_p_tolerance,
+                                    typical_score_margin)
     g = torch.Generator().manual_seed(V)
-    served = 0
+    served = typical_served = 0
     for case in range(40):
         n = 1 + case % 2
         x = torch.randn((n, V), generator=g) * (0.5, 2.0, 6.0)[case % 3]
@@ -426,9 +454,14 @@ def test_candidate_chain_is_the_steps_one_by_one(V):
         t = None if case % 3 == 0 else torch.rand((n, 1), generator=g) + 0.3
         min_p = None if case % 2 else torch.rand(n, generator=g) * 0.2
         top_p = None if case % 3 == 1 else torch.rand(n, generator=g) * 0.5 + 0.5
+        typical_p = None if case % 4 == 1 else torch.rand(n, generator=g) * 0.9 + 0.1
+        if typical_p is not None and case % 5 == 2:
+            typical_p[0] = 1.0                          # a row that keeps all
+        margins = (TYPICAL_MASS_MARGIN, typical_score_margin(width), TYPICAL_LOWEST)
         maxima = rowops.group_maxima(x)
         got = kernels.candidate_chain(x, maxima, rowops.GROUP, kernels.chain_params(
-            width, k, t, min_p, MIN_P_MARGIN, top_p, top_p_tolerance(width)))
+            width, k, t, min_p, MIN_P_MARGIN, top_p, top_p_tolerance(width),
+            None if typical_p is None else (typical_p, *margins)))
         values, ids, complete = kernels.group_top_k(x, maxima, width, rowops.GROUP, k, t)
         ok = bool(complete.all())
         if ok and min_p is not None:
@@ -437,11 +470,15 @@ def test_candidate_chain_is_the_steps_one_by_one(V):
         if ok and top_p is not None:
             values, settled = kernels.top_p_of_candidates(values, top_p, top_p_tolerance(width))
             ok = bool(settled.all())
+        if ok and typical_p is not None:
+            values, settled = kernels.typical_of_candidates(values, typical_p, *margins)
+            ok = bool(settled.all())
+            typical_served += ok
         assert (got is not None) == ok, case
         if got is not None:
             served += 1
             assert torch.equal(got[0], values) and torch.equal(got[1], ids), case
-    assert 20 <= served < 40, served
+    assert 20 <= served < 40 and typical_served >= 10, (served, typical_served)
     x[0, 3] = float("nan")
     assert kernels.candidate_chain(x, rowops.group_maxima(x), rowops.GROUP, kernels.chain_params(
         16, torch.full((x.shape[0],), 8), None, None, MIN_P_MARGIN, None, 0.0)) is None

@@ -186,16 +186,28 @@ def test_small_steps_run_on_one_thread_and_restore_the_callers_count():
 @pytest.mark.skipif(not kernels.wanted(), reason="the candidates' typical set is compiled (numba)")
 def test_typical_after_a_cut_reads_the_candidates_and_keeps_the_references_set(monkeypatch):
     """Typical-p on top-k's candidates: the reference's kept set on many rows and parameters,
-    most rows settled by the candidates alone (the rest, a prefix mass on typical_p among
-    them, by the whole row)."""
-    calls = []
-    real = kernels.typical_of_candidates
+    most rows settled by the candidates alone, most of those inside the one compiled call of
+    steps 11-13a (``kernels.candidate_chain``); the rest, a prefix mass on typical_p among
+    them, by the whole row."""
+    from corelib_cpu import filter_stages
+    applied, whole, chained = [], [], []
+    real_apply, real_whole, real_chain = CpuSampler.apply_typical_p, filter_stages.typical_rows_, kernels.candidate_chain
 
-    def spy(*args):
-        out = real(*args)
-        calls.append(out[1].tolist())
+    def apply(self, x, s):
+        applied.append(x.plan.typical_p_rows)
+        return real_apply(self, x, s)
+
+    def whole_rows(*args):
+        whole.append(len(applied))
+        return real_whole(*args)
+
+    def chain(*args, **kwargs):
+        out = real_chain(*args, **kwargs)
+        chained.append(out is not None)
         return out
-    monkeypatch.setattr(kernels, "typical_of_candidates", spy)
+    monkeypatch.setattr(CpuSampler, "apply_typical_p", apply)
+    monkeypatch.setattr(filter_stages, "typical_rows_", whole_rows)
+    monkeypatch.setattr(kernels, "candidate_chain", chain)
     V = 32000
     g = torch.Generator().manual_seed(4)
     for r in range(60):
@@ -208,9 +220,10 @@ def test_typical_after_a_cut_reads_the_candidates_and_keeps_the_references_set(m
             logits = torch.full((1, V), NEG_INF)
             logits[0, :2] = 0.0
         assert_as_the_reference(logits, params, steps=1, label=f"row {r}")
-    settled = [ok for call in calls for ok in call]
-    assert len(settled) >= 100 and sum(settled) >= 0.8 * len(settled), (sum(settled), len(settled))
-    assert calls[-1] == [False]                      # the exact prefix mass: the whole row
+    assert len(applied) == 120 and all(rows == [0] for rows in applied)
+    settled = len(applied) - len(set(whole))
+    assert settled >= 0.8 * len(applied) and sum(chained) >= 0.6 * len(applied), (settled, sum(chained))
+    assert whole[-1] == len(applied)                 # the exact prefix mass: the whole row
 
 
 @pytest.mark.parametrize("params", [dict(top_k=40), dict(temperature=0.0), dict(min_p=0.05), dict(top_p=0.9, seed=3)],
