@@ -100,11 +100,15 @@ def candidate_winners(values: torch.Tensor, ids: torch.Tensor, keys: Optional[to
 
     ``arrays``: the numpy views of (values, ids) when the caller has them
     (``Candidates.arrays``), and ``workspace`` then lends the noise's and the key's buffers
-    (pairs), so the step converts no tensor for the race; ``keys_array``: the numpy view of
-    ``keys`` when the caller keeps one."""
+    (pairs) and the new ids and flags (``Workspace.fresh``), so the step converts no tensor
+    for the race; ``keys_array``: the numpy view of ``keys`` when the caller keeps one."""
     if not kernels.wanted():
         return None
     lent = arrays is not None and workspace is not None
+    outputs = None
+    if lent:
+        n = values.shape[0]
+        outputs = (workspace.fresh("race_ids", n, torch.long), workspace.fresh("race_finite", n, torch.bool))
     if keys is None:
         if lent:
             key, key_array = workspace.pair("race_key", (1,), torch.long)
@@ -112,7 +116,7 @@ def candidate_winners(values: torch.Tensor, ids: torch.Tensor, keys: Optional[to
             key = torch.empty(1, dtype=torch.long)
             key_array = key.numpy()
         key.random_(generator=generator)
-        return kernels.unseeded_race_winners(values, ids, key_array, arrays if lent else None)
+        return kernels.unseeded_race_winners(values, ids, key_array, arrays if lent else None, outputs)
     if lent:
         minus_noise, noise_array = workspace.pair("race_scores", tuple(values.shape))
     else:
@@ -123,7 +127,7 @@ def candidate_winners(values: torch.Tensor, ids: torch.Tensor, keys: Optional[to
         return None                        # the kernels failed to load: no race kernel either
     minus_noise.log_().neg_().log_()
     return kernels.seeded_race_winners(values, minus_noise, ids,
-                                       (arrays[0], noise_array, arrays[1]) if lent else None)
+                                       (arrays[0], noise_array, arrays[1]) if lent else None, outputs)
 
 
 def race_unseeded_candidates(values: torch.Tensor, generator: Optional[torch.Generator]) -> torch.Tensor:

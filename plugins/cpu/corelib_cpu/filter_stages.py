@@ -77,10 +77,11 @@ class FilterStages:
         (and the row maxima, when step 5's are still x's)."""
         if x.unread is not None:
             return first_argmax(x.unread.source, x.maxima(), x.top, rows=x.unread.rows)
-        maxima, arrays = x.maxima(), None
+        maxima, arrays, out = x.maxima(), None, None
         if x.top_pair is not None and x.top is x.top_pair[0] and x.maxima_array() is not None:
             arrays = (x.maxima_array(), x.top_pair[1][:, 0])
-        return first_argmax(x.x, maxima, x.top, arrays=arrays)
+            out = self.workspace.fresh("argmax_ids", x.plan.n, torch.long)
+        return first_argmax(x.x, maxima, x.top, arrays=arrays, out=out)
 
     def apply_temperature(self, x: Block, s: StepState) -> Block:
         """Step 10 in place on every row of the block (greedy rows divide by 1), dividing while

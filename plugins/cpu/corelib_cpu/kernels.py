@@ -305,7 +305,7 @@ def _on_logits(kernels: dict, name: str, x: torch.Tensor, *args):
 
 
 def seeded_race_winners(values: torch.Tensor, minus_noise: torch.Tensor, ids: torch.Tensor,
-                        arrays: Optional[tuple] = None):
+                        arrays: Optional[tuple] = None, outputs: Optional[tuple] = None):
     """The winners of seeded candidate races in one compiled call where torch makes four to
     six: (ids int64 ``[n]``, finite bool ``[n]``: whether the winner's value is finite, every:
     whether all are, read in the call) from the candidates' values float32 ``[n, W]``, their
@@ -314,17 +314,20 @@ def seeded_race_winners(values: torch.Tensor, minus_noise: torch.Tensor, ids: to
     the winner the lowest id among the largest (``draw.race_seeded_candidates``): the same
     subtraction and comparisons, so the same winners. None where the compiled path does not
     run. ``arrays``: the numpy views of (values, minus_noise, ids) when the caller has them
-    (contiguous), so none is converted here. The ids and flags are new tensors, made by
-    numpy (``torch.empty`` and its numpy view would be two operator calls each)."""
+    (contiguous), so none is converted here. The ids and flags are new tensors: ``outputs``
+    when the caller lends them (``Workspace.fresh``: (ids, its numpy view), (flags, its
+    numpy view)), else made by numpy (``torch.empty`` and its numpy view would be two
+    operator calls each)."""
     kernels = _compiled()
     if kernels is None:
         return None
     if arrays is None:
         arrays = (values.contiguous().numpy(), minus_noise.contiguous().numpy(), ids.contiguous().numpy())
-    return _winners(kernels["seeded_race_winners"], arrays, values.shape[0])
+    return _winners(kernels["seeded_race_winners"], arrays, values.shape[0], outputs)
 
 
-def unseeded_race_winners(values: torch.Tensor, ids: torch.Tensor, key, arrays: Optional[tuple] = None):
+def unseeded_race_winners(values: torch.Tensor, ids: torch.Tensor, key, arrays: Optional[tuple] = None,
+                          outputs: Optional[tuple] = None):
     """The winners of unseeded candidate races in one compiled call, noise included: (ids
     int64 ``[n]``, finite bool ``[n]``, every: whether all are finite) from the candidates'
     values float32 ``[n, W]`` and ids int64 ``[n, W]``, each row racing with Gumbel noise
@@ -334,25 +337,28 @@ def unseeded_race_winners(values: torch.Tensor, ids: torch.Tensor, key, arrays: 
     generator per step where the torch race's noise (``draw.race_unseeded_candidates``) is
     four operator calls over ``[n, W]``; the winners follow the same distribution, not the
     same uniforms. None where the compiled path does not run. ``arrays``: numpy views of
-    (values, ids). The ids and flags are new tensors, as :func:`seeded_race_winners` makes
-    them."""
+    (values, ids). The ids and flags are new tensors, ``outputs`` or made, as
+    :func:`seeded_race_winners`'s."""
     kernels = _compiled()
     if kernels is None:
         return None
     if arrays is None:
         arrays = (values.contiguous().numpy(), ids.contiguous().numpy())
-    return _winners(kernels["unseeded_race_winners"], (arrays[0], arrays[1], key), values.shape[0])
+    return _winners(kernels["unseeded_race_winners"], (arrays[0], arrays[1], key), values.shape[0], outputs)
 
 
-def _winners(kernel, arrays: tuple, n: int):
+def _winners(kernel, arrays: tuple, n: int, outputs: Optional[tuple]):
     """(ids, finite, every) of a race kernel called on ``arrays`` and its two outputs, new
-    arrays each call (both may go to the caller: the step's ids, and its valid flags when
-    every winner is finite)."""
-    import numpy
-    import torch
-    out, flags = numpy.empty(n, dtype=numpy.int64), numpy.empty(n, dtype=numpy.bool_)
-    every = kernel(*arrays, out, flags)
-    return torch.from_numpy(out), torch.from_numpy(flags), every
+    tensors each call (both may go to the caller: the step's ids, and its valid flags when
+    every winner is finite): ``outputs``' when lent, else numpy's."""
+    if outputs is None:
+        import numpy
+        import torch
+        out, flags = numpy.empty(n, dtype=numpy.int64), numpy.empty(n, dtype=numpy.bool_)
+        every = kernel(*arrays, out, flags)
+        return torch.from_numpy(out), torch.from_numpy(flags), every
+    (ids, out), (finite, flags) = outputs
+    return ids, finite, kernel(*arrays, out, flags)
 
 
 def group_and_row_maxima(x: torch.Tensor, group: int, maxima, top) -> Optional[bool]:
@@ -375,14 +381,15 @@ def group_and_row_maxima(x: torch.Tensor, group: int, maxima, top) -> Optional[b
 
 
 def first_max_at(x: torch.Tensor, maxima: torch.Tensor, top: torch.Tensor, group: int,
-                 arrays: Optional[tuple] = None):
+                 arrays: Optional[tuple] = None, out: Optional[tuple] = None):
     """``rowops.first_argmax``'s search in one compiled call where torch makes about eight:
     int64 ``[n]``, the lowest index of each row's maximum ``top`` (float32 ``[n]`` or ``[n,
     1]``, no NaN) in x float32 ``[n, V]`` (contiguous), found through its group maxima
     float32 ``[n, G]`` (groups of ``group`` tokens). Exact comparisons, so torch.argmax's
     answer. None where the compiled path does not run or a row does not hold ``top``.
     ``arrays``: (maxima, top) as numpy arrays (top's ``[n]``) when the caller has them
-    (each tensor-to-numpy conversion is an operator call or two)."""
+    (each tensor-to-numpy conversion is an operator call or two); ``out``: a new int64
+    ``[n]`` tensor and its numpy view the caller lends (``Workspace.fresh``) for the ids."""
     kernels = _compiled()
     if kernels is None or not x.is_contiguous():
         return None
@@ -392,10 +399,10 @@ def first_max_at(x: torch.Tensor, maxima: torch.Tensor, top: torch.Tensor, group
         arrays = (maxima.contiguous().numpy(), top.reshape(-1).contiguous().numpy())
     # a new array each call (the ids go to the caller), made by numpy: torch.empty and its
     # numpy view would be two operator calls
-    out = numpy.empty(x.shape[0], dtype=numpy.int64)
-    if not _on_logits(kernels, "first_max_at", x, arrays[0], arrays[1], group, out):
+    ids, found = out if out is not None else (None, numpy.empty(x.shape[0], dtype=numpy.int64))
+    if not _on_logits(kernels, "first_max_at", x, arrays[0], arrays[1], group, found):
         return None
-    return torch.from_numpy(out)
+    return torch.from_numpy(found) if ids is None else ids
 
 
 def typical_of_candidates(values: torch.Tensor, typical_p: torch.Tensor, mass_margin: float,

@@ -142,7 +142,7 @@ def searches_groups(V: int, width: int) -> bool:
 
 def first_argmax(x: torch.Tensor, maxima: Optional[torch.Tensor] = None,
                  top: Optional[torch.Tensor] = None, rows: Optional[torch.Tensor] = None,
-                 arrays: Optional[tuple] = None) -> torch.Tensor:
+                 arrays: Optional[tuple] = None, out: Optional[tuple] = None) -> torch.Tensor:
     """int64 [n]: the lowest index of each row's maximum (``torch.argmax``'s answer) for x
     float32 [n, V] (``maxima``: its :func:`group_maxima`, when the caller has them; ``top``:
     float32 [n, 1], the rows' maxima when the caller knows them and they hold no NaN). Rows
@@ -151,7 +151,8 @@ def first_argmax(x: torch.Tensor, maxima: Optional[torch.Tensor] = None,
 
     ``rows``: int64 [n], the rows are ``x[rows]`` (x float32 [m, V], contiguous; ``maxima``
     and ``top`` are then the n rows'), read where they are. ``arrays``: (maxima, top) as
-    numpy views (top's float32 [n]) when the caller has both, for the compiled search."""
+    numpy views (top's float32 [n]) when the caller has both, for the compiled search, and
+    ``out`` a new int64 [n] tensor with its numpy view for its ids (``Workspace.fresh``)."""
     V = x.shape[1]
     if V < 4 * GROUP or x.numel() <= ARGMAX_ELEMENTS:
         ids = torch.argmax(x, dim=-1)
@@ -164,7 +165,7 @@ def first_argmax(x: torch.Tensor, maxima: Optional[torch.Tensor] = None,
             ids = torch.argmax(x, dim=-1)
             return ids if rows is None else ids.index_select(0, rows)
     if rows is None and x.shape[0] <= KERNEL_ROWS:     # a few rows: one compiled call
-        found = kernels.first_max_at(x, maxima, top, GROUP, arrays)
+        found = kernels.first_max_at(x, maxima, top, GROUP, arrays, out)
         if found is not None:
             return found
     group = (maxima == top).to(torch.uint8).argmax(dim=-1, keepdim=True)   # first such group

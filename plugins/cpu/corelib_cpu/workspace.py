@@ -26,6 +26,7 @@ class Workspace(threading.local):
     def __init__(self):
         self._buffers: dict[tuple[str, torch.dtype], torch.Tensor] = {}
         self._pairs: dict[tuple, tuple] = {}
+        self._fresh: dict[tuple, list] = {}
         #: This thread's block in progress had every row valid, known on the host
         #: (``neutralise_rows`` sets it, ``flag_invalid`` reads it).
         self.rows_valid = False
@@ -64,6 +65,23 @@ class Workspace(threading.local):
             tensor = torch.empty(shape, dtype=dtype)
             got = self._pairs[key] = (tensor, tensor.numpy())
         return got
+
+    #: How many new tensors ``fresh`` makes at a time.
+    FRESH = 64
+
+    def fresh(self, name: str, n: int, dtype: torch.dtype) -> tuple:
+        """(tensor, numpy array): a new ``[n]`` tensor each call, never returned again, and its
+        numpy view, for a step's outputs that go to the caller (the race's ids and flags).
+        They are the rows of a chunk made ``FRESH`` at a time with their views: a cold step
+        then pays no allocation and no conversion (``torch.from_numpy`` alone costs more
+        after a model's forward pass than the race it wraps). A chunk lives while a caller
+        holds one of its rows."""
+        key = (name, n, dtype)
+        pool = self._fresh.get(key)
+        if not pool or (pool[-1][0].is_inference() and not torch.is_inference_mode_enabled()):
+            rows = torch.empty((self.FRESH, n), dtype=dtype).unbind(0)
+            pool = self._fresh[key] = [(row, row.numpy()) for row in reversed(rows)]
+        return pool.pop()
 
     def nbytes(self) -> int:
         """Bytes held by this thread's buffers."""

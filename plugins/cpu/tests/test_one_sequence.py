@@ -277,6 +277,34 @@ def test_each_step_returns_tensors_of_its_own(params):
     assert batch.generated_counts() == [3]
 
 
+@pytest.mark.parametrize("params", [dict(top_k=40), dict(top_k=40, seed=5), dict(temperature=0.0)],
+                         ids=["top_k", "top_k_seeded", "greedy"])
+def test_step_outputs_stay_the_callers_over_many_steps_and_across_inference_mode(params):
+    """The ids and valid flags of many steps (past the chunks ``Workspace.fresh`` makes at a
+    time) are each their own: writing any of them leaves every other as it came. A step under
+    ``torch.inference_mode`` and the next outside it both return tensors the caller may
+    write outside it."""
+    V = 1 << 17                    # past ARGMAX_ELEMENTS: greedy takes the compiled search
+    logits = torch.randn((4, V), generator=torch.Generator().manual_seed(7))
+    cpu = CpuSampler()
+    batch = one_request(cpu, V, SamplingParams(**params))
+    outputs = [cpu.step(logits[i % 4:i % 4 + 1], batch) for i in range(150)]
+    assert all(out.valid.tolist() == [True] for out in outputs)
+    for i, out in enumerate(outputs):
+        out.token_ids.fill_(i)
+        out.valid.fill_(i % 2 == 0)
+    for i, out in enumerate(outputs):
+        assert out.token_ids.tolist() == [i] and out.valid.tolist() == [i % 2 == 0], i
+    cpu = CpuSampler()                       # its first outputs made under inference mode
+    batch = one_request(cpu, V, SamplingParams(**params))
+    with torch.inference_mode():
+        inside = cpu.step(logits[:1], batch)
+    outside = cpu.step(logits[1:2], batch)
+    outside.token_ids.add_(0)
+    outside.valid.logical_and_(outside.valid)
+    assert 0 <= int(inside.token_ids[0]) < V and 0 <= int(outside.token_ids[0]) < V
+
+
 @pytest.mark.skipif(not kernels.wanted(), reason="the candidates' typical-p is compiled only")
 def test_typical_on_candidates_settles_by_the_candidates_margin_and_keeps_the_references_set():
     """The score margin follows the candidates' count (``select.typical_score_margin``): rows
