@@ -79,6 +79,8 @@ class Workspace(threading.local):
         key = (name, n, dtype)
         pool = self._fresh.get(key)
         if not pool or (pool[-1][0].is_inference() and not torch.is_inference_mode_enabled()):
+            if len(self._fresh) >= self.PAIRS:
+                self._fresh.clear()
             rows = torch.empty((self.FRESH, n), dtype=dtype).unbind(0)
             pool = self._fresh[key] = [(row, row.numpy()) for row in reversed(rows)]
         return pool.pop()
@@ -86,7 +88,8 @@ class Workspace(threading.local):
     def nbytes(self) -> int:
         """Bytes held by this thread's buffers."""
         return (sum(b.numel() * b.element_size() for b in self._buffers.values())
-                + sum(t.numel() * t.element_size() for t, _ in self._pairs.values()))
+                + sum(t.numel() * t.element_size() for t, _ in self._pairs.values())
+                + sum(t.numel() * t.element_size() for pool in self._fresh.values() for t, _ in pool))
 
 
 def numpy_view(held: dict, name: str, tensor: torch.Tensor):
