@@ -397,8 +397,8 @@ def first_max_at(x: torch.Tensor, maxima: torch.Tensor, top: torch.Tensor, group
     import torch
     if arrays is None:
         arrays = (maxima.contiguous().numpy(), top.reshape(-1).contiguous().numpy())
-    # a new array each call (the ids go to the caller), made by numpy: torch.empty and its
-    # numpy view would be two operator calls
+    # without a lent tensor, a new array each call (the ids go to the caller), made by numpy:
+    # torch.empty and its numpy view would be two operator calls
     ids, found = out if out is not None else (None, numpy.empty(x.shape[0], dtype=numpy.int64))
     if not _on_logits(kernels, "first_max_at", x, arrays[0], arrays[1], group, found):
         return None
