@@ -679,21 +679,20 @@ def compile_kernels() -> Optional[dict]:
             every = every and finite[r]
         return every
 
-    magnitude, shift31 = np.int32(0x7FFFFFFF), np.int32(31)
-    # the order-preserving keys of +inf's and -inf's float32 bits: a NaN's lies outside
-    pos_inf_key, neg_inf_key = np.int32(0x7F800000), np.int32(-2139095041)
+    # float32 bits as int32: +inf's, and as uint32: -inf's; a NaN's lie above them
+    pos_inf_bits, neg_inf_unsigned = np.int32(0x7F800000), np.uint32(0xFF800000)
 
     @numba.njit(inline="always")
-    def key_range(bits):                 # pragma: no cover - runs compiled
-        # the largest and smallest order-preserving key of float32 bits (int32): bits for a
-        # sign-clear float, the magnitude flipped for a sign-set one; integer maxima and
-        # minima vectorise where a float maximum that sees NaN does not
-        hi, lo = np.int32(-2147483648), np.int32(2147483647)
+    def bits_range(bits, unsigned):       # pragma: no cover - runs compiled
+        # the largest and smallest of float32 bits as int32 (``bits``) and the largest as
+        # uint32 (``unsigned``, the same memory): three integer reductions, which vectorise
+        # where a float maximum that sees NaN does not, and need no transform of the bits
+        hi, lo, top = np.int32(-2147483648), np.int32(2147483647), np.uint32(0)
         for j in range(bits.shape[0]):
-            key = bits[j] ^ ((bits[j] >> shift31) & magnitude)
-            hi = max(hi, key)
-            lo = min(lo, key)
-        return hi, lo
+            hi = max(hi, bits[j])
+            lo = min(lo, bits[j])
+            top = max(top, unsigned[j])
+        return hi, lo, top
 
     @numba.njit(cache=True, nogil=True)
     def group_maxima_by_address(address, n, V, group, maxima, top):  # pragma: no cover - runs compiled
@@ -701,18 +700,22 @@ def compile_kernels() -> Optional[dict]:
         # group) into maxima, by its float32 bits (NaN-free groups: torch's amax but for the
         # sign of a zero maximum, which only compares), and each row's into top; False at
         # once for a NaN (maxima then partly written), else whether every row's maximum is
-        # finite and nonzero
+        # finite and nonzero. As int32, sign-clear floats order as their values and lie above
+        # sign-set ones, which order reversed: a group's maximum is its largest bits when
+        # those are sign-clear, else its smallest. A NaN's bits exceed +inf's as int32 (sign
+        # clear) or -inf's as uint32 (sign set)
         x = numba.carray(void_pointer(address), (n, V), np.int32)
+        xu = numba.carray(void_pointer(address), (n, V), np.uint32)
         out = maxima.view(np.int32)
         every = True
         for r in range(n):
-            row = x[r]
+            row, urow = x[r], xu[r]
             m = np.float32(-np.inf)
             for g in range(V // group):
-                hi, lo = key_range(row[g * group:(g + 1) * group])
-                if hi > pos_inf_key or lo < neg_inf_key:
+                hi, lo, unsigned = bits_range(row[g * group:(g + 1) * group], urow[g * group:(g + 1) * group])
+                if hi > pos_inf_bits or unsigned > neg_inf_unsigned:
                     return False
-                out[r, g] = hi ^ ((hi >> shift31) & magnitude)
+                out[r, g] = hi if hi >= 0 else lo
                 if maxima[r, g] > m:
                     m = maxima[r, g]
             top[r] = m

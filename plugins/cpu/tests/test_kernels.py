@@ -638,6 +638,11 @@ def test_group_and_row_maxima_are_torchs_and_flag_nan_inf_and_zero_rows():
         if bad == float("-inf"):
             x[1] = bad                       # a row of -inf only: no token left
         assert both(x)[0] is False and both(x)[3] is False
+    for bits in (0x7F800001, 0x7FFFFFFF, 0xFF800001, 0xFFFFFFFF):   # NaNs' extreme payloads
+        for fill in (-1.0, 2.0):                        # in a group of negatives, of positives
+            x = torch.full((1, 16 * GROUP), fill)
+            x.view(torch.int32)[0, 4 * GROUP + 11] = bits if bits < 2 ** 31 else bits - 2 ** 32
+            assert both(x)[0] is False and both(x)[3] is False
     for zero in (0.0, -0.0):
         x = torch.full((1, 16 * GROUP), -3.0)
         x[0, 9] = zero
