@@ -6,8 +6,10 @@
 - Whole rows, unseeded: one uniform per row through the inverse CDF, located with per-block
   sums of the row's weights (the last filter's probabilities, or ``exp(x - max)``); a small
   vocabulary (``SMALL_VOCAB``) searches one cumulative sum of every weight instead.
-- Whole rows, seeded: the reference's race ``argmax(x + noise)``. The 23-bit hash bounds the
-  noise (:data:`NOISE_SPREAD`), so a token whose logit lies more than that spread below the
+- Whole rows, seeded: the reference's race ``argmax(x + noise)``. Where numba runs, the
+  compiled search of ``kernels.seeded_race_candidates`` finds the few tokens that can win
+  (most rows: one), without the noise of the others, and they race as candidate rows do.
+  Otherwise (and for rows it declines) the 23-bit hash bounds the noise (:data:`NOISE_SPREAD`), so a token whose logit lies more than that spread below the
   row's best cannot win: groups of tokens entirely below it are skipped, and the noise is
   computed, in place and in cache-sized chunks, only for the rest (its hash by the compiled
   kernel of ``kernels`` where numba is installed, the same bits as torch's). Rows of a
@@ -53,6 +55,10 @@ _KEPT_MASS_FIRST = 0.6
 #: Rows of a cut that keeps at most 1/KEPT_LIST_SHARE of the vocabulary (or GROUP tokens)
 #: race over a list of their kept tokens, as candidate rows do.
 KEPT_LIST_SHARE = 32
+#: Seeded whole rows race over at most this many candidates, the tokens whose score can be
+#: the largest (``kernels.seeded_race_candidates``); a row with more (ties of huge logits)
+#: races over every token.
+RACE_CANDIDATES = 64
 #: Seeded whole rows of a smaller vocabulary race over every token without looking for the
 #: groups that can win (at most 7 groups: skipping half of them saves less than the search).
 PRUNE_MIN_VOCAB = 8 * GROUP
@@ -149,7 +155,9 @@ def draw_seeded_rows(x: torch.Tensor, keys: torch.Tensor, offsets: Optional[torc
     dropped only when every token of a lower logit in its row is).
 
     Returns ``(token ids int64 [n], ok bool [n])``, ok False where the winner's score is not
-    finite (every token dropped, or +inf from float32 overflow upstream). Rows where at most
+    finite (every token dropped, or +inf from float32 overflow upstream). Without ``kept``,
+    the compiled search for the tokens that can win answers when it runs (module
+    docstring); otherwise, and for the rows it declines: rows where at most
     half of the groups of ``GROUP`` tokens can hold the winner race over those groups only
     (see the module docstring), and rows keeping few tokens over a list of them. The others
     race over every token; with ``kept`` holding most of the mass, first without the cut: a
@@ -157,6 +165,11 @@ def draw_seeded_rows(x: torch.Tensor, keys: torch.Tensor, offsets: Optional[torc
     score over a superset), and only the rows whose winner is dropped race again with the
     cut. Nothing is modified."""
     n, V = x.shape
+    if kept is None:
+        found = kernels.seeded_race_candidates(x, keys, GROUP, RACE_CANDIDATES, workspace)
+        won = None if found is None else candidate_winners(found[0], found[1], keys, None)
+        if won is not None:
+            return won[0], won[1]
     if kept is not None:
         listed = kept_ids(kept, max(GROUP, V // KEPT_LIST_SHARE))
         if listed is not None:               # few kept tokens: race over them alone

@@ -722,6 +722,127 @@ def compile_kernels() -> Optional[dict]:
             every = every and m != 0.0 and m != np.inf and m != -np.inf
         return every
 
+    # the seeded race's scores x - log(-log(u)) estimated in float64 differ from torch's
+    # float32 ones (two logarithms within a few ulps each, one rounded subtraction) by less
+    # than 2**-17 + 2**-23 |x| for u in (0, 1), where |log(-log(u))| < 17: the slack
+    # 2**-14 + 2**-20 |x| is 8 times that, and x + slack rises with x
+    score_slack, score_slack_per_logit = 2.0 ** -14, 2.0 ** -20
+
+    @numba.njit(inline="always")
+    def gumbel64(u):                      # pragma: no cover - runs compiled
+        return -np.log(-np.log(np.float64(u)))
+
+    @numba.njit(inline="always")
+    def with_slack(v):                    # pragma: no cover - runs compiled
+        return v + score_slack + score_slack_per_logit * abs(v)
+
+    # a group's noise bound from its largest hash: the noise of the largest hash of its
+    # bucket of 2**11 (the noise rises with the hash), so no logarithm per group
+    bucket_shift = np.int32(11)
+    bucket_noise = np.array([-np.log(-np.log(np.float64(np.float32(((b << 11) | 0x7FF)) * scale + half)))
+                             for b in range(1 << (noise._UNIFORM_BITS - 11))])
+
+    # at most this many scores estimated per row (two logarithms each), so that rows whose
+    # bounds are loose cost a bounded time before the torch race takes them
+    scores_per_row = 4096
+
+    @numba.njit(inline="always")
+    def open_group(x, r, key, start, stop, noise_bound, low, values, ids, count, budget):  # pragma: no cover
+        # the tokens of x[r, start:stop] whose estimated score + slack reaches low, appended
+        # to values[r] and ids[r] from count; returns (count, low raised by their scores -
+        # slack, budget less the scores estimated), count -1 when the row's room or its
+        # budget runs out. noise_bound: the noise of the group's largest uniform
+        for j in range(start, stop):
+            v = np.float64(x[r, j])
+            if v == -np.inf or with_slack(v) + noise_bound < low:
+                continue
+            if budget == 0:
+                return -1, low, budget
+            budget -= 1
+            score = v + gumbel64(uniform(key, j))
+            if with_slack(v) + (score - v) < low:
+                continue
+            if count == values.shape[1]:
+                return -1, low, budget
+            values[r, count], ids[r, count] = x[r, j], j
+            low = max(low, score - (with_slack(v) - v))
+            count += 1
+        return count, low, budget
+
+    @numba.njit(cache=True, nogil=True)
+    def seeded_race_candidates_by_address(address, n, V, keys, group, values, ids):  # pragma: no cover
+        # the tokens that can win each row's seeded race argmax(x + noise) over the float32
+        # [n, V] logits at ``address`` (keys int32 [n], the contract's uniforms): a superset of
+        # its maximisers, into values float32 [n, cap] and ids int64 [n, cap] (rows padded with
+        # -inf and their first id), computing the noise of few tokens. Each token's score
+        # estimated in float64 lies within its slack of torch's, so every maximiser has
+        # estimate + slack >= L, the largest estimate - slack: those are the candidates. A
+        # group's estimates + slack are bounded by its largest logit's plus the noise of its
+        # largest hash (its bucket's bound until it is opened): the best group is opened
+        # first, for L, then the groups whose bound reaches L, best first. Returns the widest
+        # row's count, or 0 (nothing usable: a NaN or +inf logit, a row of -inf only, more
+        # than cap candidates or scores_per_row estimates in a row: the caller's torch path)
+        x = rows_at(address, n, V)
+        bits = numba.carray(void_pointer(address), (n, V), np.int32)
+        unsigned = numba.carray(void_pointer(address), (n, V), np.uint32)
+        G = (V + group - 1) // group
+        largest = np.empty(G, dtype=np.float32)
+        largest_bits = largest.view(np.int32)
+        top_hash = np.empty(G, dtype=np.int32)
+        bound, order = np.empty(G), np.empty(G, dtype=np.int64)
+        widest = 0
+        for r in range(n):
+            key = np.uint64(keys[r]) & mask
+            best, first = -np.inf, -1
+            for g in range(G):
+                start, stop = g * group, min(g * group + group, V)
+                hi, lo, un = bits_range(bits[r, start:stop], unsigned[r, start:stop])
+                if hi >= pos_inf_bits or un > neg_inf_unsigned:
+                    return 0                      # NaN or +inf: the torch path flags it
+                h = np.int32(0)
+                for j in range(start, stop):
+                    h = max(h, np.int32(mix((key + np.uint64(j) * step) & mask) >> top))
+                largest_bits[g] = hi if hi >= 0 else lo
+                top_hash[g] = h
+                bound[g] = (with_slack(np.float64(largest[g])) + bucket_noise[h >> bucket_shift]
+                            if largest[g] > -np.inf else -np.inf)
+                if bound[g] > best:
+                    best, first = bound[g], g
+            if first < 0:
+                return 0                          # every logit -inf
+            count, low, budget = open_group(x, r, key, first * group, min(first * group + group, V),
+                                            gumbel64(np.float32(top_hash[first]) * scale + half), -np.inf,
+                                            values, ids, 0, scores_per_row)
+            if count < 0:
+                return 0
+            bound[first] = -np.inf
+            reached = 0
+            for g in range(G):
+                if bound[g] >= low:
+                    order[reached] = g
+                    reached += 1
+            picked = order[:reached][np.argsort(-bound[order[:reached]], kind="mergesort")]
+            for g in picked:                  # L rises fastest best first; past a bound below it, done
+                if bound[g] < low:
+                    break
+                noise_bound = gumbel64(np.float32(top_hash[g]) * scale + half)
+                if with_slack(np.float64(largest[g])) + noise_bound < low:
+                    continue
+                count, low, budget = open_group(x, r, key, g * group, min(g * group + group, V), noise_bound,
+                                                low, values, ids, count, budget)
+                if count < 0:
+                    return 0
+            kept = 0
+            for c in range(count):            # L has risen since some were taken
+                v = np.float64(values[r, c])
+                if with_slack(v) + gumbel64(uniform(key, ids[r, c])) >= low:
+                    values[r, kept], ids[r, kept] = values[r, c], ids[r, c]
+                    kept += 1
+            for c in range(kept, values.shape[1]):
+                values[r, c], ids[r, c] = -np.inf, ids[r, 0]
+            widest = max(widest, kept)
+        return widest
+
     @numba.njit(cache=True, nogil=True)
     def first_max_at(x, maxima, top, group, out):  # pragma: no cover - runs compiled
         # the first group whose maximum is the row's, then the first token of it holding that
@@ -850,6 +971,7 @@ def compile_kernels() -> Optional[dict]:
                 group_maxima_by_address=group_maxima_by_address, candidate_chain_by_address=candidate_chain_by_address,
                 min_p_chain=min_p_chain,
                 seeded_race_winners=seeded_race_winners, unseeded_race_winners=unseeded_race_winners,
+                seeded_race_candidates_by_address=seeded_race_candidates_by_address,
                 group_top_k=group_top_k, candidate_chain=candidate_chain,
                 candidate_min_p=candidate_min_p, collect_above=collect_above,
                 whole_rows=whole_rows, per_row_ids=per_row_ids, inverse_cdf=inverse_cdf,

@@ -12,6 +12,12 @@ The kernels:
   sampler's generator draws per step (``unseeded_race_winners``). That one gives the torch
   race's distribution, not its tokens: unseeded rows promise no tokens (contract: the
   backend's own generator), and the torch noise was four operator calls of a B = 1 step;
+- the seeded race over whole rows (``seeded_race_candidates``): the tokens whose score can be
+  the row's largest, found without the noise of most tokens. Each score is estimated in
+  float64 within a proven bound of torch's float32 one, and a group's scores are bounded by
+  its largest logit and its largest uniform (the noise rises with the uniform), so only the
+  groups that can hold the winner are opened; the few candidates then race with torch's
+  noise (the candidate race above), so the winner is the reference's token;
 - the unseeded draw of a small vocabulary (``draw._draw_one_level``): one uniform per row
   through the float64 cumulative sum of the row's weights, in one call where torch makes
   twelve (at V = 512 the step is operator calls, not arithmetic);
@@ -88,7 +94,7 @@ def describe() -> str:
         return f"kernels: pure torch ({reason})"
     return ("kernels: numba (seeded noise and row keys, small-vocabulary draw, group maxima and top values of "
             "a few rows, min-p candidates, top-k/top-p/typical of candidates, steps 11-13a of a few rows in one "
-            "call, candidate races (unseeded: their noise too), "
+            "call, candidate races (unseeded: their noise too), the seeded race's candidates over whole rows, "
             "logprobs (top-N and rank in one pass), "
             "quadratic smoothing, tail-free, adaptive-p, kept-set packing, nucleus histogram)")
 
@@ -324,6 +330,36 @@ def seeded_race_winners(values: torch.Tensor, minus_noise: torch.Tensor, ids: to
     if arrays is None:
         arrays = (values.contiguous().numpy(), minus_noise.contiguous().numpy(), ids.contiguous().numpy())
     return _winners(kernels["seeded_race_winners"], arrays, values.shape[0], outputs)
+
+
+def seeded_race_candidates(x: torch.Tensor, keys: torch.Tensor, group: int, cap: int, workspace=None):
+    """The tokens that can win each row's seeded race over whole rows, found with the noise of
+    few tokens: (values float32 ``[n, w]``, ids int64 ``[n, w]``) holding every token whose
+    score ``x + noise`` may be the row's largest (rows padded with -inf), w <= ``cap``, from
+    x float32 ``[n, V]`` (contiguous) and keys int32 ``[n]``. Each token's score is estimated
+    in float64 within a bound of torch's float32 one, and the groups of ``group`` tokens are
+    bounded by their largest logit and largest uniform, so most groups are passed over
+    unopened. None where the compiled path does not run, or where it cannot serve the rows
+    (a NaN or +inf logit, a row of -inf only, more than ``cap`` candidates in a row): the
+    caller's race over every token answers those. ``workspace`` lends the buffers."""
+    import torch
+    kernels = _compiled()
+    if kernels is None or x.dtype != torch.float32 or not x.is_contiguous():
+        return None
+    n, V = x.shape
+    if workspace is not None:
+        (values, values_array), (ids, ids_array) = (workspace.pair("race_candidates", (n, cap)),
+                                                    workspace.pair("race_candidate_ids", (n, cap), torch.long))
+    else:
+        values, ids = torch.empty((n, cap)), torch.empty((n, cap), dtype=torch.long)
+        values_array, ids_array = values.numpy(), ids.numpy()
+    width = kernels["seeded_race_candidates_by_address"](x.data_ptr(), n, V, keys.contiguous().numpy(),
+                                                         group, values_array, ids_array)
+    if width == 0:
+        return None
+    if width == cap:
+        return values, ids
+    return values[:, :width].contiguous(), ids[:, :width].contiguous()
 
 
 def unseeded_race_winners(values: torch.Tensor, ids: torch.Tensor, key, arrays: Optional[tuple] = None,

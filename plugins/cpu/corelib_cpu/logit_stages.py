@@ -150,7 +150,9 @@ class LogitStages:
         later = (s.any_bias or s.any_penalties or s.any_dry
                  or bool(s.stages and s.stages_at("after_penalties")))
         wants_maxima = (bp.any_greedy or bp.candidates_only) and not later
-        if wants_maxima and x.finite is None and x.finite_pending and self.rows_valid_on_host(x):
+        # the compiled pass costs less than torch's amax and its host read even where no
+        # stage reads the group maxima (a later write to x drops them)
+        if x.finite is None and x.finite_pending and self.rows_valid_on_host(x):
             x.all_valid = True
             return all_true(x.top.shape[0])
         top = x.maxima().amax(dim=-1) if wants_maxima else x.x.amax(dim=-1)

@@ -72,6 +72,72 @@ def test_kernel_reads_any_token_ids_per_row():
     assert torch.equal(out.view(torch.int32), want.view(torch.int32))
 
 
+def _race_scores(x: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """The reference race's float32 scores x + noise over whole rows."""
+    return x + noise.seeded_gumbel(keys[:, None], torch.arange(x.shape[1], dtype=torch.int32)[None, :])
+
+
+@needs_numba
+@pytest.mark.parametrize("V", [129, 1000, 50257, 128256])
+def test_seeded_race_candidates_hold_every_maximiser_of_the_reference_race(V):
+    """``kernels.seeded_race_candidates``: every token whose float32 score is the row's largest
+    is among the candidates (ties of scores included), for logits of tiny to huge scale, far
+    from 0 (the slack grows with |x|), tied logits and rows mostly -inf; the candidates' race
+    is the reference's token. They are few: one token in most rows."""
+    from corelib_cpu.draw import candidate_winners
+    from corelib_cpu.rowops import GROUP
+    g = torch.Generator().manual_seed(V)
+    widths = []
+    for case in range(24):
+        n = 1 + case % 3
+        x = torch.randn((n, V), generator=g) * (0.001, 0.1, 1.0, 4.0, 30.0, 300.0)[case % 6]
+        if case % 4 == 1:
+            x = torch.round(x)                                   # tied logits
+        if case % 5 == 2:
+            x = x - 1e4                                          # far from 0
+        if case % 7 == 3:
+            x[:, torch.rand(V, generator=g) < 0.9] = float("-inf")
+            x[:, V - 1] = 0.5                                    # a live token in every row
+        keys = _keys(n, seed=case)
+        found = kernels.seeded_race_candidates(x, keys, GROUP, 64)
+        assert found is not None, case
+        values, ids = found
+        scores = _race_scores(x, keys)
+        for r in range(n):
+            best = scores[r].amax()
+            maximisers = set((scores[r] == best).nonzero()[:, 0].tolist())
+            live = values[r] > float("-inf")
+            listed = set(ids[r][live].tolist())
+            assert maximisers <= listed, (case, r)
+            assert torch.equal(values[r][live], x[r, ids[r][live]])        # each id's own logit
+            widths.append(len(listed))
+        won, finite, _ = candidate_winners(values, ids, keys, None)
+        assert torch.equal(won, scores.argmax(dim=-1)) and bool(finite.all()), case
+    assert sorted(widths)[len(widths) // 2] == 1 and max(widths) <= 8
+
+
+@needs_numba
+def test_seeded_race_candidates_decline_rows_they_cannot_serve():
+    """None (the race over every token answers) for a NaN of either sign or +inf anywhere, a
+    row of -inf only, and more candidates than the room (huge tied logits: every token is
+    within the slack); a row with one live token lists it alone, -inf padding after it."""
+    from corelib_cpu.rowops import GROUP
+    keys = _keys(2, seed=5)
+    for bad in (float("nan"), -float("nan"), float("inf")):
+        x = torch.randn(2, 4000)
+        x[1, 3001] = bad
+        assert kernels.seeded_race_candidates(x, keys, GROUP, 64) is None
+    x = torch.randn(2, 4000)
+    x[0] = float("-inf")
+    assert kernels.seeded_race_candidates(x, keys, GROUP, 64) is None
+    assert kernels.seeded_race_candidates(torch.full((2, 4000), 3e38), keys, GROUP, 64) is None
+    x = torch.full((2, 4000), float("-inf"))
+    x[0, 17], x[1, 3999], x[1, 5] = 2.0, -1.0, -80.0
+    values, ids = kernels.seeded_race_candidates(x, keys, GROUP, 64)
+    assert ids[0, 0] == 17 and ids[1, 0] == 3999
+    assert values[0, 0] == 2.0 and bool((values[0, 1:] == float("-inf")).all())
+
+
 @needs_numba
 @pytest.mark.parametrize("spread", [0.1, 8.0])
 def test_seeded_draws_are_the_same_tokens_on_both_paths(monkeypatch, spread):
@@ -306,6 +372,7 @@ def test_info_names_the_path():
         assert described == ("kernels: numba (seeded noise and row keys, small-vocabulary draw, group maxima and "
                              "top values of a few rows, min-p candidates, top-k/top-p/typical of candidates, "
                              "steps 11-13a of a few rows in one call, candidate races (unseeded: their noise too), "
+                             "the seeded race's candidates over whole rows, "
                              "logprobs (top-N and rank in one pass), "
                              "quadratic smoothing, tail-free, adaptive-p, kept-set packing, nucleus histogram)")
 
