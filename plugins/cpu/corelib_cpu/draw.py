@@ -9,8 +9,9 @@
 - Whole rows, seeded: the reference's race ``argmax(x + noise)``. Where numba runs, the
   compiled search of ``kernels.seeded_race_candidates`` finds the few tokens that can win
   (most rows: one), without the noise of the others, and they race as candidate rows do.
-  Otherwise (and for rows it declines) the 23-bit hash bounds the noise (:data:`NOISE_SPREAD`), so a token whose logit lies more than that spread below the
-  row's best cannot win: groups of tokens entirely below it are skipped, and the noise is
+  Otherwise (and for rows it declines) the 23-bit hash bounds the noise
+  (:data:`NOISE_SPREAD`), so a token whose logit lies more than that spread below the row's
+  best cannot win: groups of tokens entirely below it are skipped, and the noise is
   computed, in place and in cache-sized chunks, only for the rest (its hash by the compiled
   kernel of ``kernels`` where numba is installed, the same bits as torch's). Rows of a
   probability cut (min-p, top-p) race with the cut's weights instead of a masked copy of x:

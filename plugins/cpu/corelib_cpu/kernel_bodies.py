@@ -687,12 +687,12 @@ def compile_kernels() -> Optional[dict]:
         # the largest and smallest of float32 bits as int32 (``bits``) and the largest as
         # uint32 (``unsigned``, the same memory): three integer reductions, which vectorise
         # where a float maximum that sees NaN does not, and need no transform of the bits
-        hi, lo, top = np.int32(-2147483648), np.int32(2147483647), np.uint32(0)
+        hi, lo, unsigned_hi = np.int32(-2147483648), np.int32(2147483647), np.uint32(0)
         for j in range(bits.shape[0]):
             hi = max(hi, bits[j])
             lo = min(lo, bits[j])
-            top = max(top, unsigned[j])
-        return hi, lo, top
+            unsigned_hi = max(unsigned_hi, unsigned[j])
+        return hi, lo, unsigned_hi
 
     @numba.njit(cache=True, nogil=True)
     def group_maxima_by_address(address, n, V, group, maxima, top):  # pragma: no cover - runs compiled
@@ -725,7 +725,8 @@ def compile_kernels() -> Optional[dict]:
     # the seeded race's scores x - log(-log(u)) estimated in float64 differ from torch's
     # float32 ones (two logarithms within a few ulps each, one rounded subtraction) by less
     # than 2**-17 + 2**-23 |x| for u in (0, 1), where |log(-log(u))| < 17: the slack
-    # 2**-14 + 2**-20 |x| is 8 times that, and x + slack rises with x
+    # 2**-14 + 2**-20 |x| is 8 times that, and x + slack rises with x (so a group's largest
+    # logit bounds its logits' x + slack)
     score_slack, score_slack_per_logit = 2.0 ** -14, 2.0 ** -20
 
     @numba.njit(inline="always")
@@ -733,8 +734,8 @@ def compile_kernels() -> Optional[dict]:
         return -np.log(-np.log(np.float64(u)))
 
     @numba.njit(inline="always")
-    def with_slack(v):                    # pragma: no cover - runs compiled
-        return v + score_slack + score_slack_per_logit * abs(v)
+    def slack(v):                         # pragma: no cover - runs compiled
+        return score_slack + score_slack_per_logit * abs(v)
 
     # a group's noise bound from its largest hash: the noise of the largest hash of its
     # bucket of 2**11 (the noise rises with the hash), so no logarithm per group
@@ -754,18 +755,18 @@ def compile_kernels() -> Optional[dict]:
         # budget runs out. noise_bound: the noise of the group's largest uniform
         for j in range(start, stop):
             v = np.float64(x[r, j])
-            if v == -np.inf or with_slack(v) + noise_bound < low:
+            if v == -np.inf or v + slack(v) + noise_bound < low:
                 continue
             if budget == 0:
                 return -1, low, budget
             budget -= 1
             score = v + gumbel64(uniform(key, j))
-            if with_slack(v) + (score - v) < low:
+            if score + slack(v) < low:
                 continue
             if count == values.shape[1]:
                 return -1, low, budget
             values[r, count], ids[r, count] = x[r, j], j
-            low = max(low, score - (with_slack(v) - v))
+            low = max(low, score - slack(v))
             count += 1
         return count, low, budget
 
@@ -804,8 +805,9 @@ def compile_kernels() -> Optional[dict]:
                     h = max(h, np.int32(mix((key + np.uint64(j) * step) & mask) >> top))
                 largest_bits[g] = hi if hi >= 0 else lo
                 top_hash[g] = h
-                bound[g] = (with_slack(np.float64(largest[g])) + bucket_noise[h >> bucket_shift]
-                            if largest[g] > -np.inf else -np.inf)
+                top_logit = np.float64(largest[g])
+                bound[g] = (top_logit + slack(top_logit) + bucket_noise[h >> bucket_shift]
+                            if top_logit > -np.inf else -np.inf)
                 if bound[g] > best:
                     best, first = bound[g], g
             if first < 0:
@@ -826,7 +828,8 @@ def compile_kernels() -> Optional[dict]:
                 if bound[g] < low:
                     break
                 noise_bound = gumbel64(np.float32(top_hash[g]) * scale + half)
-                if with_slack(np.float64(largest[g])) + noise_bound < low:
+                top_logit = np.float64(largest[g])
+                if top_logit + slack(top_logit) + noise_bound < low:
                     continue
                 count, low, budget = open_group(x, r, key, g * group, min(g * group + group, V), noise_bound,
                                                 low, values, ids, count, budget)
@@ -835,7 +838,7 @@ def compile_kernels() -> Optional[dict]:
             kept = 0
             for c in range(count):            # L has risen since some were taken
                 v = np.float64(values[r, c])
-                if with_slack(v) + gumbel64(uniform(key, ids[r, c])) >= low:
+                if v + gumbel64(uniform(key, ids[r, c])) + slack(v) >= low:
                     values[r, kept], ids[r, kept] = values[r, c], ids[r, c]
                     kept += 1
             for c in range(kept, values.shape[1]):
