@@ -42,9 +42,22 @@ def compile_kernels() -> Optional[dict]:
         return h ^ (h >> s16)
 
     @numba.njit(inline="always")
+    def token_hash(key, token):           # pragma: no cover - runs compiled
+        # the top bits of the (row key, token) hash that make the token's uniform
+        return mix((key + np.uint64(token) * step) & mask) >> top
+
+    @numba.njit(inline="always")
+    def hash_uniform(h):                  # pragma: no cover - runs compiled
+        return np.float32(h) * scale + half
+
+    @numba.njit(inline="always")
     def uniform(key, token):              # pragma: no cover - runs compiled
-        h = mix((key + np.uint64(token) * step) & mask)
-        return np.float32(h >> top) * scale + half
+        return hash_uniform(token_hash(key, token))
+
+    @numba.njit(inline="always")
+    def gumbel64(u):                      # pragma: no cover - runs compiled
+        # the Gumbel noise of u in float64
+        return -np.log(-np.log(np.float64(u)))
 
     @numba.njit(cache=True, nogil=True)
     def mixed_keys(prefix, position, out):  # pragma: no cover - runs compiled
@@ -670,7 +683,7 @@ def compile_kernels() -> Optional[dict]:
                     break
                 h = mix64(row_key + np.uint64(ids[r, j] + 1) * golden)
                 u = (np.float64(h >> s12) + 0.5) * ulp52
-                score = v - np.log(-np.log(u))
+                score = v + gumbel64(u)
                 if score > best or j == 0:
                     best, pos = score, j
             out_ids[r] = ids[r, pos]
@@ -728,10 +741,6 @@ def compile_kernels() -> Optional[dict]:
     # 2**-14 + 2**-20 |x| is 8 times that, and x + slack rises with x (so a group's largest
     # logit bounds its logits' x + slack)
     score_slack, score_slack_per_logit = 2.0 ** -14, 2.0 ** -20
-
-    @numba.njit(inline="always")
-    def gumbel64(u):                      # pragma: no cover - runs compiled
-        return -np.log(-np.log(np.float64(u)))
 
     @numba.njit(inline="always")
     def slack(v):                         # pragma: no cover - runs compiled
@@ -802,7 +811,7 @@ def compile_kernels() -> Optional[dict]:
                     return 0                      # NaN or +inf: the torch path flags it
                 h = np.int32(0)
                 for j in range(start, stop):
-                    h = max(h, np.int32(mix((key + np.uint64(j) * step) & mask) >> top))
+                    h = max(h, np.int32(token_hash(key, j)))
                 largest_bits[g] = hi if hi >= 0 else lo
                 top_hash[g] = h
                 top_logit = np.float64(largest[g])
@@ -813,7 +822,7 @@ def compile_kernels() -> Optional[dict]:
             if first < 0:
                 return 0                          # every logit -inf
             count, low, budget = open_group(x, r, key, first * group, min(first * group + group, V),
-                                            gumbel64(np.float32(top_hash[first]) * scale + half), -np.inf,
+                                            gumbel64(hash_uniform(top_hash[first])), -np.inf,
                                             values, ids, 0, scores_per_row)
             if count < 0:
                 return 0
@@ -827,7 +836,7 @@ def compile_kernels() -> Optional[dict]:
             for g in picked:                  # L rises fastest best first; past a bound below it, done
                 if bound[g] < low:
                     break
-                noise_bound = gumbel64(np.float32(top_hash[g]) * scale + half)
+                noise_bound = gumbel64(hash_uniform(top_hash[g]))
                 top_logit = np.float64(largest[g])
                 if top_logit + slack(top_logit) + noise_bound < low:
                     continue
