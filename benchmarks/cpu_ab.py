@@ -50,7 +50,7 @@ def one_sequence(Base, args, clock) -> None:
     from harness import CacheFlush
     from llama_cpp_compare import CHAINS
     V = args.vocab_size
-    flush = CacheFlush()
+    flush = CacheFlush(args.flush_mib)
     rows = make_logits(16, V, args.profiles.split(",")[0], seed=V)
     print(f"{'chain':58s} {'seed':>5s} {'base ms':>9s} {'now ms':>9s} {'base/now':>8s}")
     for chain in CHAINS:
@@ -100,6 +100,9 @@ def main(argv=None) -> int:
                         help="with --one-sequence: the chains whose name contains this (repeatable)")
     parser.add_argument("--warm", action="store_true",
                         help="with --one-sequence: no cache flush before each step (the step's code and data warm)")
+    parser.add_argument("--flush-mib", type=int, default=16,
+                        help="with --one-sequence: MiB the cache flush writes and reads (default 16; "
+                             "twice the L3 evicts all of it)")
     add_run_arguments(parser, 5, "timed calls per cell and side")
     args = parser.parse_args(argv)
     clock = run_settings(args, parser)

@@ -332,9 +332,13 @@ def main(argv=None) -> int:
                         help="logits: language-model-like (default) or standard normal")
     parser.add_argument("--kept-only", action="store_true", help="only the kept-set report")
     parser.add_argument("--kept-rows", type=int, default=8, help="rows per kept-set comparison")
+    parser.add_argument("--flush-mib", type=int, default=16,
+                        help="MiB the cache flush writes and reads before each call (default 16: "
+                             "the cores' L2 and part of the L3; twice the L3 evicts it all, as a "
+                             "forward pass through a model's weights does)")
     add_run_arguments(parser, repeats=1, repeats_help="unused (see --tokens)")
     args = parser.parse_args(argv)
-    for name in ("tokens", "rows", "kept_rows"):
+    for name in ("tokens", "rows", "kept_rows", "flush_mib"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     try:
@@ -351,9 +355,10 @@ def main(argv=None) -> int:
     clock = run_settings(args, parser)
     chains = [c for c in CHAINS if not args.only or any(o in c.name for o in args.only)]
     print(f"# {machine_description()}; llama-cpp-python {llama_cpp.__version__}; "
-          f"torch threads {torch.get_num_threads()}; clock {args.clock}; load {load_average():.2f}")
+          f"torch threads {torch.get_num_threads()}; clock {args.clock}; flush {args.flush_mib} MiB; "
+          f"load {load_average():.2f}")
     if not args.kept_only:
-        flush = CacheFlush()
+        flush = CacheFlush(args.flush_mib)
         for V in vocabs:
             logits = make_logits(args.rows, V, args.profile, seed=V)
             print(f"\n## V = {V}: ms per token, medians of {args.tokens} "
