@@ -34,7 +34,7 @@ _INF = torch.tensor(float("inf"))
 FEW_ROWS = 2
 
 
-@dataclass
+@dataclass(slots=True)
 class Candidates:
     """Rows of a block whose kept set is a few candidate tokens (rows with top-k)."""
 
@@ -121,10 +121,11 @@ class SourceRows:
         return group_maxima(self.source[low:high + 1]).index_select(0, self.rows - low)
 
 
-@dataclass
+@dataclass(slots=True)
 class Block:
     """What the template passes between the stages of one block: its logits and what the
-    filters have decided so far (see the module docstring)."""
+    filters have decided so far (see the module docstring). Slotted: a step makes one per
+    block, and a cold step pays for each dictionary it fills."""
 
     state: BlockState
     _x: Optional[torch.Tensor]           # see x

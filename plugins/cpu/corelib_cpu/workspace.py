@@ -27,6 +27,10 @@ class Workspace(threading.local):
         self._buffers: dict[tuple[str, torch.dtype], torch.Tensor] = {}
         self._pairs: dict[tuple, tuple] = {}
         self._fresh: dict[tuple, list] = {}
+        # the keys of pairs and fresh chunks made under torch.inference_mode, which a call
+        # outside it must replace: known here, so the common call asks torch nothing
+        self._inference_pairs: set = set()
+        self._inference_fresh: set = set()
         #: This thread's block in progress had every row valid, known on the host
         #: (``neutralise_rows`` sets it, ``flag_invalid`` reads it).
         self.rows_valid = False
@@ -59,11 +63,12 @@ class Workspace(threading.local):
         thread; never hand one to a caller outside the step."""
         key = (name, shape, dtype)
         got = self._pairs.get(key)
-        if got is None or (got[0].is_inference() and not torch.is_inference_mode_enabled()):
+        if got is None or (key in self._inference_pairs and not torch.is_inference_mode_enabled()):
             if len(self._pairs) >= self.PAIRS:
                 self._pairs.clear()
             tensor = torch.empty(shape, dtype=dtype)
             got = self._pairs[key] = (tensor, tensor.numpy())
+            mark(self._inference_pairs, key, tensor.is_inference())
         return got
 
     #: How many new tensors ``fresh`` makes at a time.
@@ -78,11 +83,12 @@ class Workspace(threading.local):
         holds one of its rows."""
         key = (name, n, dtype)
         pool = self._fresh.get(key)
-        if not pool or (pool[-1][0].is_inference() and not torch.is_inference_mode_enabled()):
+        if not pool or (key in self._inference_fresh and not torch.is_inference_mode_enabled()):
             if len(self._fresh) >= self.PAIRS:
                 self._fresh.clear()
-            rows = torch.empty((self.FRESH, n), dtype=dtype).unbind(0)
-            pool = self._fresh[key] = [(row, row.numpy()) for row in reversed(rows)]
+            chunk = torch.empty((self.FRESH, n), dtype=dtype)
+            pool = self._fresh[key] = [(row, row.numpy()) for row in reversed(chunk.unbind(0))]
+            mark(self._inference_fresh, key, chunk.is_inference())
         return pool.pop()
 
     def nbytes(self) -> int:
@@ -106,3 +112,11 @@ def numpy_view(held: dict, name: str, tensor: torch.Tensor):
     array = tensor.numpy()
     held[name] = (tensor, array)
     return array
+
+
+def mark(keys: set, key, inference: bool) -> None:
+    """Record in ``keys`` whether the buffers of ``key`` were made under inference mode."""
+    if inference:
+        keys.add(key)
+    else:
+        keys.discard(key)

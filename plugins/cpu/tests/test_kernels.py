@@ -339,6 +339,24 @@ def test_workspace_pairs_are_made_once_and_share_memory():
     assert w.pair("v", (2, 5))[0] is inside or not inside.is_inference()
 
 
+
+def test_workspace_buffers_made_under_inference_mode_are_replaced_outside_it():
+    """A pair or fresh chunk made inside ``torch.inference_mode`` (vLLM's steps) serves the
+    calls inside it; the first call outside gets a new buffer that torch lets it write; a
+    buffer made outside serves both."""
+    w = Workspace()
+    with torch.inference_mode():
+        inside, row = w.pair("u", (3,))[0], w.fresh("f", 3, torch.long)[0]
+        assert inside.is_inference() and row.is_inference()
+        assert w.pair("u", (3,))[0] is inside
+    outside, row = w.pair("u", (3,))[0], w.fresh("f", 3, torch.long)[0]
+    assert outside is not inside and not outside.is_inference() and not row.is_inference()
+    outside.add_(1)
+    row.add_(1)
+    assert w.pair("u", (3,))[0] is outside
+    with torch.inference_mode():
+        assert w.pair("u", (3,))[0] is outside
+
 def test_the_torch_path_when_asked(torch_path):
     out = torch.full((2, 3), 7.0)
     assert not kernels.seeded_uniforms_into(out, _keys(2))
