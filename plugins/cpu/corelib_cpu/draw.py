@@ -3,9 +3,13 @@
 - Candidate rows (top-k): a Gumbel race over the W candidates only. Seeded rows use the
   contract's noise for the candidates' ids, so the winner is the reference's token (every
   token outside the candidates is -inf there and cannot win).
-- Whole rows, unseeded: one uniform per row through the inverse CDF, located with per-block
-  sums of the row's weights (the last filter's probabilities, or ``exp(x - max)``); a small
-  vocabulary (``SMALL_VOCAB``) searches one cumulative sum of every weight instead.
+- Whole rows, unseeded, with no probability cut pending: where numba runs, the race of
+  seeded rows below (its compiled search for the few tokens that can win) with keys the
+  generator draws for the step, one per row (``race_unseeded_rows``); the same Gumbel-max
+  draw, with the seeded noise's 23-bit uniforms. Otherwise, and for rows of a pending cut,
+  one uniform per row through the inverse CDF, located with per-block sums of the row's
+  weights (the last filter's probabilities, or ``exp(x - max)``); a small vocabulary
+  (``SMALL_VOCAB``) searches one cumulative sum of every weight instead.
 - Whole rows, seeded: the reference's race ``argmax(x + noise)``. Where numba runs, the
   compiled search of ``kernels.seeded_race_candidates`` finds the few tokens that can win
   (most rows: one), without the noise of the others, and they race as candidate rows do.
@@ -203,6 +207,32 @@ def draw_seeded_rows(x: torch.Tensor, keys: torch.Tensor, offsets: Optional[torc
         ids[redo], ok[redo] = race_whole_rows(x[redo], keys[redo], offsets, workspace,
                                               chunk_elements, kept[redo])
     return ids, ok
+
+
+
+def race_unseeded_rows(x: torch.Tensor, generator: Optional[torch.Generator], workspace=None):
+    """Step 14 for unseeded whole rows x float32 [n, V] (their final logits, -inf = dropped)
+    as seeded rows draw: keys int32 [n] from ``generator``, then the compiled search for the
+    tokens that can win the race with those keys and their race (``draw_seeded_rows``'
+    first path). A Gumbel-max draw, so each token wins with its softmax probability up to
+    the 23-bit uniforms of the contract's noise: a token more than :data:`NOISE_SPREAD`
+    below its row's best never wins (the exponential race over float32 uniforms that other
+    batched samplers use cuts the same tail). Returns ``(token ids int64 [n], ok bool
+    [n])``, ok False where the winner is not finite; None below ``PRUNE_MIN_VOCAB`` (the
+    inverse CDF costs less there), where the compiled path does not run (nothing drawn from
+    the generator), or where it declines a row (a NaN or +inf logit, a row of -inf only, ties
+    of more than ``RACE_CANDIDATES`` tokens): the caller draws those rows its own way."""
+    n, V = x.shape
+    if V < PRUNE_MIN_VOCAB or not kernels.wanted():
+        return None
+    if workspace is not None:
+        keys = workspace.pair("unseeded_row_keys", (n,), torch.int32)[0]
+    else:
+        keys = torch.empty(n, dtype=torch.int32)
+    keys.random_(generator=generator)
+    found = kernels.seeded_race_candidates(x, keys, GROUP, RACE_CANDIDATES, workspace)
+    won = None if found is None else candidate_winners(found[0], found[1], keys, None)
+    return None if won is None else (won[0], won[1])
 
 
 def kept_ids(kept: torch.Tensor, cap: int):

@@ -2,9 +2,10 @@
 
 Mixed into :class:`~corelib_cpu.sampler.CpuSampler`. Candidate rows race with noise for the
 candidates only (seeded rows with the contract's noise, so their tokens are the reference's),
-whole unseeded rows draw with one uniform per row through the inverse CDF, and whole seeded
-rows race with the contract's noise for the tokens that can still win
-(``draw.draw_seeded_rows``). A pending top-p cut (:class:`~corelib_cpu.block.Cut`) is tried
+whole seeded rows race with the contract's noise for the tokens that can still win
+(``draw.draw_seeded_rows``), and whole unseeded rows race the same way with keys from the
+generator where their logits are their final distribution, else draw with one uniform per
+row through the inverse CDF. A pending top-p cut (:class:`~corelib_cpu.block.Cut`) is tried
 before its threshold is known: a token drawn from the whole row is kept when it is in the
 nucleus. Shapes: ``n`` rows of a block, ``V`` vocabulary, ``W`` candidates.
 """
@@ -18,7 +19,8 @@ from corelib import StepState
 from corelib.noise import token_offsets
 
 from .block import Block, Candidates, Cut, pick_rows, rows_of, runs
-from .draw import candidate_winners, draw_from_weights, draw_seeded_rows, race_seeded_candidates, race_unseeded_candidates
+from .draw import (candidate_winners, draw_from_weights, draw_seeded_rows, race_seeded_candidates,
+                   race_unseeded_candidates, race_unseeded_rows)
 from .plan import BlockPlan
 from .rowops import TRUE, is_finite
 from .select import nucleus_contains
@@ -143,10 +145,18 @@ class DrawStage:
         return merged, merged_ok
 
     def draw_unseeded_whole(self, blk: Block, rows: list):
-        """(int64 [m] ids, bool [m] ok): inverse-CDF draws for unseeded whole rows."""
+        """(int64 [m] ids, bool [m] ok) for unseeded whole rows: rows whose x is their final
+        distribution (no cut, or one applied to x) race as seeded rows do with keys from the
+        generator (``draw.race_unseeded_rows``); the others, and the rows the race declines,
+        draw through the inverse CDF over their kept probabilities (pending top-p cuts first
+        from the whole distribution, ``draw_in_nucleus``)."""
         record, at = blk.common_cut(rows)
         if record is not None and record.pending(at) == at:
             return self.draw_in_nucleus(record, at)
+        if not any(row in blk.cuts and row not in blk.masked for row in rows):
+            won = race_unseeded_rows(pick_rows(blk.x, rows, blk.plan), self.generator, self.workspace)
+            if won is not None:
+                return won
         return draw_from_weights(blk.weights_of(rows), self.generator, self.workspace)
 
     def draw_in_nucleus(self, record: Cut, at: list):

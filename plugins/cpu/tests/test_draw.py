@@ -16,6 +16,7 @@ from corelib_cpu.draw import (
     draw_seeded_rows,
     race_seeded_candidates,
     race_unseeded_candidates,
+    race_unseeded_rows,
 )
 from corelib_cpu.rowops import GROUP, group_maxima
 
@@ -252,3 +253,71 @@ def test_kept_ids_list_each_rows_positive_weights_in_order(monkeypatch, path):
         assert ids.shape == (2, 1) and not bool(present.any())
     finally:
         kernels.reset()
+
+
+def test_unseeded_whole_rows_race_follows_softmax_and_never_draws_dropped_tokens():
+    """``race_unseeded_rows``: rows of one step draw independently (keys from the generator),
+    each token with its softmax probability (chi-square, fixed seeds, p > 1e-6; 40000 draws
+    over a vocabulary that is not a whole number of groups, 30% of it dropped)."""
+    g = torch.Generator().manual_seed(11)
+    V = 9 * GROUP + 51
+    x = torch.randn(V, generator=g) * 1.5
+    x[torch.rand(V, generator=g) < 0.3] = NEG_INF
+    probs = torch.softmax(x, dim=-1)
+    rows = 4000
+    gen = torch.Generator().manual_seed(12)
+    counts = torch.zeros(V, dtype=torch.long)
+    for _ in range(10):
+        ids, ok = race_unseeded_rows(x.expand(rows, V).contiguous(), gen)
+        assert bool(ok.all())
+        counts += torch.bincount(ids, minlength=V)
+    kept = probs > 0
+    assert int(counts[~kept].sum()) == 0
+    assert chi_square_p_value(counts[kept], probs[kept]) > MIN_P_VALUE
+
+
+def test_unseeded_whole_rows_race_is_the_generators_and_declines_what_it_cannot_serve():
+    """The same generator state gives the same tokens and the next state others; a row with
+    a NaN or +inf logit, or a row with nothing left, is left to the caller (None), and so is a
+    vocabulary below ``PRUNE_MIN_VOCAB``, without a draw from the generator."""
+    V = draw.PRUNE_MIN_VOCAB + 3
+    x = torch.randn(64, V, generator=torch.Generator().manual_seed(13))
+    first = race_unseeded_rows(x, torch.Generator().manual_seed(14))[0]
+    gen = torch.Generator().manual_seed(14)
+    assert torch.equal(race_unseeded_rows(x, gen)[0], first)
+    assert not torch.equal(race_unseeded_rows(x, gen)[0], first)
+    for bad in (float("nan"), float("inf")):
+        y = x.clone()
+        y[5, 17] = bad
+        assert race_unseeded_rows(y, gen) is None
+    y = x.clone()
+    y[3] = NEG_INF
+    assert race_unseeded_rows(y, gen) is None
+    small = torch.Generator().manual_seed(15)
+    assert race_unseeded_rows(x[:, :draw.PRUNE_MIN_VOCAB - 1].contiguous(), small) is None
+    assert torch.equal(small.get_state(), torch.Generator().manual_seed(15).get_state())
+
+
+def test_unseeded_whole_rows_of_a_sampler_race_without_building_weights(monkeypatch):
+    """A ``CpuSampler`` draws unseeded rows with no probability cut (plain temperature) by the
+    race: no inverse CDF runs, and its tokens follow the softmax of x / T (chi-square)."""
+    from corelib import SamplingParams
+
+    from corelib_cpu import CpuSampler, draw_stage
+
+    def no_weights(*args, **kwargs):
+        raise AssertionError("the inverse CDF ran")
+
+    monkeypatch.setattr(draw_stage, "draw_from_weights", no_weights)
+    V, rows = 2048, 512
+    logits = torch.randn(1, V, generator=torch.Generator().manual_seed(16)) * 2
+    sampler = CpuSampler(generator=torch.Generator().manual_seed(17))
+    batch = sampler.new_batch(V)
+    for i in range(rows):
+        batch.add(f"r{i}", SamplingParams(temperature=0.7))
+    counts = torch.zeros(V, dtype=torch.long)
+    for _ in range(40):
+        out = sampler.sample(logits.expand(rows, V), batch)
+        assert bool(out.valid.all())
+        counts += torch.bincount(out.token_ids, minlength=V)
+    assert chi_square_p_value(counts, torch.softmax(logits[0] / 0.7, dim=-1)) > MIN_P_VALUE
