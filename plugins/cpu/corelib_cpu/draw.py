@@ -3,13 +3,14 @@
 - Candidate rows (top-k): a Gumbel race over the W candidates only. Seeded rows use the
   contract's noise for the candidates' ids, so the winner is the reference's token (every
   token outside the candidates is -inf there and cannot win).
-- Whole rows, unseeded, with no probability cut pending: where numba runs, the race of
-  seeded rows below (its compiled search for the few tokens that can win) with keys the
-  generator draws for the step, one per row (``race_unseeded_rows``); the same Gumbel-max
-  draw, with the seeded noise's 23-bit uniforms. Otherwise, and for rows of a pending cut,
-  one uniform per row through the inverse CDF, located with per-block sums of the row's
-  weights (the last filter's probabilities, or ``exp(x - max)``); a small vocabulary
-  (``SMALL_VOCAB``) searches one cumulative sum of every weight instead.
+- Whole rows, unseeded, with no probability cut pending (``UNSEEDED_RACE_MIN_VOCAB`` tokens
+  or more): where numba runs, the race of seeded rows below (its compiled search for the few
+  tokens that can win) with keys the generator draws for the step, one per row
+  (``race_unseeded_rows``); the same Gumbel-max draw, with the seeded noise's 23-bit
+  uniforms. Otherwise, and for rows of a pending cut, one uniform per row through the
+  inverse CDF, located with per-block sums of the row's weights (the last filter's
+  probabilities, or ``exp(x - max)``); a small vocabulary (``SMALL_VOCAB``) searches one
+  cumulative sum of every weight instead.
 - Whole rows, seeded: the reference's race ``argmax(x + noise)``. Where numba runs, the
   compiled search of ``kernels.seeded_race_candidates`` finds the few tokens that can win
   (most rows: one), without the noise of the others, and they race as candidate rows do.
@@ -67,6 +68,10 @@ RACE_CANDIDATES = 64
 #: Seeded whole rows of a smaller vocabulary race over every token without looking for the
 #: groups that can win (at most 7 groups: skipping half of them saves less than the search).
 PRUNE_MIN_VOCAB = 8 * GROUP
+#: Unseeded whole rows of a smaller vocabulary draw through the inverse CDF, not the race:
+#: measured at V = 4096, 32 rows take 0.47 ms by the race and 0.36 ms by the inverse CDF; at
+#: V = 8192, 0.72 ms and 1.07 ms (one row: the race is faster from V = 2048).
+UNSEEDED_RACE_MIN_VOCAB = 64 * GROUP
 
 
 # ---------------------------------------------------------------------- candidate rows
@@ -171,10 +176,9 @@ def draw_seeded_rows(x: torch.Tensor, keys: torch.Tensor, offsets: Optional[torc
     cut. Nothing is modified."""
     n, V = x.shape
     if kept is None:
-        found = kernels.seeded_race_candidates(x, keys, GROUP, RACE_CANDIDATES, workspace)
-        won = None if found is None else candidate_winners(found[0], found[1], keys, None)
+        won = race_few_winners(x, keys, workspace)
         if won is not None:
-            return won[0], won[1]
+            return won
     if kept is not None:
         listed = kept_ids(kept, max(GROUP, V // KEPT_LIST_SHARE))
         if listed is not None:               # few kept tokens: race over them alone
@@ -209,30 +213,36 @@ def draw_seeded_rows(x: torch.Tensor, keys: torch.Tensor, offsets: Optional[torc
     return ids, ok
 
 
+def race_few_winners(x: torch.Tensor, keys: torch.Tensor, workspace=None):
+    """The race of whole rows x float32 [n, V] with keys int32 [n] over the few tokens that
+    can win it (``kernels.seeded_race_candidates``), raced as candidate rows are: (token ids
+    int64 [n], ok bool [n]), the reference's tokens; None where the compiled path does not
+    run or declines a row."""
+    found = kernels.seeded_race_candidates(x, keys, GROUP, RACE_CANDIDATES, workspace)
+    won = None if found is None else candidate_winners(found[0], found[1], keys, None)
+    return None if won is None else (won[0], won[1])
+
 
 def race_unseeded_rows(x: torch.Tensor, generator: Optional[torch.Generator], workspace=None):
     """Step 14 for unseeded whole rows x float32 [n, V] (their final logits, -inf = dropped)
-    as seeded rows draw: keys int32 [n] from ``generator``, then the compiled search for the
-    tokens that can win the race with those keys and their race (``draw_seeded_rows``'
-    first path). A Gumbel-max draw, so each token wins with its softmax probability up to
-    the 23-bit uniforms of the contract's noise: a token more than :data:`NOISE_SPREAD`
-    below its row's best never wins (the exponential race over float32 uniforms that other
-    batched samplers use cuts the same tail). Returns ``(token ids int64 [n], ok bool
-    [n])``, ok False where the winner is not finite; None below ``PRUNE_MIN_VOCAB`` (the
-    inverse CDF costs less there), where the compiled path does not run (nothing drawn from
-    the generator), or where it declines a row (a NaN or +inf logit, a row of -inf only, ties
-    of more than ``RACE_CANDIDATES`` tokens): the caller draws those rows its own way."""
+    as seeded rows draw: keys int32 [n] from ``generator``, then ``race_few_winners``. A
+    Gumbel-max draw, so each token wins with its softmax probability up to the 23-bit
+    uniforms of the contract's noise: a token more than :data:`NOISE_SPREAD` below its row's
+    best never wins (an exponential race over float32 uniforms cuts the same tail). Returns
+    ``(token ids int64 [n], ok bool [n])``, ok False where the winner is not finite; None
+    below ``UNSEEDED_RACE_MIN_VOCAB`` (the inverse CDF costs less there), where the compiled
+    path does not run (nothing drawn from the generator), or where it declines a
+    row (a NaN or +inf logit, a row of -inf only, ties of more than ``RACE_CANDIDATES``
+    tokens): the caller draws those rows its own way."""
     n, V = x.shape
-    if V < PRUNE_MIN_VOCAB or not kernels.wanted():
+    if V < UNSEEDED_RACE_MIN_VOCAB or not kernels.wanted():
         return None
     if workspace is not None:
         keys = workspace.pair("unseeded_row_keys", (n,), torch.int32)[0]
     else:
         keys = torch.empty(n, dtype=torch.int32)
     keys.random_(generator=generator)
-    found = kernels.seeded_race_candidates(x, keys, GROUP, RACE_CANDIDATES, workspace)
-    won = None if found is None else candidate_winners(found[0], found[1], keys, None)
-    return None if won is None else (won[0], won[1])
+    return race_few_winners(x, keys, workspace)
 
 
 def kept_ids(kept: torch.Tensor, cap: int):

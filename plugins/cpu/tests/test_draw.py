@@ -260,8 +260,8 @@ def test_unseeded_whole_rows_race_follows_softmax_and_never_draws_dropped_tokens
     each token with its softmax probability (chi-square, fixed seeds, p > 1e-6; 40000 draws
     over a vocabulary that is not a whole number of groups, 30% of it dropped)."""
     g = torch.Generator().manual_seed(11)
-    V = 9 * GROUP + 51
-    x = torch.randn(V, generator=g) * 1.5
+    V = draw.UNSEEDED_RACE_MIN_VOCAB + 51
+    x = torch.randn(V, generator=g) * 2.5
     x[torch.rand(V, generator=g) < 0.3] = NEG_INF
     probs = torch.softmax(x, dim=-1)
     rows = 4000
@@ -279,8 +279,8 @@ def test_unseeded_whole_rows_race_follows_softmax_and_never_draws_dropped_tokens
 def test_unseeded_whole_rows_race_is_the_generators_and_declines_what_it_cannot_serve():
     """The same generator state gives the same tokens and the next state others; a row with
     a NaN or +inf logit, or a row with nothing left, is left to the caller (None), and so is a
-    vocabulary below ``PRUNE_MIN_VOCAB``, without a draw from the generator."""
-    V = draw.PRUNE_MIN_VOCAB + 3
+    vocabulary below ``UNSEEDED_RACE_MIN_VOCAB``, without a draw from the generator."""
+    V = draw.UNSEEDED_RACE_MIN_VOCAB + 3
     x = torch.randn(64, V, generator=torch.Generator().manual_seed(13))
     first = race_unseeded_rows(x, torch.Generator().manual_seed(14))[0]
     gen = torch.Generator().manual_seed(14)
@@ -294,7 +294,7 @@ def test_unseeded_whole_rows_race_is_the_generators_and_declines_what_it_cannot_
     y[3] = NEG_INF
     assert race_unseeded_rows(y, gen) is None
     small = torch.Generator().manual_seed(15)
-    assert race_unseeded_rows(x[:, :draw.PRUNE_MIN_VOCAB - 1].contiguous(), small) is None
+    assert race_unseeded_rows(x[:, :draw.UNSEEDED_RACE_MIN_VOCAB - 1].contiguous(), small) is None
     assert torch.equal(small.get_state(), torch.Generator().manual_seed(15).get_state())
 
 
@@ -309,7 +309,7 @@ def test_unseeded_whole_rows_of_a_sampler_race_without_building_weights(monkeypa
         raise AssertionError("the inverse CDF ran")
 
     monkeypatch.setattr(draw_stage, "draw_from_weights", no_weights)
-    V, rows = 2048, 512
+    V, rows = draw.UNSEEDED_RACE_MIN_VOCAB, 512
     logits = torch.randn(1, V, generator=torch.Generator().manual_seed(16)) * 2
     sampler = CpuSampler(generator=torch.Generator().manual_seed(17))
     batch = sampler.new_batch(V)
