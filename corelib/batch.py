@@ -376,8 +376,7 @@ class SamplingBatch(StepStates, RowStore, CustomStageRows, SelectorRows):
             counted = in_range
         if every:
             safe = ids
-            # a tensor operand: adding a Python scalar costs twice as much per call
-            t["position"] += self._one_step
+            self._advance_positions(t["position"])
         else:
             safe = torch.where(in_range, ids, torch.zeros_like(ids))
             t["position"] += advance.to(torch.int32)
@@ -398,6 +397,12 @@ class SamplingBatch(StepStates, RowStore, CustomStageRows, SelectorRows):
                                       t["dry_since_breaker"], t["dry_breakers"], safe, live)
             for name, value in zip(("dry_history", "dry_match", "dry_length", "dry_since_breaker"), updated):
                 t[name].copy_(value)
+
+    def _advance_positions(self, position: torch.Tensor) -> None:
+        """One more token in every row: ``position`` int32 [n], the rows' view of the batch's
+        positions, in place (``_every_row(n)`` has run). A subclass may write it its own way."""
+        # a tensor operand: adding a Python scalar costs twice as much per call
+        position += self._one_step
 
     def check_token_ids(self, token_ids) -> torch.Tensor:
         """``append``'s argument checks: one integer id per row (``[rows]``, -1 for a flagged

@@ -126,3 +126,38 @@ def test_speculative_slots_are_the_state_after_each_slots_drafts():
         got = dict(zip(s.slot_ids[v, :L].tolist(), s.slot_counts[v, :L].tolist()))
         seen = (dense.prompt_mask[v] | (dense.output_counts[v] > 0)).nonzero().flatten().tolist()
         assert got == {t: int(dense.output_counts[v, t]) for t in seen}, (row, v % S)
+
+
+def test_positions_advance_as_the_core_batch_advances_them():
+    """``CpuBatch._advance_positions`` (a few rows through a memoryview, more through torch)
+    leaves the positions the core batch leaves, through every-row appends, appends with a
+    flagged row (-1), a request joining and one leaving (new row views), a batch past
+    ``FEW_POSITIONS`` rows, and steps under ``torch.inference_mode``."""
+    from corelib import SamplingBatch
+
+    mine, ref = CpuBatch(V), SamplingBatch(V)
+    for b in (mine, ref):
+        b.add("a", SamplingParams(min_tokens=3), output_token_ids=[1, 2])
+
+    def step(ids, inference=False):
+        for b in (mine, ref):
+            with torch.inference_mode(inference):
+                b.append(torch.tensor(ids))
+        assert mine.generated_counts() == ref.generated_counts()
+        assert torch.equal(mine.step_state().position, ref.step_state().position)
+    step([5])
+    step([6], inference=True)
+    step([-1])
+    for b in (mine, ref):
+        b.add("b", SamplingParams(), output_token_ids=[7])
+    step([8, 9])
+    step([10, -1])
+    for b in (mine, ref):
+        b.remove("a")
+    step([11])
+    for i in range(CpuBatch.FEW_POSITIONS + 1):
+        for b in (mine, ref):
+            b.add(f"c{i}", SamplingParams())
+    step(list(range(mine.num_rows)))
+    step(list(range(mine.num_rows)), inference=True)
+    assert mine.generated_counts()[0] == 5
