@@ -13,7 +13,8 @@ Prints, per cell, both medians and base / current (above 1: the current code is 
 
 ``--one-sequence`` times ``step`` (sample + append) of a batch of one request for the chains
 of ``llama_cpp_compare.py`` (``--only`` picks them by name), unseeded and seeded, each call on
-the next of 16 logit rows with the cache flushed before it (``--warm``: not flushed), and
+the next of 16 logit rows with the cache flushed before it (``--warm``: not flushed;
+``--flush-mib``: how much the flush writes), and
 checks that both sides drew the same seeded tokens over the whole run.
 """
 

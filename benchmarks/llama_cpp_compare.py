@@ -25,7 +25,8 @@ cost is printed.
 The calls take turns in one process (each round starting with the next of them), each round
 on the next of ``--rows`` logit rows, the
 core's cache flushed before every call (``harness.CacheFlush``: a model's forward pass would
-evict it); one torch thread by default (llama.cpp's samplers use one); medians of
+evict it; ``--flush-mib`` sets how much it writes: the default 16 MiB evicts the L2, twice
+the last-level cache evicts that too); one torch thread by default (llama.cpp's samplers use one); medians of
 ``--tokens`` rounds. The ratio is corelib / llama.cpp: at most 1 means corelib is as fast.
 
 The same script compares the kept sets of the samplers both implement, on the same logits:
