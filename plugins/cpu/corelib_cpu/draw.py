@@ -215,11 +215,17 @@ def draw_seeded_rows(x: torch.Tensor, keys: torch.Tensor, offsets: Optional[torc
 
 def race_few_winners(x: torch.Tensor, keys: torch.Tensor, workspace=None):
     """The race of whole rows x float32 [n, V] with keys int32 [n] over the few tokens that
-    can win it (``kernels.seeded_race_candidates``), raced as candidate rows are: (token ids
-    int64 [n], ok bool [n]), the reference's tokens; None where the compiled path does not
-    run or declines a row."""
+    can win it (``kernels.seeded_race_candidates``): (token ids int64 [n], ok bool [n]), the
+    reference's tokens; None where the compiled path does not run or declines a row. When
+    every row has one such token (most rows), it is the winner: no noise is computed; else
+    the candidates race as candidate rows do."""
     found = kernels.seeded_race_candidates(x, keys, GROUP, RACE_CANDIDATES, workspace)
-    won = None if found is None else candidate_winners(found[0], found[1], keys, None)
+    if found is None:
+        return None
+    values, ids = found
+    if values.shape[1] == 1:        # finite: the search declines NaN, +inf and empty rows
+        return ids[:, 0].clone(), torch.ones(ids.shape[0], dtype=torch.bool)
+    won = candidate_winners(values, ids, keys, None)
     return None if won is None else (won[0], won[1])
 
 
