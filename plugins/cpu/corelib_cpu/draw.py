@@ -105,9 +105,11 @@ def candidate_winners(values: torch.Tensor, ids: torch.Tensor, keys: Optional[to
     path does not run (nothing drawn). Both tensors are new (the caller may hand them on).
 
     - Seeded (``keys`` int32 [n]): the winner of :func:`race_seeded_candidates`, the
-      reference's token. The noise takes four calls (the hash in one compiled call, then
-      ``log``, ``neg`` and ``log`` in place: torch's logarithms, whose bits the reference's
-      race reads); ``kernels.seeded_race_winners`` subtracts it and picks the winner.
+      reference's token. Settled from float64 estimates of the scores where they leave one
+      possible winner in every row (``kernels.seeded_candidates_settled``, one call);
+      otherwise the noise takes four calls (the hash in one compiled call, then ``log``,
+      ``neg`` and ``log`` in place: torch's logarithms, whose bits the reference's race
+      reads) and ``kernels.seeded_race_winners`` subtracts it and picks the winner.
     - Unseeded (``keys`` None): a Gumbel race as :func:`race_unseeded_candidates`'s, its
       noise made inside ``kernels.unseeded_race_winners`` from one 64-bit key that
       ``generator`` draws for the step: one operator call where the torch noise is four (a
@@ -133,6 +135,11 @@ def candidate_winners(values: torch.Tensor, ids: torch.Tensor, keys: Optional[to
             key_array = key.numpy()
         key.random_(generator=generator)
         return kernels.unseeded_race_winners(values, ids, key_array, arrays if lent else None, outputs)
+    if keys_array is None:
+        keys_array = keys.contiguous().numpy()
+    settled = kernels.seeded_candidates_settled(values, ids, keys_array, arrays if lent else None, outputs)
+    if settled is not None:
+        return settled
     if lent:
         minus_noise, noise_array = workspace.pair("race_scores", tuple(values.shape))
     else:

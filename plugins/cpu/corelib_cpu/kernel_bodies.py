@@ -856,6 +856,40 @@ def compile_kernels() -> Optional[dict]:
         return widest
 
     @numba.njit(cache=True, nogil=True)
+    def seeded_candidates_settled(values, ids, keys, out_ids, finite):  # pragma: no cover
+        # each seeded candidate row's winner where the float64 estimates of its candidates'
+        # scores (values float32 [n, W], ids int64 [n, W], keys int32 [n]) settle it: the
+        # best estimate less its slack above every other finite candidate's estimate plus
+        # its slack, so the best is the only maximiser of torch's float32 scores (the
+        # reference's token). False (outputs partly written) as soon as a row is not settled,
+        # holds a NaN or +inf, or has no finite value: the caller races with torch's noise
+        n, W = values.shape
+        for r in range(n):
+            key = np.uint64(keys[r]) & mask
+            pos, best = -1, -np.inf
+            for j in range(W):
+                v = np.float64(values[r, j])
+                if v != v or v == np.inf:
+                    return False
+                if v == -np.inf:
+                    continue
+                score = v + gumbel64(uniform(key, ids[r, j]))
+                if pos < 0 or score > best:
+                    pos, best = j, score
+            if pos < 0:
+                return False
+            low = best - slack(np.float64(values[r, pos]))
+            for j in range(W):
+                v = np.float64(values[r, j])
+                if j == pos or v == -np.inf:
+                    continue
+                if v + gumbel64(uniform(key, ids[r, j])) + slack(v) >= low:
+                    return False
+            out_ids[r] = ids[r, pos]
+            finite[r] = True
+        return True
+
+    @numba.njit(cache=True, nogil=True)
     def first_max_at(x, maxima, top, group, out):  # pragma: no cover - runs compiled
         # the first group whose maximum is the row's, then the first token of it holding that
         # value: exact comparisons, torch.argmax's lowest index (False: some row lacks it)
@@ -984,6 +1018,7 @@ def compile_kernels() -> Optional[dict]:
                 min_p_chain=min_p_chain,
                 seeded_race_winners=seeded_race_winners, unseeded_race_winners=unseeded_race_winners,
                 seeded_race_candidates_by_address=seeded_race_candidates_by_address,
+                seeded_candidates_settled=seeded_candidates_settled,
                 group_top_k=group_top_k, candidate_chain=candidate_chain,
                 candidate_min_p=candidate_min_p, collect_above=collect_above,
                 whole_rows=whole_rows, per_row_ids=per_row_ids, inverse_cdf=inverse_cdf,

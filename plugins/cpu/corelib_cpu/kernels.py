@@ -11,7 +11,11 @@ The kernels:
   reference's winner); unseeded, with noise of the kernel's own from one 64-bit key the
   sampler's generator draws per step (``unseeded_race_winners``). That one gives the torch
   race's distribution, not its tokens: unseeded rows promise no tokens (contract: the
-  backend's own generator), and the torch noise was four operator calls of a B = 1 step;
+  backend's own generator), and the torch noise was four operator calls of a B = 1 step.
+  A seeded race is first settled from float64 estimates of its candidates' scores where one
+  candidate's lies above every other's by more than their slacks
+  (``seeded_candidates_settled``: the same bound as the whole-row search below, so the same
+  winner), with no torch noise at all;
 - the seeded race over whole rows (``seeded_race_candidates``): the tokens whose score can be
   the row's largest, found without the noise of most tokens. Each score is estimated in
   float64 within a proven bound of torch's float32 one, and a group's scores are bounded by
@@ -94,7 +98,8 @@ def describe() -> str:
         return f"kernels: pure torch ({reason})"
     return ("kernels: numba (seeded noise and row keys, small-vocabulary draw, group maxima and top values of "
             "a few rows, min-p candidates, top-k/top-p/typical of candidates, steps 11-13a of a few rows in one "
-            "call, candidate races (unseeded: their noise too), the seeded race's candidates over whole rows, "
+            "call, candidate races (unseeded: their noise too; seeded: settled from float64 estimates where "
+            "they can be), the seeded race's candidates over whole rows, "
             "logprobs (top-N and rank in one pass), "
             "quadratic smoothing, tail-free, adaptive-p, kept-set packing, nucleus histogram)")
 
@@ -360,6 +365,27 @@ def seeded_race_candidates(x: torch.Tensor, keys: torch.Tensor, group: int, cap:
     if width == cap:
         return values, ids
     return values[:, :width].contiguous(), ids[:, :width].contiguous()
+
+
+def seeded_candidates_settled(values: torch.Tensor, ids: torch.Tensor, keys_array,
+                              arrays: Optional[tuple] = None, outputs: Optional[tuple] = None):
+    """The winners of seeded candidate races settled without torch's noise: (ids int64
+    ``[n]``, finite bool ``[n]``, True) when, in every row, the float64 estimate of one
+    candidate's score less its slack lies above every other candidate's estimate plus its
+    slack (each estimate is within its slack of torch's float32 score, as in
+    :func:`seeded_race_candidates`), so that candidate is the reference's winner; None where
+    a row is not settled (near ties), holds a NaN or +inf or nothing finite, or the compiled
+    path does not run: :func:`seeded_race_winners` then races with torch's noise. values
+    float32 ``[n, W]``, ids int64 ``[n, W]``, ``keys_array`` int32 numpy ``[n]``; ``arrays``
+    and ``outputs`` as :func:`unseeded_race_winners`'s."""
+    kernels = _compiled()
+    if kernels is None:
+        return None
+    if arrays is None:
+        arrays = (values.contiguous().numpy(), ids.contiguous().numpy())
+    won = _winners(kernels["seeded_candidates_settled"], (arrays[0], arrays[1], keys_array),
+                   values.shape[0], outputs)
+    return won if won[2] else None
 
 
 def unseeded_race_winners(values: torch.Tensor, ids: torch.Tensor, key, arrays: Optional[tuple] = None,

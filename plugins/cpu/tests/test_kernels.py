@@ -389,7 +389,8 @@ def test_info_names_the_path():
     else:
         assert described == ("kernels: numba (seeded noise and row keys, small-vocabulary draw, group maxima and "
                              "top values of a few rows, min-p candidates, top-k/top-p/typical of candidates, "
-                             "steps 11-13a of a few rows in one call, candidate races (unseeded: their noise too), "
+                             "steps 11-13a of a few rows in one call, candidate races (unseeded: their noise too; "
+                             "seeded: settled from float64 estimates where they can be), "
                              "the seeded race's candidates over whole rows, "
                              "logprobs (top-N and rank in one pass), "
                              "quadratic smoothing, tail-free, adaptive-p, kept-set packing, nucleus histogram)")
@@ -785,3 +786,41 @@ def test_key_prefixes_are_the_contracts_bits():
     ``corelib.noise.row_key_prefix`` bit for bit, int32's extremes included."""
     lo, hi, child = _keys(64, seed=1), _keys(64, seed=2), _keys(64, seed=3)
     assert torch.equal(kernels.key_prefix(lo, hi, child), noise.row_key_prefix(lo, hi, child))
+
+
+def test_seeded_candidate_races_settled_from_estimates_are_the_references():
+    """``seeded_candidates_settled``: where it answers, every row's winner is the reference's
+    (``race_seeded_candidates``: torch's noise, lowest id among ties), and it answers for the
+    candidate sets a top-k step makes (40 columns, a tail dropped, logits of scale 1 to 30);
+    far from 0 (-1e4) the slack grows and a row may be left to the torch race, and a row with
+    an exact tie of scores, a NaN or +inf value, or nothing finite always is (None)."""
+    from corelib_cpu.draw import race_seeded_candidates
+    g = torch.Generator().manual_seed(21)
+    for scale, shift in ((1.0, 0.0), (5.0, 0.0), (30.0, 0.0), (3.0, -1e4)):
+        values = torch.sort(torch.randn(64, 40, generator=g) * scale + shift, descending=True).values
+        values[:, 30:] = float("-inf")
+        ids = torch.stack([torch.randperm(128256, generator=g)[:40] for _ in range(64)])
+        keys = _keys(64, seed=int(scale))
+        want = ids.gather(1, race_seeded_candidates(values, ids, keys))[:, 0]
+        settled = 0
+        for r in range(64):
+            won = kernels.seeded_candidates_settled(values[r:r + 1], ids[r:r + 1], keys[r:r + 1].numpy())
+            if won is not None:
+                assert int(won[0][0]) == int(want[r]) and bool(won[1][0]) and won[2]
+                settled += 1
+        assert settled >= (64 if shift == 0.0 else 16), (scale, shift, settled)
+    key = _keys(1, seed=5)
+    tie_ids = torch.tensor([[900, 12]])
+    noise_of = noise.seeded_gumbel(key[:, None], tie_ids.to(torch.int32))[0]
+    target = float(2.0 + noise_of[0])
+    v = torch.tensor(target) - noise_of[1]
+    for _ in range(8):               # token 12's value whose score equals token 900's bit for bit
+        if float(v + noise_of[1]) == target:
+            break
+        v = torch.nextafter(v, torch.tensor(math.inf if float(v + noise_of[1]) < target else -math.inf))
+    assert float(v + noise_of[1]) == target
+    assert kernels.seeded_candidates_settled(torch.tensor([[2.0, float(v)]]), tie_ids, key.numpy()) is None
+    for bad in (float("nan"), float("inf")):
+        assert kernels.seeded_candidates_settled(torch.tensor([[1.0, bad]]), tie_ids, key.numpy()) is None
+    empty = torch.full((1, 2), float("-inf"))
+    assert kernels.seeded_candidates_settled(empty, tie_ids, key.numpy()) is None
