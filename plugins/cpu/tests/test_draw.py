@@ -42,6 +42,23 @@ def keys_for(rows: int, seed: int = 0) -> torch.Tensor:
     return row_keys(r + seed, r * 3, r % 2, r * 7)
 
 
+
+def assert_draws_follow_softmax(draw_rows, x: torch.Tensor, calls: int, seed: int, rows: int = 4000):
+    """``draw_rows(x [rows, V], generator) -> (ids, ok)`` called ``calls`` times on copies of
+    the row x float32 [V]: every row ok, no dropped token drawn, and the draws follow
+    softmax(x) (chi-square, p > MIN_P_VALUE)."""
+    V = x.shape[0]
+    probs = torch.softmax(x, dim=-1)
+    gen = torch.Generator().manual_seed(seed)
+    counts = torch.zeros(V, dtype=torch.long)
+    for _ in range(calls):
+        ids, ok = draw_rows(x.expand(rows, V).contiguous(), gen)
+        assert bool(ok.all())
+        counts += torch.bincount(ids, minlength=V)
+    kept = probs > 0
+    assert int(counts[~kept].sum()) == 0
+    assert chi_square_p_value(counts[kept], probs[kept]) > MIN_P_VALUE
+
 def test_seeded_candidates_equal_the_whole_row_race():
     g = torch.Generator().manual_seed(0)
     V, W, rows = 3000, 40, 64
@@ -78,17 +95,7 @@ def test_inverse_cdf_follows_softmax_and_never_draws_dropped_tokens():
     x = torch.randn(V, generator=g)
     x[torch.rand(V, generator=g) < 0.4] = NEG_INF
     x[CDF_BLOCK: 2 * CDF_BLOCK] = NEG_INF          # a whole block without mass
-    probs = torch.softmax(x, dim=-1)
-    rows = 4000
-    counts = torch.zeros(V, dtype=torch.long)
-    gen = torch.Generator().manual_seed(2)
-    for _ in range(25):
-        ids, ok = draw_by_inverse_cdf(x.expand(rows, V).contiguous(), gen)
-        assert bool(ok.all())
-        counts += torch.bincount(ids, minlength=V)
-    kept = probs > 0
-    assert int(counts[~kept].sum()) == 0
-    assert chi_square_p_value(counts[kept], probs[kept]) > MIN_P_VALUE
+    assert_draws_follow_softmax(draw_by_inverse_cdf, x, calls=25, seed=2)
 
 
 def test_inverse_cdf_single_kept_token_anywhere():
@@ -263,17 +270,7 @@ def test_unseeded_whole_rows_race_follows_softmax_and_never_draws_dropped_tokens
     V = draw.UNSEEDED_RACE_MIN_VOCAB + 51
     x = torch.randn(V, generator=g) * 2.5
     x[torch.rand(V, generator=g) < 0.3] = NEG_INF
-    probs = torch.softmax(x, dim=-1)
-    rows = 4000
-    gen = torch.Generator().manual_seed(12)
-    counts = torch.zeros(V, dtype=torch.long)
-    for _ in range(10):
-        ids, ok = race_unseeded_rows(x.expand(rows, V).contiguous(), gen)
-        assert bool(ok.all())
-        counts += torch.bincount(ids, minlength=V)
-    kept = probs > 0
-    assert int(counts[~kept].sum()) == 0
-    assert chi_square_p_value(counts[kept], probs[kept]) > MIN_P_VALUE
+    assert_draws_follow_softmax(race_unseeded_rows, x, calls=10, seed=12)
 
 
 def test_unseeded_whole_rows_race_is_the_generators_and_declines_what_it_cannot_serve():
