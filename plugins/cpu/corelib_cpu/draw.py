@@ -220,19 +220,22 @@ def draw_seeded_rows(x: torch.Tensor, keys: torch.Tensor, offsets: Optional[torc
     return ids, ok
 
 
-def race_few_winners(x: torch.Tensor, keys: torch.Tensor, workspace=None):
+def race_few_winners(x: torch.Tensor, keys: torch.Tensor, workspace=None, keys_array=None):
     """The race of whole rows x float32 [n, V] with keys int32 [n] over the few tokens that
     can win it (``kernels.seeded_race_candidates``): (token ids int64 [n], ok bool [n]), the
     reference's tokens; None where the compiled path does not run or declines a row. When
     every row has one such token (most rows), it is the winner: no noise is computed; else
-    the candidates race as candidate rows do."""
-    found = kernels.seeded_race_candidates(x, keys, GROUP, RACE_CANDIDATES, workspace)
+    the candidates race as candidate rows do. ``keys_array``: keys' numpy view when the
+    caller has it (converted once here otherwise, for both calls)."""
+    if keys_array is None:
+        keys_array = keys.contiguous().numpy()
+    found = kernels.seeded_race_candidates(x, keys, GROUP, RACE_CANDIDATES, workspace, keys_array)
     if found is None:
         return None
     values, ids = found
     if values.shape[1] == 1:        # finite: the search declines NaN, +inf and empty rows
         return ids[:, 0].clone(), torch.ones(ids.shape[0], dtype=torch.bool)
-    won = candidate_winners(values, ids, keys, None)
+    won = candidate_winners(values, ids, keys, None, keys_array=keys_array)
     return None if won is None else (won[0], won[1])
 
 
@@ -251,11 +254,12 @@ def race_unseeded_rows(x: torch.Tensor, generator: Optional[torch.Generator], wo
     if V < UNSEEDED_RACE_MIN_VOCAB or not kernels.wanted():
         return None
     if workspace is not None:
-        keys = workspace.pair("unseeded_row_keys", (n,), torch.int32)[0]
+        keys, keys_array = workspace.pair("unseeded_row_keys", (n,), torch.int32)
     else:
         keys = torch.empty(n, dtype=torch.int32)
+        keys_array = keys.numpy()
     keys.random_(generator=generator)
-    return race_few_winners(x, keys, workspace)
+    return race_few_winners(x, keys, workspace, keys_array)
 
 
 def kept_ids(kept: torch.Tensor, cap: int):

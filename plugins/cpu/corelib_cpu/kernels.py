@@ -337,7 +337,8 @@ def seeded_race_winners(values: torch.Tensor, minus_noise: torch.Tensor, ids: to
     return _winners(kernels["seeded_race_winners"], arrays, values.shape[0], outputs)
 
 
-def seeded_race_candidates(x: torch.Tensor, keys: torch.Tensor, group: int, cap: int, workspace=None):
+def seeded_race_candidates(x: torch.Tensor, keys: torch.Tensor, group: int, cap: int, workspace=None,
+                           keys_array=None):
     """The tokens that can win each row's seeded race over whole rows, found with the noise of
     few tokens: (values float32 ``[n, w]``, ids int64 ``[n, w]``) holding every token whose
     score ``x + noise`` may be the row's largest (rows padded with -inf), w <= ``cap``, from
@@ -346,7 +347,8 @@ def seeded_race_candidates(x: torch.Tensor, keys: torch.Tensor, group: int, cap:
     bounded by their largest logit and largest uniform, so most groups are passed over
     unopened. None where the compiled path does not run, or where it cannot serve the rows
     (a NaN or +inf logit, a row of -inf only, more than ``cap`` candidates in a row): the
-    caller's race over every token answers those. ``workspace`` lends the buffers."""
+    caller's race over every token answers those. ``workspace`` lends the buffers;
+    ``keys_array``: keys' numpy view when the caller has it."""
     import torch
     kernels = _compiled()
     if kernels is None or x.dtype != torch.float32 or not x.is_contiguous():
@@ -358,8 +360,10 @@ def seeded_race_candidates(x: torch.Tensor, keys: torch.Tensor, group: int, cap:
     else:
         values, ids = torch.empty((n, cap)), torch.empty((n, cap), dtype=torch.long)
         values_array, ids_array = values.numpy(), ids.numpy()
-    width = kernels["seeded_race_candidates_by_address"](x.data_ptr(), n, V, keys.contiguous().numpy(),
-                                                         group, values_array, ids_array)
+    if keys_array is None:
+        keys_array = keys.contiguous().numpy()
+    width = kernels["seeded_race_candidates_by_address"](x.data_ptr(), n, V, keys_array, group, values_array,
+                                                         ids_array)
     if width == 0:
         return None
     if width == cap:
